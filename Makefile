@@ -1,0 +1,34 @@
+# kvtier: two commands do everything on a fresh machine.
+#   make demo   install into .venv and run the main job on embedded defaults
+#   make test   install into .venv and run the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install system bench clean
+
+$(STAMP): requirements/lock.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements/lock.txt
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# System packages the tests need (redis-server); a no-op when already present.
+system:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  command -v apt-get >/dev/null 2>&1 && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
+	  || echo "warning: redis-server missing and apt-get unavailable; redis tests will skip"; }
+
+demo: install
+	$(VENV)/bin/kvtier demo
+
+test: install system
+	$(PY) -m pytest -q -ra
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

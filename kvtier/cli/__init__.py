@@ -1,0 +1,53 @@
+"""The ``kvtier`` command: one subcommand per module in this package.
+
+Each command module defines ``register(subparsers)``, which adds its parser and sets
+``func=run`` (a callable taking the parsed args and returning an exit code). User mistakes
+(any KVTierError) print one line to stderr and exit 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kvtier import __version__
+from kvtier.errors import KVTierError
+
+# Imported lazily per invocation is not needed: each module imports its heavy deps inside run().
+_COMMAND_MODULES = [
+    "kvtier.cli.plan",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog="kvtier",
+        description="Tiered KV-cache storage and streaming weight loading for LLM serving.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KVTierError as exc:
+        print(f"kvtier {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The one error hierarchy of kvtier.
+
+A miss is a value (``None`` / ``False``), never an exception. Exceptions are for
+configuration mistakes and for faults a caller must know about.
+"""
+
+
+class KVTierError(Exception):
+    """Base of every error kvtier raises on purpose."""
+
+
+class ConfigError(KVTierError, ValueError):
+    """A configuration value is wrong: unknown key, bad size, unknown name.
+
+    The message is one line that names the problem and the valid choices.
+    """
+
+
+class TierUnavailable(KVTierError):
+    """A tier cannot be reached or used right now (server down, directory unwritable)."""
+
+
+class TierTimeout(TierUnavailable):
+    """A tier did not answer in time."""
+
+
+class CorruptEntry(KVTierError):
+    """Stored bytes do not parse or do not match their checksum."""
+
+
+class EntryTooLarge(KVTierError):
+    """An entry is larger than a tier can ever hold."""
+
+
+class LoaderError(KVTierError):
+    """A model file or source is unusable (bad safetensors header, missing object, ...)."""

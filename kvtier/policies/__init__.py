@@ -1,0 +1,1 @@
+"""Eviction and admission policies: one protocol (``base.EvictionPolicy``), one policy per file."""

@@ -1,0 +1,127 @@
+"""The tier protocol: storage of opaque payloads under 32-byte chunk keys.
+
+A tier moves data; it does not decide what to evict. For tiers the store manages
+(``self_managed = False``: ram, disk) the store keeps the index and the eviction policy and
+makes room before each ``put``. Shared tiers that other processes or machines also write
+(redis, s3, fs) set ``self_managed = True`` and enforce their own byte budget.
+
+Contract for every implementation:
+- A miss is a value: ``get_into`` returns ``None`` for an absent key, for an entry that fails
+  its checksum or does not parse (counted in ``stats.corrupt`` and removed), and for a tier
+  fault (counted in ``stats.errors``). It never raises for those, and never returns wrong bytes.
+- ``put`` stores a copy of the caller's bytes and returns True, or returns False (counted) when
+  it could not. Putting an existing key again is allowed and leaves one complete entry.
+- All methods are thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar, Iterable, Iterator
+
+Key = bytes
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier. Increment through ``add`` (thread-safe)."""
+
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    deletes: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    corrupt: int = 0
+    errors: int = 0
+    dropped: int = 0
+    evictions: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: int) -> None:
+        """Add each named delta to its counter atomically."""
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def as_dict(self) -> dict[str, int]:
+        """A snapshot of the counters."""
+        with self._lock:
+            return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+
+
+class Tier(ABC):
+    """Base class of every tier. Subclasses implement the abstract methods; the rest is built on them."""
+
+    medium: ClassVar[str] = "CPU"  # what vLLM KV events call this medium: CPU, DISK, REDIS, S3, FS
+    self_managed: ClassVar[bool] = False  # True: the tier enforces its own capacity
+
+    def __init__(self, name: str):
+        self.name = name
+        self.stats = TierStats()
+
+    @property
+    @abstractmethod
+    def capacity_bytes(self) -> int:
+        """Bytes of payload this tier may hold."""
+
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes of payload held now (as this process knows it)."""
+
+    @abstractmethod
+    def contains(self, key: Key) -> bool:
+        """Whether an entry for ``key`` is present (it may still turn out corrupt on read)."""
+
+    @abstractmethod
+    def size_of(self, key: Key) -> int | None:
+        """Payload bytes of ``key``'s entry, or None when absent."""
+
+    @abstractmethod
+    def get_into(self, key: Key, out) -> int | None:
+        """Copy ``key``'s payload into the writable buffer ``out``; return the byte count.
+
+        Returns None on a miss, a corrupt entry or a tier fault (see the module contract).
+        ``out`` must be at least the payload's size; a smaller buffer is a miss, counted as an error.
+        """
+
+    @abstractmethod
+    def put(self, key: Key, data, dtype: str = "uint8", shape: tuple[int, ...] | None = None) -> bool:
+        """Store a copy of the bytes-like ``data`` under ``key``; True if stored."""
+
+    @abstractmethod
+    def delete(self, key: Key) -> bool:
+        """Remove ``key``'s entry; True if there was one."""
+
+    @abstractmethod
+    def keys(self) -> Iterator[Key]:
+        """Iterate over the keys present (a snapshot; safe while other threads write)."""
+
+    # Built on the abstract methods; backends override them when they can batch.
+
+    def contains_many(self, keys: Iterable[Key]) -> list[bool]:
+        """``contains`` for each key, in order (one round trip where the backend can)."""
+        return [self.contains(k) for k in keys]
+
+    def get(self, key: Key) -> bytes | None:
+        """The payload of ``key`` as new bytes, or None on a miss."""
+        size = self.size_of(key)
+        if size is None:
+            return None
+        out = bytearray(size)
+        n = self.get_into(key, out)
+        return None if n is None else bytes(out[:n])
+
+    def close(self) -> None:
+        """Release resources. Further calls are not allowed."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
