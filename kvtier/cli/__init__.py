@@ -17,6 +17,7 @@ from kvtier.errors import KVTierError
 # Imported lazily per invocation is not needed: each module imports its heavy deps inside run().
 _COMMAND_MODULES = [
     "kvtier.cli.plan",
+    "kvtier.cli.bench",
 ]
 
 

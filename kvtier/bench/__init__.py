@@ -1,0 +1,1 @@
+"""Benchmark programs: each measures kvtier and the named baseline side by side in one run."""

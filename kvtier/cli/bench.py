@@ -1,0 +1,26 @@
+"""``kvtier bench ...``: benchmark programs. Each lives in ``kvtier.bench.<name>`` and defines
+``add_arguments(parser)`` and ``run(args) -> int``; each measures kvtier and its baselines side
+by side in one run and takes ``--json``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# name -> (module, one-line help)
+BENCHMARKS = {
+    "tiers": ("kvtier.bench.tiers", "put/get throughput of each tier beside memcpy and plain file I/O"),
+    "load": ("kvtier.bench.load", "weight-loading throughput beside safetensors, dd, Run:ai streamer"),
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``bench`` and its benchmarks."""
+    parser = sub.add_parser("bench", help="run a benchmark (kvtier beside its baselines)",
+                            description=__doc__)
+    bench_sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, (module_name, help_text) in BENCHMARKS.items():
+        p = bench_sub.add_parser(name, help=help_text, description=help_text)
+        module = importlib.import_module(module_name)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
