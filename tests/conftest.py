@@ -1,0 +1,86 @@
+"""Shared pytest fixtures: real servers (redis-server, SeaweedFS) and per-test namespaces.
+
+Servers are session-scoped (started once, on free loopback ports) and skip the requesting test
+with a clear reason when their binary is missing. Per-test helpers hand out fresh key prefixes,
+buckets and Redis databases so tests never see each other's data.
+
+Other fixture groups may be appended below; keep one section per concern.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+
+import pytest
+
+# ---------------------------------------------------------------------------------------------
+# Real servers
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A ``RedisService`` (``.url``, ``.port``, ``.stop()``, ``.start()``) for the session."""
+    from kvtier.bench.services import ServiceUnavailable, redis_server as start_redis
+
+    try:
+        cm = start_redis(tmp_path_factory.mktemp("redis"))
+        service = cm.__enter__()
+    except ServiceUnavailable as exc:
+        pytest.skip(f"redis-server unavailable: {exc}")
+    try:
+        yield service
+    finally:
+        cm.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """An ``S3Service`` (``.endpoint_url``, ``.bucket``, keys, ``.client()``) backed by weed mini."""
+    pytest.importorskip("boto3", reason="boto3 not installed (pip install kvtier[s3])")
+    from kvtier.bench.services import ServiceUnavailable, seaweedfs
+
+    try:
+        cm = seaweedfs(tmp_path_factory.mktemp("weed"))
+        service = cm.__enter__()
+    except ServiceUnavailable as exc:
+        pytest.skip(f"SeaweedFS unavailable: {exc}")
+    try:
+        yield service
+    finally:
+        cm.__exit__(None, None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fresh namespaces per test
+
+_redis_dbs = itertools.count(1)  # db 0 is left to ad-hoc use; 64 databases are configured
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    """A unique key/object prefix such as ``t-1a2b3c4d/`` for one test."""
+    return f"t-{uuid.uuid4().hex[:8]}/"
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """URL of a fresh, empty Redis logical database on the session server (cycles through 1..63)."""
+    import redis
+
+    db = 1 + (next(_redis_dbs) - 1) % 63
+    url = redis_server.url_for_db(db)
+    if not redis_server.running:  # a fault test may have left it stopped
+        redis_server.start()
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+    return url
+
+
+@pytest.fixture
+def s3_bucket(s3_server) -> str:
+    """A freshly created, empty bucket on the session S3 server."""
+    return s3_server.create_bucket(f"t-{uuid.uuid4().hex[:12]}")
