@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar, Iterable, Iterator
 
 Key = bytes
@@ -49,7 +49,8 @@ class TierStats:
     def as_dict(self) -> dict[str, int]:
         """A snapshot of the counters."""
         with self._lock:
-            return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+            # not dataclasses.asdict: it deep-copies every field, and a lock cannot be copied
+            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
 
 
 class Tier(ABC):
