@@ -1,0 +1,399 @@
+"""The RAM tier: one preallocated arena of fixed pages; an entry is a list of extents.
+
+The arena is allocated once (a pinned torch tensor's numpy view where CUDA is present, ordinary
+memory otherwise) and never grows, so resident memory stays flat over any number of put/delete
+cycles: a put takes free pages and copies into them, a delete gives the pages back. Free pages sit
+in a min-heap, so an allocation takes the lowest free pages and tends to be one contiguous run.
+
+Beyond the ``Tier`` protocol the tier offers a zero-copy path for a connector:
+``views``/``borrow`` give read-only views of an entry's extents, and ``reserve``/``commit``/
+``abort`` let a caller copy straight into arena pages.
+
+The tier does not evict. When there is no room, ``put`` returns False (``stats.dropped``); the
+store makes room first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+import numpy as np
+
+from kvtier.config import Size
+from kvtier.entry import DTYPES, MAX_NDIM
+from kvtier.tiers.base import Key, Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RamConfig:
+    """Configuration of a RAM tier.
+
+    capacity: arena bytes (rounded down to whole pages), e.g. "2GiB".
+    page_size: allocation unit; an entry occupies ceil(size / page_size) pages.
+    pin_memory: "auto" pins the arena when torch with CUDA is present; true asks for it (falls back
+        to ordinary memory with a warning when CUDA is absent); false never pins.
+    prefault: touch every arena page at construction, so resident memory is the full arena from
+        the start instead of growing up to it on first use.
+    """
+
+    capacity: Size = Size(1024**3)
+    page_size: Size = Size(256 * 1024)
+    pin_memory: Literal["auto"] | bool = "auto"
+    prefault: bool = False
+
+
+class _Entry:
+    """One stored (or reserved) entry: its byte extents in the arena and its metadata."""
+
+    __slots__ = ("pages", "extents", "length", "dtype", "shape", "readers", "dead")
+
+    def __init__(self, pages: list[int], extents: list[tuple[int, int]], length: int,
+                 dtype: str, shape: tuple[int, ...]):
+        self.pages = pages  # page numbers, freed when the entry dies and has no readers
+        self.extents = extents  # (start byte, end byte) runs covering exactly ``length`` bytes
+        self.length = length
+        self.dtype = dtype
+        self.shape = shape
+        self.readers = 0  # copies in progress outside the lock; pages are freed only at 0
+        self.dead = False  # deleted or replaced while readers were still copying
+
+
+class RamTier(Tier):
+    """A RAM tier over one preallocated arena.
+
+    Thread-safety: every method may be called from any thread. Bookkeeping happens under one lock;
+    the copies themselves run outside it (numpy releases the GIL), and an entry being read keeps
+    its pages until the last reader finishes, so a concurrent delete or overwrite never changes
+    bytes under a reader.
+    """
+
+    Config = RamConfig
+    medium = "CPU"
+    self_managed = False
+
+    def __init__(self, config: RamConfig | None = None, name: str = "ram"):
+        super().__init__(name)
+        config = config or RamConfig()
+        if config.page_size <= 0:
+            raise ValueError(f"ram tier {name}: page_size must be positive")
+        self.config = config
+        self._page = int(config.page_size)
+        self._npages = int(config.capacity) // self._page
+        self._capacity = self._npages * self._page
+        self._tensor, self._arena = _allocate(self._capacity, config.pin_memory, name)
+        if config.prefault and self._capacity:
+            self._arena.fill(0)
+        self._free = list(range(self._npages))  # already a valid min-heap
+        self._entries: dict[Key, _Entry] = {}
+        self._reserved: dict[Key, _Entry] = {}
+        self._used = 0  # payload bytes of committed entries and reservations
+        self._lock = threading.Lock()
+
+    # --- sizes ---------------------------------------------------------------------------------
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Arena bytes (configured capacity rounded down to whole pages)."""
+        return self._capacity
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the arena is pinned (page-locked) memory."""
+        return self._tensor is not None
+
+    def used_bytes(self) -> int:
+        """Payload bytes of the stored entries and open reservations."""
+        with self._lock:
+            return self._used
+
+    def free_bytes(self) -> int:
+        """Bytes in free pages: the most one more entry could take (pages round sizes up)."""
+        with self._lock:
+            return len(self._free) * self._page
+
+    def footprint(self, nbytes: int) -> int:
+        """Arena bytes an entry of ``nbytes`` occupies (whole pages)."""
+        return -(-nbytes // self._page) * self._page
+
+    # --- the protocol --------------------------------------------------------------------------
+
+    def contains(self, key: Key) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def contains_many(self, keys) -> list[bool]:
+        with self._lock:
+            return [k in self._entries for k in keys]
+
+    def size_of(self, key: Key) -> int | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None else entry.length
+
+    def get_into(self, key: Key, out) -> int | None:
+        """Copy ``key``'s payload into ``out`` (any writable contiguous buffer).
+
+        Returns the byte count, or None on a miss or when ``out`` is too small (counted as an
+        error). The tier keeps no reference to ``out``.
+        """
+        dst = _byte_view(out, writable=True)
+        entry = self._acquire(key)
+        if entry is None:
+            self.stats.add(misses=1)
+            return None
+        try:
+            if dst.nbytes < entry.length:
+                self.stats.add(errors=1)
+                return None
+            pos = 0
+            for start, end in entry.extents:
+                n = end - start
+                dst[pos : pos + n] = self._arena[start:end]
+                pos += n
+        finally:
+            self._release(entry)
+        self.stats.add(hits=1, bytes_read=entry.length)
+        return entry.length
+
+    def put(self, key: Key, data, dtype: str = "uint8", shape: tuple[int, ...] | None = None) -> bool:
+        """Store a copy of ``data``; False (``stats.dropped``) when the free pages are too few.
+
+        Replacing an existing key needs room for the new copy before the old one is freed. The
+        tier keeps no reference to ``data``.
+        """
+        src = _byte_view(data, writable=False)
+        length = src.nbytes
+        dtype, shape = _check_meta(length, dtype, shape)
+        entry = self._allocate(length, dtype, shape)
+        if entry is None:
+            self.stats.add(dropped=1)
+            return False
+        pos = 0
+        for start, end in entry.extents:
+            n = end - start
+            self._arena[start:end] = src[pos : pos + n]
+            pos += n
+        self._publish(key, entry)
+        self.stats.add(puts=1, bytes_written=length)
+        return True
+
+    def delete(self, key: Key) -> bool:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return False
+            self._retire(entry)
+        self.stats.add(deletes=1)
+        return True
+
+    def keys(self) -> Iterator[Key]:
+        with self._lock:
+            snapshot = list(self._entries)
+        return iter(snapshot)
+
+    def close(self) -> None:
+        """Drop every entry and the arena. Views handed out before are invalid afterwards."""
+        with self._lock:
+            self._entries.clear()
+            self._reserved.clear()
+            self._free = []
+            self._used = 0
+            self._arena = np.empty(0, dtype=np.uint8)
+            self._tensor = None
+
+    # --- zero-copy path ------------------------------------------------------------------------
+
+    def views(self, key: Key) -> list[np.ndarray] | None:
+        """Read-only uint8 views of ``key``'s extents, in order, or None when absent.
+
+        Contract: the views alias arena pages and stay valid only until the key is deleted or
+        replaced; the caller must make sure that does not happen while it reads them (or use
+        ``borrow``, which guarantees it). Counts a hit or a miss.
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.stats.add(misses=1)
+                return None
+            views = [self._readonly(start, end) for start, end in entry.extents]
+        self.stats.add(hits=1, bytes_read=entry.length)
+        return views
+
+    @contextmanager
+    def borrow(self, key: Key) -> Iterator[list[np.ndarray] | None]:
+        """Like ``views``, but the pages stay untouched until the ``with`` block ends, even if
+        another thread deletes or replaces the key meanwhile. Yields None on a miss."""
+        entry = self._acquire(key)
+        if entry is None:
+            self.stats.add(misses=1)
+            yield None
+            return
+        try:
+            self.stats.add(hits=1, bytes_read=entry.length)
+            yield [self._readonly(start, end) for start, end in entry.extents]
+        finally:
+            self._release(entry)
+
+    def reserve(self, key: Key, nbytes: int, dtype: str = "uint8",
+                shape: tuple[int, ...] | None = None) -> list[np.ndarray] | None:
+        """Reserve arena pages for ``nbytes`` under ``key``; return writable views of them.
+
+        Contract: the caller fills the views (in order, ``nbytes`` in all), then calls
+        ``commit(key)`` to publish the entry or ``abort(key)`` to free the pages. Until
+        ``commit``, the reservation is invisible to readers (``contains``, ``get_into``, ``keys``),
+        but its bytes count in ``used_bytes``. Returns None (``stats.dropped``) when there is no
+        room or ``key`` already has an open reservation.
+        """
+        dtype, shape = _check_meta(nbytes, dtype, shape)
+        entry = self._allocate(nbytes, dtype, shape)
+        if entry is None:
+            self.stats.add(dropped=1)
+            return None
+        with self._lock:
+            if key in self._reserved:
+                self._retire(entry)
+                self.stats.add(dropped=1)
+                return None
+            self._reserved[key] = entry
+        return [self._arena[start:end] for start, end in entry.extents]
+
+    def commit(self, key: Key) -> bool:
+        """Publish ``key``'s reservation (replacing any entry under that key); False if none."""
+        with self._lock:
+            entry = self._reserved.pop(key, None)
+            if entry is None:
+                return False
+            self._used -= entry.length  # _publish_locked counts it again
+            self._publish_locked(key, entry)
+        self.stats.add(puts=1, bytes_written=entry.length)
+        return True
+
+    def abort(self, key: Key) -> bool:
+        """Free ``key``'s reservation; False if there was none."""
+        with self._lock:
+            entry = self._reserved.pop(key, None)
+            if entry is None:
+                return False
+            self._retire(entry)
+        return True
+
+    # --- bookkeeping (no I/O) -------------------------------------------------------------------
+
+    def _allocate(self, length: int, dtype: str, shape: tuple[int, ...]) -> _Entry | None:
+        need = -(-length // self._page) if length else 0
+        with self._lock:
+            if need > len(self._free):
+                return None
+            pages = [heapq.heappop(self._free) for _ in range(need)]
+            self._used += length
+        return _Entry(pages, _extents(pages, self._page, length), length, dtype, shape)
+
+    def _publish(self, key: Key, entry: _Entry) -> None:
+        with self._lock:
+            self._used -= entry.length
+            self._publish_locked(key, entry)
+
+    def _publish_locked(self, key: Key, entry: _Entry) -> None:
+        old = self._entries.get(key)
+        self._entries[key] = entry
+        self._used += entry.length
+        if old is not None:
+            self._retire(old)
+
+    def _retire(self, entry: _Entry) -> None:
+        """Take ``entry`` out of service (lock held); its pages return once no reader holds it."""
+        self._used -= entry.length
+        entry.dead = True
+        if entry.readers == 0:
+            self._free_pages(entry)
+
+    def _free_pages(self, entry: _Entry) -> None:
+        for page in entry.pages:
+            heapq.heappush(self._free, page)
+        entry.pages = []
+
+    def _acquire(self, key: Key) -> _Entry | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.readers += 1
+            return entry
+
+    def _release(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.readers -= 1
+            if entry.dead and entry.readers == 0:
+                self._free_pages(entry)
+
+    def _readonly(self, start: int, end: int) -> np.ndarray:
+        view = self._arena[start:end]
+        view.flags.writeable = False
+        return view
+
+
+def _extents(pages: list[int], page_size: int, length: int) -> list[tuple[int, int]]:
+    """Merge ascending page numbers into contiguous byte runs covering exactly ``length`` bytes."""
+    runs: list[tuple[int, int]] = []
+    remaining = length
+    for page in pages:
+        start = page * page_size
+        n = min(page_size, remaining)
+        if runs and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], start + n)
+        else:
+            runs.append((start, start + n))
+        remaining -= n
+    return runs
+
+
+def _byte_view(buf, writable: bool) -> np.ndarray:
+    """A flat uint8 numpy view of a contiguous buffer (bytes, bytearray, memoryview, ndarray)."""
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise ValueError("buffer must be C-contiguous")
+        view = buf.reshape(-1).view(np.uint8)
+    else:
+        view = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+    if writable and not view.flags.writeable:
+        raise ValueError("output buffer is read-only")
+    return view
+
+
+def _check_meta(length: int, dtype: str, shape: tuple[int, ...] | None) -> tuple[str, tuple[int, ...]]:
+    """Validate dtype/shape against the payload length (same rules as the entry format)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    itemsize = DTYPES[dtype][1]
+    shape = tuple(int(d) for d in shape) if shape is not None else (length // itemsize,)
+    count = 1
+    for d in shape:
+        count *= d
+    if len(shape) > MAX_NDIM or count * itemsize != length:
+        raise ValueError(f"shape {shape} x {dtype} does not match {length} payload bytes")
+    return dtype, shape
+
+
+def _allocate(capacity: int, pin: Literal["auto"] | bool, name: str):
+    """The arena: (pinned torch tensor or None, uint8 numpy array of ``capacity`` bytes)."""
+    if pin is not False:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                tensor = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+                return tensor, tensor.numpy()
+        except ImportError:
+            pass
+        except RuntimeError as exc:  # pinning can fail (ulimit -l); ordinary memory still works
+            log.warning("ram tier %s: cannot pin %d bytes (%s); using ordinary memory", name, capacity, exc)
+            return None, np.empty(capacity, dtype=np.uint8)
+        if pin is True:
+            log.warning("ram tier %s: pin_memory requested but CUDA is not available", name)
+    return None, np.empty(capacity, dtype=np.uint8)
