@@ -1,0 +1,234 @@
+"""Policy simulator: replay a trace through each eviction policy and through Belady's OPT.
+
+A trace is one key per line with an optional second column, the entry's size in bytes
+(whitespace separated); ``#`` starts a comment. Without sizes every entry weighs 1 and a
+capacity counts entries. The owner loop below is the one ``policies.base`` documents, so a
+policy behaves here exactly as it does under the store.
+
+Synthetic traces (deterministic for a given seed) come from :func:`synthetic`:
+``loop:KEYSxREPEATS``, ``zipf:ALPHA,KEYS,REQUESTS[,SEED]`` and
+``mix:HOT,ALPHA,LOOPKEYS,REQUESTS[,SEED]`` (Zipf over HOT keys interleaved one-for-one with a
+loop over LOOPKEYS other keys).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from kvtier.errors import ConfigError
+from kvtier.policies.registry import make_policy
+
+OPT = "opt"
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Requests as dense integer keys (first appearance order) and their sizes (None: all 1)."""
+
+    keys: Sequence[int]
+    sizes: Sequence[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    capacity: int
+    requests: int
+    hits: int
+    hit_bytes: int
+    total_bytes: int
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hits / self.requests if self.requests else 0.0
+
+    @property
+    def byte_hit_ratio(self) -> float:
+        return self.hit_bytes / self.total_bytes if self.total_bytes else 0.0
+
+    def as_dict(self) -> dict:
+        return {"policy": self.policy, "capacity": self.capacity, "hit_ratio": self.hit_ratio,
+                "byte_hit_ratio": self.byte_hit_ratio, "requests": self.requests, "hits": self.hits}
+
+
+# -- traces ----------------------------------------------------------------------------------
+def read_trace(path: str) -> Trace:
+    """Parse a trace file; ConfigError naming the file and line on anything unreadable."""
+    ids: dict[str, int] = {}
+    keys: list[int] = []
+    sizes: list[int] = []
+    sized = None
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                fields = line.split("#", 1)[0].split()
+                if not fields:
+                    continue
+                if len(fields) > 2 or (sized is not None and sized != (len(fields) == 2)):
+                    raise ConfigError(f"{path}:{lineno}: expected 'KEY' or 'KEY SIZE' on every line")
+                sized = len(fields) == 2
+                keys.append(ids.setdefault(fields[0], len(ids)))
+                if sized:
+                    if not fields[1].isdigit() or int(fields[1]) == 0:
+                        raise ConfigError(f"{path}:{lineno}: size {fields[1]!r} is not a positive integer")
+                    sizes.append(int(fields[1]))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read trace ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text trace file") from None
+    if not keys:
+        raise ConfigError(f"{path}: trace has no requests")
+    return Trace(keys, sizes if sized else None)
+
+
+def loop_trace(n_keys: int, repeats: int) -> list[int]:
+    """Keys 0..n_keys-1 in order, ``repeats`` times (the cyclic re-read that breaks LRU)."""
+    return list(range(n_keys)) * repeats
+
+
+def zipf_trace(alpha: float, n_keys: int, n_requests: int, seed: int = 0) -> list[int]:
+    """``n_requests`` keys drawn with P(rank k) proportional to 1/k**alpha, ranks shuffled to ids."""
+    weights = [1.0 / (k**alpha) for k in range(1, n_keys + 1)]
+    rng = random.Random(seed)
+    ids = list(range(n_keys))
+    rng.shuffle(ids)  # popularity not correlated with key value
+    return rng.choices(ids, cum_weights=list(itertools.accumulate(weights)), k=n_requests)
+
+
+def mixed_trace(hot_keys: int, alpha: float, loop_keys: int, n_requests: int, seed: int = 0) -> list[int]:
+    """Zipf over ``hot_keys`` interleaved one-for-one with a loop over ``loop_keys`` other keys."""
+    half = n_requests // 2
+    zipf = zipf_trace(alpha, hot_keys, n_requests - half, seed)
+    loop = [hot_keys + (i % loop_keys) for i in range(half)]
+    out: list[int] = []
+    for z, lk in itertools.zip_longest(zipf, loop):
+        out.append(z)
+        if lk is not None:
+            out.append(lk)
+    return out
+
+
+def synthetic(spec: str) -> Trace:
+    """A trace from ``loop:1000x30``, ``zipf:0.8,50000,500000[,SEED]`` or ``mix:2000,0.8,20000,400000[,SEED]``."""
+    kind, _, args = spec.partition(":")
+    try:
+        if kind == "loop":
+            n, _, r = args.lower().partition("x")
+            return Trace(loop_trace(_pos_int(n), _pos_int(r)))
+        parts = args.split(",")
+        if kind == "zipf" and len(parts) in (3, 4):
+            seed = int(parts[3]) if len(parts) == 4 else 0
+            return Trace(zipf_trace(float(parts[0]), _pos_int(parts[1]), _pos_int(parts[2]), seed))
+        if kind == "mix" and len(parts) in (4, 5):
+            seed = int(parts[4]) if len(parts) == 5 else 0
+            return Trace(mixed_trace(_pos_int(parts[0]), float(parts[1]), _pos_int(parts[2]),
+                                     _pos_int(parts[3]), seed))
+    except ValueError:
+        pass
+    raise ConfigError(f"bad synthetic trace {spec!r}; use loop:KEYSxREPEATS, zipf:ALPHA,KEYS,REQUESTS[,SEED] "
+                      "or mix:HOT,ALPHA,LOOPKEYS,REQUESTS[,SEED]")
+
+
+def _pos_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+# -- replay ----------------------------------------------------------------------------------
+def simulate(trace: Trace, policy: str, capacity: int, **options) -> SimResult:
+    """Hit counts of ``policy`` (a registered name, or ``"opt"``) with ``capacity`` bytes/entries."""
+    if policy == OPT:
+        return simulate_opt(trace, capacity)
+    pol = make_policy(policy, capacity_hint=capacity, **options)
+    contains, access, miss, admit = pol.__contains__, pol.access, pol.miss, pol.admit
+    victim, remove, insert = pol.victim, pol.remove, pol.insert
+    resident: dict[int, int] = {}
+    used = hits = hit_bytes = 0
+    sizes = trace.sizes if trace.sizes is not None else itertools.repeat(1)
+    for key, size in zip(trace.keys, sizes):
+        if contains(key):
+            access(key)
+            hits += 1
+            hit_bytes += size
+            continue
+        miss(key)
+        if size > capacity or not admit(key, size):
+            continue
+        while used + size > capacity:
+            out = victim()
+            if out is None:
+                break
+            remove(out)
+            used -= resident.pop(out)
+        insert(key, size)
+        resident[key] = size
+        used += size
+    return _result(policy, capacity, trace, hits, hit_bytes)
+
+
+def simulate_opt(trace: Trace, capacity: int) -> SimResult:
+    """Belady's OPT: evict the resident key used farthest in the future; never store a key whose
+    next use is farther than that (optimal for equal sizes, a strong heuristic with sizes)."""
+    keys = trace.keys
+    n = len(keys)
+    sizes = trace.sizes if trace.sizes is not None else [1] * n
+    never = n  # "no further use", later than any index
+    next_use = [never] * n
+    last: dict[int, int] = {}
+    for i in range(n - 1, -1, -1):
+        next_use[i] = last.get(keys[i], never)
+        last[keys[i]] = i
+    resident: dict[int, int] = {}  # key -> index of its next use
+    stored: dict[int, int] = {}  # key -> size
+    heap: list[tuple[int, int]] = []  # (-next use, key), stale entries skipped lazily
+    used = hits = hit_bytes = 0
+    for i in range(n):
+        key, size, nu = keys[i], sizes[i], next_use[i]
+        if key in resident:
+            hits += 1
+            hit_bytes += size
+            resident[key] = nu
+            heapq.heappush(heap, (-nu, key))
+            continue
+        if nu == never or size > capacity:
+            continue
+        while used + size > capacity:
+            far, far_key = heap[0]
+            if resident.get(far_key) != -far:
+                heapq.heappop(heap)
+                continue
+            if -far <= nu:
+                break  # everything resident is needed sooner: bypass this key
+            heapq.heappop(heap)
+            del resident[far_key]
+            used -= stored.pop(far_key)
+        if used + size > capacity:
+            continue
+        resident[key] = nu
+        stored[key] = size
+        used += size
+        heapq.heappush(heap, (-nu, key))
+    return _result(OPT, capacity, trace, hits, hit_bytes)
+
+
+def _result(policy: str, capacity: int, trace: Trace, hits: int, hit_bytes: int) -> SimResult:
+    total = sum(trace.sizes) if trace.sizes is not None else len(trace.keys)
+    return SimResult(policy, capacity, len(trace.keys), hits, hit_bytes, total)
+
+
+def run(trace: Trace, policies: Iterable[str], capacities: Iterable[int]) -> list[SimResult]:
+    """Every policy (``"opt"`` allowed) at every capacity, policies outermost."""
+    capacities = list(capacities)
+    for c in capacities:
+        if c <= 0:
+            raise ConfigError(f"capacity must be positive, got {c}")
+    return [simulate(trace, p, c) for p in policies for c in capacities]
