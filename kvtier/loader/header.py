@@ -1,0 +1,172 @@
+"""safetensors headers: parse and validate before any tensor byte is read.
+
+Layout: 8-byte little-endian header length N, N bytes of JSON
+(``{"name": {"dtype": "F16", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {..}}``),
+then the data section; offsets are relative to its start. Every check here runs on the header
+alone, so a lying header costs at most the header's bytes (capped at ``MAX_HEADER_BYTES``) and
+ends in one ``LoaderError`` line naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from kvtier.errors import LoaderError
+
+MAX_HEADER_BYTES = 100 * 1000 * 1000  # safetensors' own cap
+
+# safetensors dtype -> (bytes per element, torch dtype attribute name)
+DTYPES: dict[str, tuple[int, str]] = {
+    "BOOL": (1, "bool"),
+    "U8": (1, "uint8"),
+    "I8": (1, "int8"),
+    "F8_E4M3": (1, "float8_e4m3fn"),
+    "F8_E5M2": (1, "float8_e5m2"),
+    "I16": (2, "int16"),
+    "U16": (2, "uint16"),
+    "F16": (2, "float16"),
+    "BF16": (2, "bfloat16"),
+    "I32": (4, "int32"),
+    "U32": (4, "uint32"),
+    "F32": (4, "float32"),
+    "I64": (8, "int64"),
+    "U64": (8, "uint64"),
+    "F64": (8, "float64"),
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a file; ``start``/``end`` are absolute byte offsets in the file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][0]
+
+
+@dataclass(frozen=True)
+class Header:
+    """A validated header: tensors in file order, metadata, where the data starts."""
+
+    label: str
+    tensors: Mapping[str, TensorInfo]
+    metadata: Mapping[str, str]
+    data_start: int
+    file_size: int
+
+
+def parse_header(read: Callable[[int, int], bytes], file_size: int, label: str) -> Header:
+    """Read and validate a header through ``read(offset, length)`` of a file of ``file_size`` bytes.
+
+    Raises LoaderError("<label>: <problem>") for every malformed input; reads at most
+    8 + min(N, MAX_HEADER_BYTES, file_size) bytes.
+    """
+    if file_size < 8:
+        raise LoaderError(f"{label}: not a safetensors file ({file_size} bytes, shorter than the 8-byte length)")
+    (n,) = struct.unpack("<Q", read(0, 8))
+    if n > MAX_HEADER_BYTES:
+        raise LoaderError(f"{label}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    if 8 + n > file_size:
+        raise LoaderError(f"{label}: header length {n} runs past the end of the file ({file_size} bytes)")
+    raw = read(8, n)
+    if len(raw) != n:
+        raise LoaderError(f"{label}: short read of the header ({len(raw)} of {n} bytes)")
+    return validate_header(raw, file_size, label)
+
+
+def validate_header(raw: bytes, file_size: int, label: str) -> Header:
+    """Validate the JSON header bytes ``raw`` of a file of ``file_size`` bytes."""
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise LoaderError(f"{label}: header is not valid JSON ({_one_line(exc)})") from None
+    if not isinstance(doc, dict):
+        raise LoaderError(f"{label}: header is not a JSON object")
+    data_start = 8 + len(raw)
+    data_size = file_size - data_start
+    metadata = doc.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise LoaderError(f"{label}: __metadata__ must map strings to strings")
+    infos = [_tensor_info(name, entry, data_start, data_size, label) for name, entry in doc.items()]
+    infos.sort(key=lambda t: (t.start, t.end))
+    for prev, cur in zip(infos, infos[1:]):
+        if cur.start < prev.end:
+            raise LoaderError(f"{label}: tensors {prev.name!r} and {cur.name!r} overlap")
+    return Header(label, {t.name: t for t in infos}, dict(metadata), data_start, file_size)
+
+
+def _tensor_info(name: str, entry: object, data_start: int, data_size: int, label: str) -> TensorInfo:
+    where = f"{label}: tensor {name!r}"
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise LoaderError(f"{where}: entry must have exactly dtype, shape and data_offsets")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise LoaderError(f"{where}: unknown dtype {str(dtype)[:20]!r}; known: {', '.join(DTYPES)}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise LoaderError(f"{where}: shape must be a list of non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)
+            or offsets[0] > offsets[1]):
+        raise LoaderError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end")
+    begin, end = offsets
+    if end > data_size:
+        raise LoaderError(f"{where}: data_offsets [{begin}, {end}] run past the end of the data ({data_size} bytes)")
+    expected = math.prod(shape) * DTYPES[dtype][0]
+    if expected != end - begin:
+        raise LoaderError(f"{where}: shape {shape} x {dtype} is {expected} bytes but data_offsets span {end - begin}")
+    return TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _is_count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text[:200]
+
+
+def read_file_header(path: str | os.PathLike) -> Header:
+    """Parse the header of a local file (a convenience over ``parse_header``)."""
+    label = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            return parse_header(lambda off, n: os.pread(f.fileno(), n, off), size, label)
+    except OSError as exc:
+        raise LoaderError(f"{label}: cannot read ({exc.strerror})") from None
+
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def index_files(index_text: str, label: str) -> list[str]:
+    """The distinct file names of a ``model.safetensors.index.json`` document, in first-use order."""
+    try:
+        doc = json.loads(index_text)
+    except (ValueError, RecursionError) as exc:
+        raise LoaderError(f"{label}: index is not valid JSON ({_one_line(exc)})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise LoaderError(f"{label}: index has no weight_map of tensor name -> file name")
+    files = list(dict.fromkeys(weight_map.values()))
+    for f in files:
+        if "/" in f or "\\" in f or f.startswith(".") or not f.endswith(".safetensors"):
+            raise LoaderError(f"{label}: index names an unsafe file {f[:80]!r}")
+    return files
