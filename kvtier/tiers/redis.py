@@ -1,0 +1,464 @@
+"""The ``redis`` tier: entries in Redis/Valkey (standalone or Redis Cluster), shared by many nodes.
+
+Each entry is one string value: the entry-format header followed by the payload
+(``kvtier.entry``), stored under ``prefix + key`` (the raw 32-byte key). Readers verify the
+checksum, so a torn or foreign value is a counted miss, never wrong bytes.
+
+Byte budget (``capacity``): enforced by kvtier, not by Redis. Beside the data, three
+bookkeeping keys in one hash slot (``{prefix}#sizes`` hash, ``{prefix}#order`` sorted set scored
+by a shared write counter, ``{prefix}#total`` payload bytes) are updated by a small Lua script
+pipelined with every SET, so all nodes sharing a prefix share one budget. When a put takes the
+total over ``capacity``, the oldest *written* entries are popped by another script and deleted
+(FIFO by write; reads do not reorder, so a hit costs no extra round trip). ``capacity = 0``
+turns the bookkeeping off: then Redis' own ``maxmemory`` with ``maxmemory-policy allkeys-lru``
+must bound memory (configure the server so). Entries that expire by ``ttl_s`` stay counted until
+the budget pops them, which it does first since they are the oldest.
+
+Faults: connection refused, timeouts and server errors are counted in ``stats.errors`` and turn
+into misses / False, never into exceptions. After a connection fault a circuit breaker skips
+calls (counted as errors) for ``backoff_ms``, doubling up to ``max_backoff_ms`` while faults
+persist, so a dead server does not slow every call; the first call after the window reconnects.
+
+Data path: a put hashes the payload once (xxh3) and sends ``header`` and the caller's buffer as
+separate socket writes of one hand-packed RESP command (no concatenated copy); a get receives
+the value from hiredis, verifies it, then copies the payload into the caller's buffer.
+
+Thread-safety: all methods are thread-safe (a bounded connection pool; ``max_connections``
+concurrent calls, further callers wait up to ``socket_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+from urllib.parse import urlsplit, urlunsplit
+
+from kvtier import entry
+from kvtier.config import Size
+from kvtier.errors import ConfigError, CorruptEntry
+from kvtier.tiers.base import Key, Tier
+
+# KEYS: sizes, order, total, seq. ARGV: member, nbytes. Returns the new total.
+_ACCOUNT_PUT = """
+local old = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], redis.call('INCR', KEYS[4]), ARGV[1])
+return redis.call('INCRBY', KEYS[3], tonumber(ARGV[2]) - old)
+"""
+
+# KEYS: sizes, order, total. ARGV: member. Returns the bytes it un-counted (0 if untracked).
+_ACCOUNT_DEL = """
+local old = redis.call('HGET', KEYS[1], ARGV[1])
+if not old then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('DECRBY', KEYS[3], tonumber(old))
+return tonumber(old)
+"""
+
+# KEYS: sizes, order, total. ARGV: capacity, max victims. Pops the oldest members until the
+# total fits; returns them (the caller deletes their data keys).
+_ACCOUNT_EVICT = """
+local total = tonumber(redis.call('GET', KEYS[3]) or '0')
+local cap = tonumber(ARGV[1])
+local out = {}
+while total > cap and #out < tonumber(ARGV[2]) do
+  local m = redis.call('ZPOPMIN', KEYS[2])
+  if #m == 0 then
+    redis.call('SET', KEYS[3], 0)  -- counted bytes with nothing to evict: repair the drift
+    break
+  end
+  local size = tonumber(redis.call('HGET', KEYS[1], m[1]) or '0')
+  redis.call('HDEL', KEYS[1], m[1])
+  total = redis.call('DECRBY', KEYS[3], size)
+  out[#out + 1] = m[1]
+end
+return out
+"""
+
+
+def _redact(url: str) -> str:
+    """``url`` with any password replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    """Options of the ``redis`` tier.
+
+    ``url``: ``redis://[:password@]host:port/db``, ``rediss://`` (TLS), ``unix:///path.sock`` or
+    ``redis+cluster://host:port`` (same as ``cluster: true``). ``capacity``: payload bytes kvtier
+    keeps under ``prefix`` across all nodes (0: rely on Redis maxmemory-policy allkeys-lru).
+    ``ttl_s``: expire entries after this many seconds (0: never). ``password`` overrides the URL's.
+    """
+
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = False
+    prefix: str = "kvtier:"
+    capacity: Size = Size(4 * 1024**3)
+    ttl_s: float = 0.0
+    max_connections: int = 8
+    connect_timeout_s: float = 1.0
+    socket_timeout_s: float = 5.0
+    backoff_ms: int = 250
+    max_backoff_ms: int = 2000
+    password: str | None = None
+
+    def __repr__(self) -> str:  # secrets stay out of repr and logs
+        return (
+            f"RedisConfig(url={_redact(self.url)!r}, cluster={self.cluster}, prefix={self.prefix!r}, "
+            f"capacity={self.capacity}, ttl_s={self.ttl_s}, max_connections={self.max_connections}, "
+            f"password={'***' if self.password else None})"
+        )
+
+
+class _Breaker:
+    """Skips calls for a growing window after connection faults (thread-safe)."""
+
+    def __init__(self, base_s: float, max_s: float):
+        self._base, self._max = base_s, max_s
+        self._window = 0.0
+        self._open_until = 0.0
+        self._lock = threading.Lock()
+
+    def allow(self) -> bool:
+        """Whether a call may try the server now."""
+        return time.monotonic() >= self._open_until
+
+    def failure(self) -> None:
+        with self._lock:
+            self._window = min(self._max, self._window * 2 if self._window else self._base)
+            self._open_until = time.monotonic() + self._window
+
+    def success(self) -> None:
+        if self._window:
+            with self._lock:
+                self._window = 0.0
+                self._open_until = 0.0
+
+
+class RedisTier(Tier):
+    """Entries in Redis under ``prefix``; a shared tier with a kvtier-enforced byte budget."""
+
+    Config = RedisConfig
+    medium = "REDIS"
+    self_managed = True
+
+    def __init__(self, config: RedisConfig, name: str = "redis"):
+        super().__init__(name)
+        import redis  # the kvtier[redis] extra; the registry's message says how to install it
+
+        self._redis = redis
+        self.config = config
+        if config.max_connections < 1:
+            raise ConfigError(f"{name}.max_connections: must be at least 1, got {config.max_connections}")
+        if config.capacity < 0 or config.ttl_s < 0:
+            raise ConfigError(f"{name}: capacity and ttl_s must not be negative")
+        self._prefix = config.prefix.encode()
+        tag = b"{" + self._prefix + b"}"  # one hash slot for the bookkeeping keys
+        self._acct = (tag + b"#sizes", tag + b"#order", tag + b"#total", tag + b"#seq")
+        self._ttl_ms = int(config.ttl_s * 1000)
+        self._breaker = _Breaker(config.backoff_ms / 1000, max(config.backoff_ms, config.max_backoff_ms) / 1000)
+        self._client, self._pool = self._connect(config)
+        self._closed = False
+        self._known_total = 0
+
+    # -- connection -------------------------------------------------------------------------
+
+    def _connect(self, config: RedisConfig):
+        redis = self._redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        url = config.url
+        cluster = config.cluster or url.startswith("redis+cluster://") or url.startswith("rediss+cluster://")
+        url = url.replace("+cluster://", "://", 1)
+        options = dict(
+            socket_connect_timeout=config.connect_timeout_s,
+            socket_timeout=config.socket_timeout_s,
+            retry=Retry(NoBackoff(), 1),  # one silent retry re-dials a connection the server dropped
+        )
+        if config.password is not None:
+            options["password"] = config.password
+        if cluster:
+            from redis.cluster import RedisCluster
+
+            return RedisCluster.from_url(url, max_connections=config.max_connections, **options), None
+        pool = redis.BlockingConnectionPool.from_url(
+            url, max_connections=config.max_connections, timeout=config.socket_timeout_s, **options
+        )
+        return redis.Redis(connection_pool=pool), pool
+
+    def _key(self, key: Key) -> bytes:
+        return self._prefix + bytes(key)
+
+    def _fault(self, exc: BaseException) -> None:
+        """Count a fault; open the breaker on connection-level ones."""
+        self.stats.add(errors=1)
+        if isinstance(exc, (self._redis.ConnectionError, self._redis.TimeoutError, OSError)):
+            self._breaker.failure()
+
+    def _skip(self) -> bool:
+        """True (and counted) when the breaker is open or the tier is closed."""
+        if self._closed or not self._breaker.allow():
+            self.stats.add(errors=1)
+            return True
+        return False
+
+    def _call(self, fn, default):
+        """Run ``fn()`` with fault handling; ``default`` when skipped or failed."""
+        if self._skip():
+            return default
+        try:
+            result = fn()
+        except (self._redis.RedisError, OSError) as exc:
+            self._fault(exc)
+            return default
+        self._breaker.success()
+        return result
+
+    # -- Tier protocol ----------------------------------------------------------------------
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.config.capacity)
+
+    def used_bytes(self) -> int:
+        """Payload bytes counted under ``prefix`` by all nodes (last known value on a fault)."""
+        if not self.config.capacity:
+            return 0
+        value = self._call(lambda: self._client.get(self._acct[2]), None)
+        if value is not None:
+            self._known_total = max(0, int(value))
+        return self._known_total
+
+    def contains(self, key: Key) -> bool:
+        return bool(self._call(lambda: self._client.exists(self._key(key)), 0))
+
+    def contains_many(self, keys: Iterable[Key]) -> list[bool]:
+        """Existence of each key in one pipelined round trip (all False on a fault)."""
+        keys = list(keys)
+        if not keys:
+            return []
+
+        def run():
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self._key(k))
+            return [bool(n) for n in pipe.execute()]
+
+        return self._call(run, [False] * len(keys))
+
+    def size_of(self, key: Key) -> int | None:
+        raw = self._call(lambda: self._client.getrange(self._key(key), 0, entry.MAX_HEADER_BYTES - 1), None)
+        if not raw:
+            return None
+        try:
+            return entry.decode_header(raw).length
+        except CorruptEntry:
+            return None
+
+    def get_into(self, key: Key, out) -> int | None:
+        """Copy the verified payload into ``out``; ``out`` is untouched on a miss."""
+        value = self._call(lambda: self._client.get(self._key(key)), _FAULT)
+        return self._deliver(key, value, out)
+
+    def get_many_into(self, keys: Sequence[Key], outs: Sequence) -> list[int | None]:
+        """``get_into`` for each (key, out) pair, fetched in one pipelined round trip."""
+        if not keys:
+            return []
+
+        def run():
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.get(self._key(k))
+            return pipe.execute()
+
+        values = self._call(run, None)
+        if values is None:
+            self.stats.add(misses=len(keys))
+            return [None] * len(keys)
+        return [self._deliver(k, v, o) for k, v, o in zip(keys, values, outs)]
+
+    def get(self, key: Key) -> bytes | None:
+        """The payload as new bytes (one round trip), or None on a miss."""
+        value = self._call(lambda: self._client.get(self._key(key)), _FAULT)
+        payload = self._verified(key, value)
+        if payload is None:
+            return None
+        self.stats.add(hits=1, bytes_read=payload.nbytes)
+        return bytes(payload)
+
+    def _verified(self, key: Key, value) -> memoryview | None:
+        if value is None or value is _FAULT:
+            self.stats.add(misses=1)
+            return None
+        try:
+            _header, payload = entry.decode(value, expected_key=bytes(key))
+        except CorruptEntry:
+            self.stats.add(corrupt=1, misses=1)
+            self.delete(key)
+            return None
+        return payload
+
+    def _deliver(self, key: Key, value, out) -> int | None:
+        payload = self._verified(key, value)
+        if payload is None:
+            return None
+        dest = memoryview(out).cast("B")
+        n = payload.nbytes
+        if dest.nbytes < n:
+            self.stats.add(errors=1, misses=1)
+            return None
+        dest[:n] = payload
+        self.stats.add(hits=1, bytes_read=n)
+        return n
+
+    def put(self, key: Key, data, dtype: str = "uint8", shape: tuple[int, ...] | None = None) -> bool:
+        """Store header + a copy of ``data`` (sent straight from the caller's buffer)."""
+        view = memoryview(data).cast("B")
+        try:
+            header = entry.encode_header(bytes(key), view, dtype, shape)
+        except ValueError:
+            self.stats.add(errors=1, dropped=1)
+            return False
+        if self.config.capacity and view.nbytes > self.config.capacity:
+            self.stats.add(dropped=1)
+            return False
+        send = self._put_cluster if self._pool is None else self._put_packed
+        total = self._call(lambda: send(key, header, view), _FAULT)
+        if total is _FAULT:
+            self.stats.add(dropped=1)
+            return False
+        self.stats.add(puts=1, bytes_written=view.nbytes)
+        if self.config.capacity and total is not None:
+            self._known_total = int(total)
+            if total > self.config.capacity:
+                self._evict()
+        return True
+
+    def _set_tail(self) -> list[bytes]:
+        return [b"PX", str(self._ttl_ms).encode()] if self._ttl_ms else []
+
+    def _put_packed(self, key: Key, header: bytes, view: memoryview):
+        """SET (and the bookkeeping script) as one hand-packed pipeline on one connection."""
+        rkey = self._key(key)
+        tail = self._set_tail()
+        head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
+            3 + len(tail), len(rkey), rkey, len(header) + view.nbytes)
+        parts = [head + header, view, b"\r\n" + _pack(*tail) if tail else b"\r\n"]
+        track = bool(self.config.capacity)
+        if track:  # EVALSHA: the script body is not resent with every put
+            parts.append(_pack(b"EVALSHA", _PUT_SHA, b"4", *self._acct, bytes(key),
+                               str(view.nbytes).encode()))
+        conn = self._pool.get_connection()
+        try:
+            conn.send_packed_command(parts)
+            conn.read_response()
+            if not track:
+                return None
+            try:
+                return conn.read_response()
+            except self._redis.exceptions.NoScriptError:  # a restarted server forgot the script
+                pass
+        except BaseException:
+            conn.disconnect()  # the stream may be mid-reply: never reuse it
+            raise
+        finally:
+            self._pool.release(conn)
+        return self._client.eval(_ACCOUNT_PUT, 4, *self._acct, bytes(key), view.nbytes)
+
+    def _put_cluster(self, key: Key, header: bytes, view: memoryview):
+        rkey = self._key(key)
+        self._client.set(rkey, header + view.tobytes(), px=self._ttl_ms or None)
+        if not self.config.capacity:
+            return None
+        return self._client.eval(_ACCOUNT_PUT, 4, *self._acct, bytes(key), view.nbytes)
+
+    def _evict(self) -> None:
+        """Pop the oldest entries until the shared total fits ``capacity``; delete their data."""
+
+        def run():
+            victims = self._client.eval(_ACCOUNT_EVICT, 3, *self._acct[:3], self.config.capacity, 1024)
+            if victims:
+                pipe = self._client.pipeline(transaction=False)
+                for member in victims:
+                    pipe.delete(self._prefix + member)
+                pipe.execute()
+            return len(victims or ())
+
+        n = self._call(run, 0)
+        if n:
+            self.stats.add(evictions=n)
+
+    def delete(self, key: Key) -> bool:
+        def run():
+            removed = self._client.delete(self._key(key))
+            if self.config.capacity:
+                self._client.eval(_ACCOUNT_DEL, 3, *self._acct[:3], bytes(key))
+            return bool(removed)
+
+        removed = self._call(run, False)
+        if removed:
+            self.stats.add(deletes=1)
+        return removed
+
+    def keys(self) -> Iterator[Key]:
+        """Keys under ``prefix`` (SCAN: a weakly consistent snapshot; empty on a fault)."""
+        pattern = _glob_escape(self._prefix) + b"*"
+        want = len(self._prefix) + 32
+
+        def run():
+            return [k[len(self._prefix):] for k in self._client.scan_iter(match=pattern, count=1000)
+                    if len(k) == want and k.startswith(self._prefix)]
+
+        return iter(self._call(run, []))
+
+    def clear(self) -> None:
+        """Delete every entry and the bookkeeping under ``prefix`` (tests and benchmarks)."""
+        for k in list(self.keys()):
+            self._call(lambda k=k: self._client.delete(self._key(k)), 0)
+        self._call(lambda: self._client.delete(*self._acct), 0)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._client.close()
+        except Exception:  # closing a dead connection must not raise into the caller
+            pass
+
+    def __repr__(self) -> str:
+        return f"RedisTier(name={self.name!r}, url={_redact(self.config.url)!r}, prefix={self.config.prefix!r})"
+
+
+_PUT_SHA = hashlib.sha1(_ACCOUNT_PUT.encode()).hexdigest().encode()
+_FAULT = object()  # marks "the call failed" apart from "the key is absent"
+
+
+def _pack(*args: bytes) -> bytes:
+    """RESP encoding of a command whose arguments are all small bytes."""
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+    return b"".join(out)
+
+
+def _glob_escape(raw: bytes) -> bytes:
+    """Escape Redis glob metacharacters so SCAN MATCH treats ``raw`` literally."""
+    out = bytearray()
+    for b in raw:
+        if b in b"*?[]\\":
+            out += b"\\"
+        out.append(b)
+    return bytes(out)
