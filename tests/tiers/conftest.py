@@ -1,0 +1,63 @@
+"""Tier factories for the shared contract suite (``test_contract.py``).
+
+To run the suite against another tier, add one line to ``FACTORIES``: a name and a function
+``(request, tmp_path, capacity) -> Tier``. A factory may ask for other fixtures with
+``request.getfixturevalue("redis_url")``; a fixture that skips (server binary missing) skips
+that tier's tests only.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+
+from kvtier.tiers.base import Tier
+
+
+def _ram(request, tmp_path, capacity: int) -> Tier:
+    from kvtier.tiers.ram import RamTier
+
+    return RamTier(RamTier.Config(capacity=capacity, page_size=4096), name="ram")
+
+
+def _disk(request, tmp_path, capacity: int) -> Tier:
+    from kvtier.tiers.disk import DiskTier
+
+    return DiskTier(DiskTier.Config(path=str(tmp_path / "disk"), capacity=capacity), name="disk")
+
+
+def _disk_direct(request, tmp_path, capacity: int) -> Tier:
+    from kvtier.tiers.disk import DiskTier
+
+    config = DiskTier.Config(path=str(tmp_path / "disk"), capacity=capacity, o_direct=True)
+    return DiskTier(config, name="disk")
+
+
+FACTORIES: dict[str, Callable[..., Tier]] = {
+    "ram": _ram,
+    "disk": _disk,
+    "disk-odirect": _disk_direct,
+    # "redis": _redis,  # e.g. RedisTier(..., url=request.getfixturevalue("redis_url"))
+}
+
+
+@pytest.fixture(params=list(FACTORIES))
+def tier_factory(request, tmp_path):
+    """A function ``make(capacity=64 MiB) -> Tier`` for one registered tier; closes what it made."""
+    made: list[Tier] = []
+
+    def make(capacity: int = 64 * 1024 * 1024) -> Tier:
+        tier = FACTORIES[request.param](request, tmp_path, capacity)
+        made.append(tier)
+        return tier
+
+    yield make
+    for tier in made:
+        tier.close()
+
+
+@pytest.fixture
+def tier(tier_factory) -> Tier:
+    """One fresh tier of each registered kind (64 MiB)."""
+    return tier_factory()
