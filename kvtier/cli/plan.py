@@ -4,6 +4,150 @@ from __future__ import annotations
 
 import argparse
 
+from kvtier.cli._common import emit_json, print_table
+from kvtier.config import format_bytes, parse_bandwidth, parse_size
+from kvtier.errors import ConfigError
+
+SIMULATE_EPILOG = """\
+traces: --trace FILE holds one key per line, optionally followed by the entry's size in bytes
+(whitespace separated; '#' starts a comment). Without sizes a capacity counts entries.
+--synthetic SPEC generates a deterministic trace instead:
+  loop:KEYSxREPEATS                     e.g. loop:1000x30 (a cycle; LRU's worst case)
+  zipf:ALPHA,KEYS,REQUESTS[,SEED]       e.g. zipf:0.8,50000,500000
+  mix:HOT,ALPHA,LOOPKEYS,REQUESTS[,SEED] e.g. mix:2000,0.8,20000,400000 (Zipf over HOT keys
+                                        interleaved one-for-one with a loop over LOOPKEYS keys)
+'opt' (Belady: evict the key used farthest in the future) is always reported as the bound.
+"""
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add the planning subcommands (filled in below as they land)."""
+    """Add the planning subcommands."""
+    p = sub.add_parser("kv-size", help="KV-cache bytes per token and for N tokens, from a model's config.json")
+    p.add_argument("model", metavar="MODEL_DIR_OR_CONFIG_JSON")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens to size (default: max_position_embeddings, else 1)")
+    p.add_argument("--dtype", default=None, help="KV dtype: fp16, bf16, fp32, fp8 (default: the config's dtype)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run_kv_size)
+
+    p = sub.add_parser("breakeven", help="break-even hit rate of KV offload: p* = miss cost / (miss cost + hit gain)",
+                       description="Give --miss-cost-ms and --hit-gain-ms; or measured TTFTs --recompute-ms, "
+                       "--hit-ms, --store-ms (miss cost = store - recompute, hit gain = recompute - hit); or "
+                       "first principles --kv-bytes, --bandwidth, --latency-ms, --recompute-ms (a hit loads "
+                       "S/B + latency; a miss costs a synchronous write unless --miss-cost-ms is given).")
+    for name in ("miss-cost-ms", "hit-gain-ms", "recompute-ms", "hit-ms", "store-ms", "latency-ms"):
+        p.add_argument("--" + name, type=float, default=None)
+    p.add_argument("--kv-bytes", default=None, help="KV size of the prefix, e.g. 0.13GB or 139460608")
+    p.add_argument("--bandwidth", default=None, help="load bandwidth, e.g. 13.4GB/s")
+    p.add_argument("--write-bandwidth", default=None, help="store bandwidth (default: --bandwidth)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run_breakeven)
+
+    p = sub.add_parser("fleet-load", help="bytes and read time of a fleet cold start (every pod loads the model)")
+    p.add_argument("--model-size", required=True, help="checkpoint size, e.g. 140GB")
+    p.add_argument("--pods", type=int, required=True, help="pods starting at once")
+    p.add_argument("--bandwidth", required=True, help="aggregate storage bandwidth, e.g. 10GB/s")
+    p.add_argument("--pods-per-node", type=int, default=1, help="pods per node sharing a node-local cache")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per pod (per-rank sharding)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run_fleet_load)
+
+    p = sub.add_parser("simulate", help="hit ratio of eviction policies (and Belady OPT) over a trace",
+                       epilog=SIMULATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="trace file (KEY [SIZE] per line)")
+    src.add_argument("--synthetic", metavar="SPEC", help="generated trace, see below")
+    p.add_argument("--capacity", required=True, help="C[,C...]: entries, or bytes (e.g. 1GiB) with sizes")
+    p.add_argument("--policy", default=None, help="P[,P...] or 'all' (default: the default policy)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run_simulate)
+
+
+def run_kv_size(args: argparse.Namespace) -> int:
+    from kvtier import plan
+
+    config = plan.load_model_config(args.model)
+    shape = plan.kv_shape(config, args.dtype, where=args.model)
+    tokens = args.tokens if args.tokens is not None else int(config.get("max_position_embeddings") or 1)
+    out = plan.kv_size(shape, tokens)
+    if args.json:
+        emit_json(out)
+        return 0
+    heads = "latent (MLA)" if shape.attention == "mla" else str(shape.kv_heads)
+    print_table(["field", "value"], [
+        ["layers", shape.layers], ["KV heads", heads], ["head dim / latent", shape.head_dim],
+        ["dtype", f"{shape.dtype} ({shape.dtype_bytes} B)"], ["bytes per token", shape.bytes_per_token],
+        ["tokens", tokens], ["total bytes", out["total_bytes"]],
+        ["total GB", f"{out['total_gb']:.4f}"], ["total GiB", f"{out['total_gib']:.4f}"],
+    ], title=f"KV cache size: {args.model}")
+    return 0
+
+
+def run_breakeven(args: argparse.Namespace) -> int:
+    from kvtier import plan
+
+    a = args
+    if a.miss_cost_ms is not None and a.hit_gain_ms is not None:
+        out = {"breakeven_hit_rate": plan.breakeven(a.miss_cost_ms, a.hit_gain_ms),
+               "miss_cost_ms": a.miss_cost_ms, "hit_gain_ms": a.hit_gain_ms}
+    elif None not in (a.recompute_ms, a.hit_ms, a.store_ms):
+        out = plan.breakeven_from_ttft(a.recompute_ms, a.hit_ms, a.store_ms)
+    elif a.kv_bytes is not None and a.bandwidth is not None and a.recompute_ms is not None:
+        out = plan.breakeven_first_principles(
+            parse_size(a.kv_bytes, "--kv-bytes"), parse_bandwidth(a.bandwidth, "--bandwidth"),
+            a.latency_ms or 0.0, a.recompute_ms, a.miss_cost_ms,
+            parse_bandwidth(a.write_bandwidth, "--write-bandwidth") if a.write_bandwidth else None)
+    else:
+        raise ConfigError("give --miss-cost-ms and --hit-gain-ms, or --recompute-ms --hit-ms --store-ms, "
+                          "or --kv-bytes --bandwidth --recompute-ms [--latency-ms]")
+    out["pays_off"] = out["breakeven_hit_rate"] is not None
+    if args.json:
+        emit_json(out)
+        return 0
+    p = out["breakeven_hit_rate"]
+    rows = [[k, v] for k, v in out.items() if k.endswith("_ms")]
+    rows.append(["break-even hit rate", f"{p:.2%}" if p is not None else "never (a hit saves nothing)"])
+    print_table(["quantity", "value"], rows, title="Offload pays when the hit rate exceeds p*")
+    return 0
+
+
+def run_fleet_load(args: argparse.Namespace) -> int:
+    from kvtier import plan
+
+    out = plan.fleet_load(parse_size(args.model_size, "--model-size"), args.pods,
+                          parse_bandwidth(args.bandwidth, "--bandwidth"), args.pods_per_node, args.tp)
+    if args.json:
+        emit_json(out)
+        return 0
+    rows = [[s["scenario"], f"{s['total_bytes'] / 1e12:,.2f} TB", s["seconds"], f"{s['seconds'] / 60:,.1f}"]
+            for s in out["scenarios"]]
+    print_table(["scenario", "read from storage", "seconds", "minutes"], rows,
+                title=f"{args.pods} pods x {format_bytes(out['model_bytes'])} model at {args.bandwidth}")
+    return 0
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from kvtier import sim
+    from kvtier.policies.registry import DEFAULT_POLICY, POLICIES
+
+    trace = sim.read_trace(args.trace) if args.trace else sim.synthetic(args.synthetic)
+    capacities = [parse_size(c, "--capacity") for c in args.capacity.split(",") if c.strip()]
+    if not capacities:
+        raise ConfigError("--capacity: give at least one capacity")
+    names = [n.strip() for n in (args.policy or DEFAULT_POLICY).split(",") if n.strip()]
+    if names == ["all"]:
+        names = POLICIES.names()
+    for name in names:
+        if name != sim.OPT:
+            POLICIES.get(name)  # unknown names fail here, listing the valid ones
+    if sim.OPT not in names:
+        names.append(sim.OPT)
+    results = sim.run(trace, names, capacities)
+    if args.json:
+        emit_json({"requests": len(trace), "results": [r.as_dict() for r in results]})
+        return 0
+    by = {(r.policy, r.capacity): r.hit_ratio for r in results}
+    rows = [[n, *(f"{by[n, c]:.4f}" for c in capacities)] for n in names]
+    print_table(["policy", *(f"C={c:,}" for c in capacities)], rows,
+                title=f"hit ratio over {len(trace):,} requests")
+    return 0
