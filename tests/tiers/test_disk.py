@@ -1,0 +1,192 @@
+"""Disk tier specifics: restart recovery, corruption, faults, O_DIRECT."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+import kvtier.tiers.disk as disk_mod
+from kvtier.errors import TierUnavailable
+from kvtier.tiers.disk import DiskTier
+
+
+def make(path, **kw) -> DiskTier:
+    kw.setdefault("capacity", 64 * 1024 * 1024)
+    return DiskTier(DiskTier.Config(path=str(path), **kw), name="disk")
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+def payload(n: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def file_of(tier: DiskTier, k: bytes) -> str:
+    return tier._file(k)
+
+
+def test_entries_survive_a_restart(tmp_path):
+    with make(tmp_path) as tier:
+        for i in range(5):
+            assert tier.put(key(i), payload(10_000 + i, i))
+        tier.delete(key(4))
+    with make(tmp_path) as again:
+        assert again.scan_report == {"entries": 4, "temp_removed": 0, "corrupt_removed": 0}
+        assert set(again.keys()) == {key(i) for i in range(4)}
+        assert again.used_bytes() == sum(10_000 + i for i in range(4))
+        assert all(again.get(key(i)) == payload(10_000 + i, i) for i in range(4))
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _truncate(path: str, offset: int) -> None:
+    os.truncate(path, os.path.getsize(path) + offset)  # offset < 0
+
+
+CORRUPTIONS = {
+    "payload byte": lambda p: _flip(p, os.path.getsize(p) - 100),
+    "header byte": lambda p: _flip(p, 10),
+    "truncated": lambda p: _truncate(p, -1),
+    "garbage": lambda p: open(p, "wb").write(b"not an entry" * 500),
+}
+
+
+@pytest.mark.parametrize("damage", CORRUPTIONS, ids=list(CORRUPTIONS))
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "odirect"])
+def test_corrupt_file_is_a_counted_miss_and_removed_on_read(tmp_path, damage, o_direct):
+    tier = make(tmp_path, o_direct=o_direct)
+    k = key(1)
+    tier.put(k, payload(5000))
+    CORRUPTIONS[damage](file_of(tier, k))
+    assert tier.get_into(k, bytearray(5000)) is None
+    assert tier.stats.corrupt == 1
+    assert not os.path.exists(file_of(tier, k))
+    assert not tier.contains(k) and tier.used_bytes() == 0
+
+
+@pytest.mark.parametrize("damage", CORRUPTIONS, ids=list(CORRUPTIONS))
+def test_corrupt_header_is_removed_at_start(tmp_path, damage):
+    tier = make(tmp_path)
+    tier.put(key(1), payload(5000))
+    tier.put(key(2), payload(5000, 2))
+    CORRUPTIONS[damage](file_of(tier, key(1)))
+    again = make(tmp_path)
+    if damage == "payload byte":  # headers only at start: found on first read instead
+        assert again.contains(key(1))
+        assert again.get(key(1)) is None
+    else:
+        assert again.scan_report["corrupt_removed"] == 1
+        assert not again.contains(key(1))
+    assert again.stats.corrupt == 1
+    assert not os.path.exists(file_of(again, key(1)))
+    assert again.get(key(2)) == payload(5000, 2)
+
+
+def test_file_of_another_key_is_a_miss(tmp_path):
+    tier = make(tmp_path)
+    tier.put(key(1), payload(5000, 1))
+    tier.put(key(2), payload(5000, 2))
+    os.replace(file_of(tier, key(1)), file_of(tier, key(2)))  # same sizes, wrong key inside
+    assert tier.get(key(2)) is None
+    assert tier.stats.corrupt == 1
+    tier.put(key(3), payload(100))
+    os.makedirs(os.path.dirname(file_of(tier, key(4))), exist_ok=True)
+    os.link(file_of(tier, key(3)), file_of(tier, key(4)))  # a name the header contradicts
+    again = make(tmp_path)
+    assert again.scan_report["corrupt_removed"] == 1 and not again.contains(key(4))
+    assert again.get(key(3)) == payload(100)
+
+
+def test_temp_files_are_removed_at_start(tmp_path):
+    tier = make(tmp_path)
+    tier.put(key(1), payload(100))
+    stale = file_of(tier, key(2)) + ".abc.tmp"
+    os.makedirs(os.path.dirname(stale), exist_ok=True)
+    open(stale, "wb").write(b"half written")
+    unrelated = tmp_path / "README"
+    unrelated.write_text("not ours")
+    again = make(tmp_path)
+    assert again.scan_report == {"entries": 1, "temp_removed": 1, "corrupt_removed": 0}
+    assert not os.path.exists(stale) and unrelated.exists()
+
+
+def test_unusable_directory_raises_tier_unavailable(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(TierUnavailable, match="cannot use directory"):
+        make(blocker / "sub")
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES, errno.EIO])
+def test_write_fault_is_a_counted_false_put(tmp_path, monkeypatch, code):
+    tier = make(tmp_path)
+    tier.put(key(1), payload(1000, 1))
+
+    def failing_write(fd, bufs):  # a fake only to inject the fault
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(disk_mod, "_write_all", failing_write)
+    assert tier.put(key(1), payload(2000, 2)) is False
+    assert tier.put(key(2), payload(2000, 2)) is False
+    assert tier.stats.errors == 2
+    monkeypatch.undo()
+    assert tier.get(key(1)) == payload(1000, 1)  # the old entry is intact
+    assert not tier.contains(key(2)) and tier.used_bytes() == 1000
+    leftovers = [f for _, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".tmp")]
+    assert leftovers == []
+
+
+def test_read_fault_is_a_counted_miss_that_keeps_the_file(tmp_path, monkeypatch):
+    tier = make(tmp_path)
+    tier.put(key(1), payload(1000))
+
+    def failing_read(fd, bufs):
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(disk_mod, "_read_exact", failing_read)
+    assert tier.get(key(1)) is None
+    assert tier.stats.errors == 1 and tier.stats.corrupt == 0
+    monkeypatch.undo()
+    assert tier.get(key(1)) == payload(1000)
+
+
+def test_o_direct_falls_back_when_refused(tmp_path, monkeypatch):
+    tier = make(tmp_path, o_direct=True)
+    if not tier.direct_io:
+        pytest.skip("O_DIRECT unsupported here")
+
+    def refuse(*args):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(DiskTier, "_write_direct", refuse)
+    assert tier.put(key(1), payload(5000))
+    assert not tier.direct_io
+    assert tier.get(key(1)) == payload(5000)
+
+
+def test_o_direct_and_buffered_files_are_interchangeable(tmp_path):
+    with make(tmp_path, o_direct=True) as direct:
+        direct.put(key(1), payload(12_345))
+    with make(tmp_path, o_direct=False) as buffered:
+        assert buffered.get(key(1)) == payload(12_345)
+        buffered.put(key(2), payload(777, 2))
+    with make(tmp_path, o_direct=True) as direct:
+        assert direct.get(key(2)) == payload(777, 2)
+
+
+def test_durable_mode_and_flat_layout(tmp_path):
+    tier = make(tmp_path, fsync=True, fanout=False)
+    assert tier.put(key(1), payload(100))
+    assert os.path.exists(tmp_path / key(1).hex())
+    assert make(tmp_path, fanout=False).get(key(1)) == payload(100)
