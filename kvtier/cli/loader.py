@@ -1,0 +1,193 @@
+"""Weight-loading commands: ``pull`` (node cache), ``shard`` (pre-sharded layout), ``probe``
+(read throughput per block size and concurrency) and ``load`` (stream a model, report GB/s)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+
+from kvtier.cli._common import emit_json, print_table
+from kvtier.config import format_bytes, parse_size
+from kvtier.errors import ConfigError
+
+_KIB = 1024
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``pull``, ``shard``, ``probe`` and ``load``."""
+    p = sub.add_parser("pull", help="download a remote model once per node into a local cache",
+                       description=_pull.__doc__)
+    p.add_argument("uri", help="s3://bucket/prefix/ of a model directory")
+    p.add_argument("--cache-dir", default=os.environ.get("KVTIER_CACHE_DIR", os.path.expanduser("~/.cache/kvtier/models")))
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--block-size", default="16MiB")
+    _common(p)
+    p.set_defaults(func=_pull)
+
+    p = sub.add_parser("shard", help="write vLLM's pre-sharded layout model-rank-R-part-P.safetensors",
+                       description=_shard.__doc__)
+    p.add_argument("model", help="model directory, .safetensors file, or s3:// URI")
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel world size")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--max-part-size", default="5GB")
+    _reader_args(p)
+    p.set_defaults(func=_shard)
+
+    p = sub.add_parser("probe", help="read throughput of a file per block size and concurrency (read-only)",
+                       description=_probe.__doc__)
+    p.add_argument("path")
+    p.add_argument("--block-sizes", default="128k,1m,16m", help="comma-separated sizes (k/m = KiB/MiB)")
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated thread counts")
+    p.add_argument("--max-bytes", default=None, help="read at most this much per run")
+    p.add_argument("--cold", action="store_true", help="O_DIRECT reads (bypass the page cache)")
+    _common(p)
+    p.set_defaults(func=_probe)
+
+    p = sub.add_parser("load", help="stream every tensor of a model and report throughput",
+                       description=_load.__doc__)
+    p.add_argument("model", help="model directory, .safetensors file, or s3:// URI")
+    p.add_argument("--cache-dir", default=None, help="read s3:// models through this node cache")
+    _reader_args(p)
+    p.set_defaults(func=_load)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _reader_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--concurrency", type=int, default=0, help="parallel reads (0: source default)")
+    p.add_argument("--block-size", default="16MiB")
+    p.add_argument("--memory-limit", default="1GiB")
+    p.add_argument("--check-values", action="store_true", help="reject NaN/Inf")
+    p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL)")
+    _common(p)
+
+
+def _reader_config(args):
+    from kvtier.config import build
+    from kvtier.loader.reader import ReaderConfig
+
+    return build(ReaderConfig, {
+        "concurrency": args.concurrency, "block_size": args.block_size,
+        "memory_limit": args.memory_limit, "check_values": args.check_values,
+        "endpoint_url": args.endpoint_url,
+    }, "loader")
+
+
+@contextlib.contextmanager
+def _progress(args, desc: str, total: int | None = None):
+    if args.no_progress or not sys.stderr.isatty() and args.json:
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+              disable=args.no_progress) as bar:
+        yield bar
+
+
+def _pull(args) -> int:
+    """Download every object under an s3:// prefix into the node-local cache, once per node."""
+    from kvtier.loader.cache import pull
+    from kvtier.loader.sources.s3 import S3Config
+
+    start = time.perf_counter()
+    with _progress(args, "pull") as bar:
+        result = pull(args.uri, args.cache_dir, args.concurrency, parse_size(args.block_size, "block-size"),
+                      {"config": S3Config(max_pool_connections=args.concurrency + 4)},
+                      on_bytes=bar.update if bar else None,
+                      on_total=(lambda n: setattr(bar, "total", n)) if bar else None)
+    secs = time.perf_counter() - start
+    out = {"path": result.path, "downloaded": result.downloaded, "bytes": result.bytes_downloaded,
+           "files": result.files, "seconds": secs,
+           "gb_per_s": result.bytes_downloaded / secs / 1e9 if secs and result.bytes_downloaded else 0.0}
+    if args.json:
+        emit_json(out)
+    else:
+        what = f"downloaded {format_bytes(result.bytes_downloaded)}" if result.downloaded else "already cached"
+        print(f"{result.path} ({what}, {result.files} files)")
+    return 0
+
+
+def _shard(args) -> int:
+    """Write each tensor-parallel rank's slices to model-rank-{rank}-part-{part}.safetensors."""
+    from kvtier.loader.reader import StreamReader, model_files
+    from kvtier.loader.shard import write_presharded
+
+    if args.tp < 1:
+        raise ConfigError(f"--tp must be at least 1, got {args.tp}")
+    config = _reader_config(args)
+    files = model_files(args.model, config.endpoint_url)
+    with StreamReader(files, config) as r:
+        total = r.total_bytes() * args.tp
+    with _progress(args, "shard", total) as bar:
+        paths = write_presharded(files, args.out, args.tp, config,
+                                 parse_size(args.max_part_size, "max-part-size"),
+                                 on_bytes=bar.update if bar else None)
+    if args.json:
+        emit_json({"files": paths})
+    else:
+        print("\n".join(paths))
+    return 0
+
+
+def _sizes(text: str, what: str) -> list[int]:
+    out = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if item.endswith(("k", "m", "g")):
+            item += "ib"
+        out.append(parse_size(item, what))
+    return out
+
+
+def _probe(args) -> int:
+    """Measure read throughput of an existing file for each block size x concurrency (read-only)."""
+    from kvtier.loader.probe import probe
+
+    blocks = _sizes(args.block_sizes, "block-sizes")
+    concs = [int(c) for c in args.concurrency.split(",")]
+    if any(c < 1 for c in concs):
+        raise ConfigError("--concurrency values must be >= 1")
+    max_bytes = parse_size(args.max_bytes, "max-bytes") if args.max_bytes else None
+    results = [probe(args.path, b, c, max_bytes, args.cold) for b in blocks for c in concs]
+    rows = [{"block_size": r.block_size, "concurrency": r.concurrency, "gb_per_s": r.gb_per_s} for r in results]
+    if args.json:
+        emit_json({"results": rows})
+    else:
+        print_table(["block size", "concurrency", "GB/s"],
+                    [[format_bytes(r["block_size"]), r["concurrency"], r["gb_per_s"]] for r in rows],
+                    title=f"probe {args.path} ({'O_DIRECT' if args.cold else 'page cache'})")
+    return 0
+
+
+def _load(args) -> int:
+    """Stream every tensor of a model (through the node cache for s3:// when --cache-dir is set)."""
+    from kvtier.loader.cache import resolve
+    from kvtier.loader.reader import StreamReader, model_files
+
+    import torch  # noqa: F401  (imported before the clock starts)
+
+    config = _reader_config(args)
+    uri = resolve(args.model, args.cache_dir)
+    files = model_files(uri, config.endpoint_url)
+    start = time.perf_counter()
+    count = 0
+    with StreamReader(files, config) as reader:
+        total = reader.total_bytes()
+        with _progress(args, "load", total) as bar:
+            for _name, _tensor in reader.stream(on_bytes=bar.update if bar else None):
+                count += 1
+    secs = time.perf_counter() - start
+    out = {"files": len(files), "tensors": count, "bytes": total, "seconds": secs,
+           "gb_per_s": total / secs / 1e9 if secs else 0.0}
+    if args.json:
+        emit_json(out)
+    else:
+        print(f"{count} tensors, {format_bytes(total)} in {secs:.2f} s: {out['gb_per_s']:.2f} GB/s")
+    return 0
