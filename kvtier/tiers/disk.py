@@ -254,10 +254,15 @@ class DiskTier(Tier):
             with self._write_slots:
                 self._write_file(tmp, header, src)
             with self._lock:
-                os.replace(tmp, final)
                 old = self._index.get(key)
+                grow = src.nbytes - (old.length if old else 0)
+                if self._used + grow > self.capacity_bytes:  # concurrent puts filled it meanwhile
+                    _unlink_quietly(tmp)
+                    self.stats.add(dropped=1)
+                    return False
+                os.replace(tmp, final)
                 self._index[key] = _Meta(len(header), src.nbytes, _checksum_of(header))
-                self._used += src.nbytes - (old.length if old else 0)
+                self._used += grow
             if self.config.fsync:
                 _fsync_dir(os.path.dirname(final))
         except OSError as exc:
