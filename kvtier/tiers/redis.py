@@ -30,8 +30,6 @@ concurrent calls, further callers wait up to ``socket_timeout_s``).
 from __future__ import annotations
 
 import hashlib
-import threading
-import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 from urllib.parse import urlsplit, urlunsplit
@@ -40,6 +38,7 @@ from kvtier import entry
 from kvtier.config import Size
 from kvtier.errors import ConfigError, CorruptEntry
 from kvtier.tiers.base import Key, Tier
+from kvtier.tiers.breaker import CircuitBreaker
 
 # KEYS: sizes, order, total, seq. ARGV: member, nbytes. Returns the new total.
 _ACCOUNT_PUT = """
@@ -121,31 +120,6 @@ class RedisConfig:
         )
 
 
-class _Breaker:
-    """Skips calls for a growing window after connection faults (thread-safe)."""
-
-    def __init__(self, base_s: float, max_s: float):
-        self._base, self._max = base_s, max_s
-        self._window = 0.0
-        self._open_until = 0.0
-        self._lock = threading.Lock()
-
-    def allow(self) -> bool:
-        """Whether a call may try the server now."""
-        return time.monotonic() >= self._open_until
-
-    def failure(self) -> None:
-        with self._lock:
-            self._window = min(self._max, self._window * 2 if self._window else self._base)
-            self._open_until = time.monotonic() + self._window
-
-    def success(self) -> None:
-        if self._window:
-            with self._lock:
-                self._window = 0.0
-                self._open_until = 0.0
-
-
 class RedisTier(Tier):
     """Entries in Redis under ``prefix``; a shared tier with a kvtier-enforced byte budget."""
 
@@ -167,7 +141,7 @@ class RedisTier(Tier):
         tag = b"{" + self._prefix + b"}"  # one hash slot for the bookkeeping keys
         self._acct = (tag + b"#sizes", tag + b"#order", tag + b"#total", tag + b"#seq")
         self._ttl_ms = int(config.ttl_s * 1000)
-        self._breaker = _Breaker(config.backoff_ms / 1000, max(config.backoff_ms, config.max_backoff_ms) / 1000)
+        self._breaker = CircuitBreaker(config.backoff_ms / 1000, config.max_backoff_ms / 1000)
         self._client, self._pool = self._connect(config)
         self._closed = False
         self._known_total = 0

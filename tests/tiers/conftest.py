@@ -34,11 +34,36 @@ def _disk_direct(request, tmp_path, capacity: int) -> Tier:
     return DiskTier(config, name="disk")
 
 
+def _redis(request, tmp_path, capacity: int) -> Tier:
+    from kvtier.tiers.redis import RedisTier
+
+    config = RedisTier.Config(url=request.getfixturevalue("redis_url"), capacity=capacity,
+                              prefix=request.getfixturevalue("key_prefix"))
+    return RedisTier(config, name="redis")
+
+
+def _s3(request, tmp_path, capacity: int) -> Tier:
+    from kvtier.tiers.s3 import S3Tier
+
+    server = request.getfixturevalue("s3_server")
+    config = S3Tier.Config(bucket=request.getfixturevalue("s3_bucket"), endpoint_url=server.endpoint_url,
+                           access_key=server.access_key, secret_key=server.secret_key, capacity=capacity)
+    return S3Tier(config, name="s3")
+
+
+def _fs(request, tmp_path, capacity: int) -> Tier:
+    from kvtier.tiers.fs import FsTier
+
+    return FsTier(FsTier.Config(path=str(tmp_path / "fs"), capacity=capacity), name="fs")
+
+
 FACTORIES: dict[str, Callable[..., Tier]] = {
     "ram": _ram,
     "disk": _disk,
     "disk-odirect": _disk_direct,
-    # "redis": _redis,  # e.g. RedisTier(..., url=request.getfixturevalue("redis_url"))
+    "redis": _redis,
+    "s3": _s3,
+    "fs": _fs,
 }
 
 
