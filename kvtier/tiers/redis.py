@@ -329,7 +329,7 @@ class RedisTier(Tier):
         tail = self._set_tail()
         head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
             3 + len(tail), len(rkey), rkey, len(header) + view.nbytes)
-        parts = [head + header, view, b"\r\n" + _pack(*tail) if tail else b"\r\n"]
+        parts = [head + header, view, b"\r\n" + _bulk(*tail)]
         track = bool(self.config.capacity)
         if track:  # EVALSHA: the script body is not resent with every put
             parts.append(_pack(b"EVALSHA", _PUT_SHA, b"4", *self._acct, bytes(key),
@@ -420,12 +420,14 @@ _PUT_SHA = hashlib.sha1(_ACCOUNT_PUT.encode()).hexdigest().encode()
 _FAULT = object()  # marks "the call failed" apart from "the key is absent"
 
 
+def _bulk(*args: bytes) -> bytes:
+    """RESP bulk strings for small byte arguments."""
+    return b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+
+
 def _pack(*args: bytes) -> bytes:
     """RESP encoding of a command whose arguments are all small bytes."""
-    out = [b"*%d\r\n" % len(args)]
-    for a in args:
-        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
-    return b"".join(out)
+    return b"*%d\r\n" % len(args) + _bulk(*args)
 
 
 def _glob_escape(raw: bytes) -> bytes:
