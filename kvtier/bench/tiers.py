@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvtier.bench import shared_targets
 from kvtier.cli._common import emit_json, print_table
 from kvtier.config import parse_size
 from kvtier.errors import ConfigError, KVTierError
@@ -147,6 +148,10 @@ TARGETS: dict[str, Target] = {
     "file": Target(_file, baseline=None),
     "ram": Target(_ram, baseline="memcpy"),
     "disk": Target(_disk, baseline="file"),
+    "redis-py-loop": Target(shared_targets.redis_loop, baseline=None),
+    "redis": Target(shared_targets.redis_tier, baseline="redis-py-loop"),
+    "s3": Target(shared_targets.s3_tier, baseline=None),
+    "fs": Target(shared_targets.fs_tier, baseline="file"),
 }
 
 
@@ -187,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         results = _measure_all(args, names, sizes, total, workdir)
     finally:
+        shared_targets.close_services(args)
         shutil.rmtree(workdir, ignore_errors=True)
     if args.json:
         emit_json({"results": results})
