@@ -1,18 +1,345 @@
-"""``kvtier bench load``: weight-loading throughput of kvtier beside safetensors, dd and Run:ai."""
+"""``kvtier bench load``: weight-loading throughput of kvtier beside dd, safetensors, Run:ai and one plain GET.
+
+``kvtier`` is the default reader (local files: large concurrent readahead, tensors mapped
+copy-on-write); ``kvtier-read`` reads into owned tensors within ``memory_limit`` (the memory
+check applies to it: in mmap mode RSS counts the file's page-cache pages the caller touched).
+Every measurement runs in its own child process so ``peak_rss_bytes`` (the child's high-water
+RSS) belongs to that method alone; ``baseline_rss_bytes`` is the child's RSS after imports,
+before loading. Modes: ``cold`` (page cache dropped before each method: ``drop_caches`` when
+permitted, else ``posix_fadvise(DONTNEED)`` on the file), ``warm`` (file read once first),
+``s3`` (SeaweedFS on loopback, started here) and ``s3+latency`` (the same through a proxy that
+delays each request). Every loader's tensors are consumed as a model load consumes them: each
+byte is copied once into a pre-faulted destination (vLLM's ``param.copy_(weight)``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+MiB = 1024 * 1024
+MODES = ("cold", "warm", "s3", "s3+latency")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the load benchmark."""
     parser.add_argument("target", nargs="?", default=None,
-                        help="safetensors file or s3:// URI (default: generate one)")
+                        help="a .safetensors file (default: generate one of --size)")
+    parser.add_argument("--size", default="384MiB", help="size of the generated file")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--concurrency", type=int, default=16, help="kvtier and Run:ai concurrency")
+    parser.add_argument("--block-size", default="16MiB")
+    parser.add_argument("--memory-limit", default="256MiB", help="kvtier reader memory_limit")
+    parser.add_argument("--latency-ms", type=float, default=15.0, help="per-request delay in s3+latency")
+    parser.add_argument("--no-runai", action="store_true", help="skip Run:ai Model Streamer")
+    parser.add_argument("--workdir", default=None, help="where to generate the file (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print machine-readable results")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark (being written)."""
-    print("kvtier bench load: not implemented yet")
-    return 1
+    """Run every selected mode and print a table (or JSON)."""
+    from kvtier.config import parse_size
+    from kvtier.errors import ConfigError
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ConfigError(f"unknown mode {bad[0]!r}; valid: {', '.join(MODES)}")
+    opts = {"concurrency": args.concurrency, "block_size": parse_size(args.block_size, "block-size"),
+            "memory_limit": parse_size(args.memory_limit, "memory-limit")}
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-load-", dir=args.workdir) as work:
+        path = args.target or generate(os.path.join(work, "bench.safetensors"), parse_size(args.size, "size"))
+        if not os.path.isfile(path):
+            raise ConfigError(f"{path}: not a file")
+        results, notes = [], {}
+        for mode in modes:
+            if mode in ("cold", "warm"):
+                results += _local(path, mode, opts, not args.no_runai, notes)
+            elif mode == "s3" or (mode == "s3+latency" and "s3" not in modes):
+                results += _s3(path, work, opts, modes, args.latency_ms, not args.no_runai, notes)
+        report = {"file": path, "bytes": os.path.getsize(path), **notes, "options": opts,
+                  "results": results, "checks": _checks(results, opts, path)}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print(report)
+    return 0
+
+
+# -- file generation ---------------------------------------------------------------------------
+
+def generate(path: str, size: int) -> str:
+    """A model-like bf16 safetensors file of about ``size`` bytes (one large embedding, many
+    8 MiB projections, small norms), deterministic content."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"model.embed_tokens.weight": torch.randn(min(32000, max(1024, size // 8 // 2048)), 2048,
+                                                        generator=g).to(torch.bfloat16)}
+    used = tensors["model.embed_tokens.weight"].nbytes
+    layer = 0
+    while used < size:
+        for name, shape in (("self_attn.qkv_proj.weight", (2048, 2048)), ("mlp.down_proj.weight", (2048, 2048)),
+                            ("input_layernorm.weight", (2048,))):
+            t = torch.randn(*shape, generator=g).to(torch.bfloat16)
+            tensors[f"model.layers.{layer}.{name}"] = t
+            used += t.nbytes
+        layer += 1
+    save_file(tensors, path)
+    return path
+
+
+# -- orchestration -----------------------------------------------------------------------------
+
+def _child(spec: dict, env: dict | None = None) -> dict:
+    """Run one measurement in a fresh interpreter; return its result dict."""
+    proc = subprocess.run([sys.executable, "-m", "kvtier.bench.load", json.dumps(spec)], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=900)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"method": spec["method"], "mode": spec["mode"], "gb_per_s": 0.0, "peak_rss_bytes": 0, "error": err[:300]}
+
+
+def _local(path: str, mode: str, opts: dict, runai: bool, notes: dict) -> list[dict]:
+    from kvtier.loader.probe import drop_file_cache
+
+    methods = ((["dd"] if mode == "cold" else []) + ["safetensors", "kvtier", "kvtier-read"]
+               + (["runai"] if runai else []))
+    out = []
+    for method in methods:
+        if mode == "cold":
+            notes["cache_drop"] = drop_file_cache(path)
+        else:
+            _read_all(path)
+        out.append(_child({"method": method, "mode": mode, "path": path, **opts},
+                          _runai_env(opts) if method == "runai" else None))
+    return out
+
+
+def _read_all(path: str) -> None:
+    with open(path, "rb") as f:
+        while f.read(16 * MiB):
+            pass
+
+
+def _runai_env(opts: dict, endpoint: str | None = None) -> dict:
+    env = {"RUNAI_STREAMER_CONCURRENCY": str(opts["concurrency"]),
+           "RUNAI_STREAMER_MEMORY_LIMIT": str(opts["memory_limit"])}
+    if endpoint:
+        env.update({"AWS_ENDPOINT_URL": endpoint, "RUNAI_STREAMER_S3_ENDPOINT": endpoint,
+                    "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0", "AWS_EC2_METADATA_DISABLED": "true"})
+    return env
+
+
+def _s3(path: str, work: str, opts: dict, modes: list[str], latency_ms: float, runai: bool, notes: dict) -> list[dict]:
+    from kvtier.bench.delay_proxy import DelayProxy
+    from kvtier.bench.services import seaweedfs
+
+    out = []
+    with seaweedfs(os.path.join(work, "weed")) as s3:
+        key = "bench/model.safetensors"
+        s3.client(read_timeout=120).upload_file(path, s3.bucket, key)
+        uri = f"s3://{s3.bucket}/{key}"
+        env = {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key, "AWS_REGION": "us-east-1"}
+        endpoints = []
+        if "s3" in modes:
+            endpoints.append(("s3", s3.endpoint_url, None))
+        if "s3+latency" in modes:
+            host, port = s3.endpoint_url.rsplit("//", 1)[1].split(":")
+            endpoints.append(("s3+latency", None, (host, int(port))))
+        for mode, endpoint, upstream in endpoints:
+            proxy = DelayProxy(upstream, latency_ms / 1000) if upstream else None
+            ep = proxy.url if proxy else endpoint
+            try:
+                for method in ["single-stream", "kvtier"] + (["runai"] if runai else []):
+                    spec = {"method": method, "mode": mode, "path": uri, "endpoint": ep, "local_path": path, **opts}
+                    e = {**env, **(_runai_env(opts, ep) if method == "runai" else {})}
+                    out.append(_child(spec, e))
+            finally:
+                if proxy:
+                    notes["proxy_requests"] = proxy.requests
+                    proxy.close()
+        notes["latency_ms"] = latency_ms
+    return out
+
+
+def _checks(results: list[dict], opts: dict, path: str) -> list[dict]:
+    """The issue's targets, each with the measured ratio and whether it was met."""
+    by = {(r["method"], r["mode"]): r for r in results}
+
+    def ratio(a, b):
+        x, y = by.get(a), by.get(b)
+        if not x or not y or not y.get("gb_per_s"):
+            return None
+        return x["gb_per_s"] / y["gb_per_s"]
+
+    checks = []
+    for name, a, b, target in (
+        ("cold vs dd direct", ("kvtier", "cold"), ("dd", "cold"), 0.9),
+        ("cold vs safetensors", ("kvtier", "cold"), ("safetensors", "cold"), 1.0),
+        ("warm vs safetensors", ("kvtier", "warm"), ("safetensors", "warm"), 0.9),
+        ("s3 vs runai", ("kvtier", "s3"), ("runai", "s3"), 1.0),
+        ("s3+latency vs single GET", ("kvtier", "s3+latency"), ("single-stream", "s3+latency"), 3.0),
+        ("s3 vs single GET (report)", ("kvtier", "s3"), ("single-stream", "s3"), None),
+        ("s3+latency vs runai", ("kvtier", "s3+latency"), ("runai", "s3+latency"), None),
+    ):
+        r = ratio(a, b)
+        if r is not None:
+            checks.append({"name": name, "ratio": round(r, 3), "target": target,
+                           "met": None if target is None else r >= target})
+    from kvtier.loader.header import read_file_header
+
+    largest = max((t.nbytes for t in read_file_header(path).tensors.values()), default=0)
+    margin = 64 * MiB
+    for r in results:
+        if r["method"] == "kvtier-read" and r.get("peak_rss_bytes"):
+            over = r["peak_rss_bytes"] - r.get("baseline_rss_bytes", 0)
+            bound = opts["memory_limit"] + largest + margin
+            checks.append({"name": f"kvtier {r['mode']} peak RSS over baseline", "bytes": over, "bound": bound,
+                           "met": over <= bound})
+    return checks
+
+
+def _print(report: dict) -> None:
+    from kvtier.cli._common import print_table
+
+    rows = [[r["method"], r["mode"], r["gb_per_s"], r["peak_rss_bytes"] // MiB,
+             (r["peak_rss_bytes"] - r.get("baseline_rss_bytes", 0)) // MiB, r.get("error", "")]
+            for r in report["results"]]
+    print_table(["method", "mode", "GB/s", "peak RSS MiB", "over baseline MiB", "error"], rows,
+                title=f"{report['file']} ({report['bytes'] / 1e6:.0f} MB), cache drop: {report.get('cache_drop', '-')}")
+    print()
+    print_table(["check", "ratio / bytes", "target / bound", "met"],
+                [[c["name"], c.get("ratio", c.get("bytes")), c.get("target", c.get("bound")), c["met"]]
+                 for c in report["checks"]])
+
+
+# -- one measurement (child process) -----------------------------------------------------------
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+_SINK: list = []
+
+
+def _touch(tensor) -> None:
+    """Consume every byte as a model load does: copy it into a (pre-faulted) parameter buffer."""
+    import torch
+
+    flat = tensor.reshape(-1)
+    if not flat.numel():
+        return
+    data = flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(-1).view(torch.uint8)
+    if not _SINK or _SINK[0].numel() < data.numel():
+        _SINK[:] = [torch.ones(data.numel(), dtype=torch.uint8)]
+    _SINK[0][:data.numel()].copy_(data)
+
+
+def _prefault(path: str) -> None:
+    """Allocate the copy destination (as large as the largest tensor) before the clock starts."""
+    import torch
+
+    from kvtier.loader.header import read_file_header
+
+    if not path.startswith("s3://"):
+        largest = max((t.nbytes for t in read_file_header(path).tensors.values()), default=0)
+        _SINK[:] = [torch.ones(max(largest, 1), dtype=torch.uint8)]
+
+
+def _measure(spec: dict) -> dict:
+    import torch  # noqa: F401  (imported before the clock starts)
+
+    method, path = spec["method"], spec["path"]
+    if method in ("runai",):
+        import runai_model_streamer  # noqa: F401
+    if method in ("single-stream",) or path.startswith("s3://"):
+        import boto3  # noqa: F401
+    _prefault(path if not path.startswith("s3://") else spec.get("local_path", path))
+    baseline = _rss()
+    start = time.perf_counter()
+    nbytes = globals()[f"_run_{method.replace('-', '_')}"](spec)
+    secs = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if method == "dd":
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+        baseline = 0
+    return {"method": method, "mode": spec["mode"], "gb_per_s": nbytes / secs / 1e9, "peak_rss_bytes": peak,
+            "baseline_rss_bytes": baseline, "seconds": round(secs, 4), "bytes": nbytes}
+
+
+def _run_kvtier_read(spec: dict) -> int:
+    """kvtier with ``local_mode="read"``: concurrent preads into owned, budgeted tensors."""
+    return _run_kvtier(spec, "read")
+
+
+def _run_kvtier(spec: dict, local_mode: str = "mmap") -> int:
+    from kvtier.loader.reader import ReaderConfig, StreamReader
+
+    cfg = ReaderConfig(concurrency=spec["concurrency"], block_size=spec["block_size"],
+                       memory_limit=spec["memory_limit"], endpoint_url=spec.get("endpoint"),
+                       local_mode=local_mode)
+    total = 0
+    with StreamReader([spec["path"]], cfg) as reader:
+        for _name, tensor in reader.stream():
+            _touch(tensor)
+            total += tensor.nbytes
+    return total
+
+
+def _run_safetensors(spec: dict) -> int:
+    from safetensors.torch import load_file
+
+    tensors = load_file(spec["path"])
+    total = 0
+    for t in tensors.values():
+        _touch(t)
+        total += t.nbytes
+    return total
+
+
+def _run_runai(spec: dict) -> int:
+    from runai_model_streamer import SafetensorsStreamer
+
+    total = 0
+    with SafetensorsStreamer() as streamer:
+        streamer.stream_file(spec["path"])
+        for _name, tensor in streamer.get_tensors():
+            _touch(tensor)
+            total += tensor.nbytes
+    return total
+
+
+def _run_dd(spec: dict) -> int:
+    subprocess.run(["dd", f"if={spec['path']}", "of=/dev/null", "bs=16M", "iflag=direct"], check=True,
+                   capture_output=True)
+    return os.path.getsize(spec["path"])
+
+
+def _run_single_stream(spec: dict) -> int:
+    from kvtier.loader.sources.s3 import S3Config, make_client, split_uri
+
+    bucket, key = split_uri(spec["path"])
+    client = make_client(S3Config(endpoint_url=spec["endpoint"]))
+    body = client.get_object(Bucket=bucket, Key=key)["Body"]
+    total = 0
+    while True:
+        chunk = body.read(16 * MiB)
+        if not chunk:
+            break
+        total += len(chunk)
+    return total
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(_measure(json.loads(sys.argv[1]))), flush=True)

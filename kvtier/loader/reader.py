@@ -5,7 +5,10 @@ at most ``block_size``; neighbouring pieces are merged into one request of at mo
 ``block_size`` (small tensors share a request; a gap up to ``max_gap`` is read and dropped).
 A pool of ``concurrency`` threads runs the requests in file order.
 
-Buffers and ownership: on CPU each request reads straight into the destination tensors
+Buffers and ownership: for a whole tensor of a local file on CPU in ``local_mode="mmap"``
+(the default) the tensor is a private copy-on-write mapping of the file and each request is a
+large readahead into the page cache (``posix_fadvise(WILLNEED)``): no copy at all, and no
+shared buffer. Otherwise on CPU each request reads straight into the destination tensors
 (``preadv``/socket ``readinto``: no copy). Requests with gaps, and every request on CUDA, read
 into one of a bounded pool of reusable staging buffers (pinned on CUDA) and copy out; a
 staging buffer is reused only after its copies have finished. A yielded tensor is never a view
@@ -43,6 +46,7 @@ class ReaderConfig:
     check_values: bool = False
     device: str = "cpu"
     endpoint_url: str | None = None
+    local_mode: str = "mmap"
 
     def __post_init__(self):
         for name in ("block_size", "memory_limit", "max_gap"):
@@ -55,6 +59,8 @@ class ReaderConfig:
             raise ConfigError(f"block_size must be at least 4 KiB, got {self.block_size}")
         if self.memory_limit < self.block_size:
             raise ConfigError(f"memory_limit ({self.memory_limit}) must be at least block_size ({self.block_size})")
+        if self.local_mode not in ("mmap", "read"):
+            raise ConfigError(f"local_mode must be 'mmap' or 'read', got {self.local_mode!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 
@@ -73,6 +79,7 @@ class _Target:
     nbytes: int
     pieces: int = 0
     flat: object = None  # torch uint8 tensor once allocated
+    mapped: bool = False  # whole tensor of a local file, handed out as a private mapping
 
 
 @dataclass(eq=False)
@@ -83,6 +90,7 @@ class _Request:
     start: int
     end: int
     segments: list = field(default_factory=list)  # (file_offset, length, target, dst_offset)
+    mapped: bool = False  # readahead into the page cache, no copy
 
     @property
     def dense(self) -> bool:
@@ -221,9 +229,11 @@ class StreamReader:
     def _plan(self, targets: list[_Target], slices) -> list[_Request]:
         block, gap = self.config.block_size, self.config.max_gap
         pieces = []  # (uri, file_offset, length, target, dst_offset)
+        map_ok = self.config.local_mode == "mmap" and self.config.device == "cpu"
         for t in targets:
             uri = self.index[t.name][0]
             spec = _slice_for(slices, t.info)
+            t.mapped = map_ok and spec is None and hasattr(self._sources[uri], "mapping")
             ranges = [(t.info.start, t.info.nbytes)] if spec is None else slice_ranges(t.info, *spec)
             dst = 0
             for off, length in ranges:
@@ -238,8 +248,8 @@ class StreamReader:
         cur_uri = None
         for uri, off, n, t, dst in pieces:
             if (cur is None or uri != cur_uri or off - cur.end > gap or off + n - cur.start > block
-                    or len(cur.segments) >= _MAX_SEGMENTS):
-                cur = _Request(self._sources[uri], off, off + n)
+                    or len(cur.segments) >= _MAX_SEGMENTS or cur.mapped != t.mapped):
+                cur = _Request(self._sources[uri], off, off + n, mapped=t.mapped)
                 cur_uri = uri
                 requests.append(cur)
             cur.segments.append((off, n, t, dst))
@@ -291,11 +301,13 @@ class StreamReader:
                 while i < len(requests) and error is None:
                     req = requests[i]
                     new = list({id(s[2]): s[2] for s in req.segments if s[2].flat is None}.values())
-                    need = sum(t.nbytes for t in new)
+                    need = sum(t.nbytes for t in new if not t.mapped)  # mapped: page cache, not ours
                     if need and in_flight + need > limit and outstanding:
                         break  # wait for completions to free budget
                     for t in new:
-                        t.flat = torch.empty(t.nbytes, dtype=torch.uint8, device=device)
+                        t.flat = (torch.frombuffer(req.source.mapping(), dtype=torch.uint8, count=t.nbytes,
+                                                   offset=t.info.start) if t.mapped
+                                  else torch.empty(t.nbytes, dtype=torch.uint8, device=device))
                     in_flight += need
                     executor.submit(work, req)
                     outstanding += 1
@@ -314,7 +326,7 @@ class StreamReader:
                     on_bytes(sum(s[1] for s in req.segments))
                 for t in done:
                     tensor = self._finish(t)
-                    in_flight -= t.nbytes
+                    in_flight -= 0 if t.mapped else t.nbytes
                     t.flat = None
                     yield t.name, tensor
             if error is not None:
@@ -327,6 +339,9 @@ class StreamReader:
 
     def _execute(self, req: _Request, pool: _BufferPool, cuda: bool) -> None:
         """Read one request into its destinations (directly when dense on CPU, else via staging)."""
+        if req.mapped:
+            req.source.prefetch(req.start, req.end - req.start)
+            return
         if req.dense and not cuda:
             views = [memoryview(t.flat[dst:dst + n].numpy()) for _, n, t, dst in req.segments]
             req.source.read_into(req.start, views)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from typing import Sequence
@@ -29,6 +30,7 @@ class FileSource(Source):
             raise LoaderError(f"{self.path}: cannot open ({exc.strerror})") from None
         self._size = os.fstat(self._fd).st_size
         self._lock = threading.Lock()
+        self._map: mmap.mmap | None = None
 
     def size(self) -> int:
         return self._size
@@ -46,6 +48,23 @@ class FileSource(Source):
                 raise short_read(self.path, offset, wanted, done)
             done += n
             views = _advance(views, n)
+
+    def mapping(self) -> mmap.mmap:
+        """A private (copy-on-write) mapping of the whole file, made once.
+
+        Tensors built on it belong to the caller: writes stay in the caller's pages and the
+        reader never reuses the memory. As with any mapping, truncating the file under it is
+        undefined behaviour (SIGBUS).
+        """
+        with self._lock:
+            if self._map is None:
+                self._map = mmap.mmap(self._fd, 0, flags=mmap.MAP_PRIVATE,
+                                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            return self._map
+
+    def prefetch(self, offset: int, length: int) -> None:
+        """Start reading ``[offset, offset+length)`` into the page cache (one large readahead)."""
+        os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_WILLNEED)
 
     @classmethod
     def list_dir(cls, uri: str) -> list[tuple[str, int]]:
@@ -66,6 +85,7 @@ class FileSource(Source):
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+            self._map = None  # tensors still using it keep it alive
 
 
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:

@@ -1,0 +1,31 @@
+"""Run a small model through vLLM with a given load format; print the greedy tokens as JSON.
+
+Usage: python _vllm_greedy.py MODEL_DIR LOAD_FORMAT [EXTRA_CONFIG_JSON]
+A subprocess of the vLLM test (the engine is spawned, so it needs the __main__ guard).
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model, load_format = sys.argv[1], sys.argv[2]
+    extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None
+    llm = LLM(model=model, load_format=load_format, model_loader_extra_config=extra,
+              skip_tokenizer_init=True, gpu_memory_utilization=0.3, num_gpu_blocks_override=16,
+              max_model_len=512, enforce_eager=True, dtype="bfloat16")
+    prompts = [TokensPrompt(prompt_token_ids=[(i * 37 + j * 11) % 30000 + 5 for j in range(24)]) for i in range(3)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, detokenize=False))
+    print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
