@@ -298,10 +298,7 @@ class DiskTier(Tier):
     # --- file I/O ------------------------------------------------------------------------------
 
     def _file(self, key: Key) -> str:
-        name = key.hex()
-        if self.config.fanout:
-            return os.path.join(self.path, name[:2], name)
-        return os.path.join(self.path, name)
+        return entry_path(self.path, key, self.config.fanout)
 
     def _write_file(self, tmp: str, header: bytes, src: memoryview) -> None:
         if self.config.fanout:
@@ -503,3 +500,26 @@ def _unlink_quietly(path: str) -> None:
 
 
 __all__ = ["DiskTier", "DiskConfig"]
+
+
+def entry_path(root: str, key: Key, fanout: bool) -> str:
+    """Where a disk tier rooted at ``root`` keeps ``key``'s file."""
+    name = key.hex()
+    return os.path.join(root, name[:2], name) if fanout else os.path.join(root, name)
+
+
+class DiskProbe:
+    """Existence checks on a disk tier's directory without opening the tier.
+
+    For a process that only answers lookups while another process owns the tier (vLLM's
+    scheduler beside its worker): no scan, no clean-up, no writes. A file that exists may still
+    turn out corrupt when read; the reader then reports a miss.
+    """
+
+    def __init__(self, config: DiskConfig):
+        self.root = os.path.abspath(config.path)
+        self.fanout = config.fanout
+
+    def contains_many(self, keys) -> list[bool]:
+        """Whether a file exists for each key, in order."""
+        return [os.path.exists(entry_path(self.root, k, self.fanout)) for k in keys]

@@ -1,0 +1,485 @@
+"""KVTierConnector: vLLM's KV connector (V1 API) on kvtier's tiered store.
+
+Enable it with::
+
+    --kv-transfer-config '{"kv_connector": "KVTierConnector",
+                           "kv_connector_module_path": "kvtier.integrations.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"tiers": [{"type": "ram", "capacity": "8GiB"}]}}'
+
+Scheduler side (bookkeeping, no data): looks a request's chunk keys up in the store, plans which
+chunks to load into which blocks and which newly computed full chunks to save, and hands both
+plans to the worker in the step's metadata. Worker side (data): loads whole (layer, block) pages
+from the store into the engine's KV tensors before the forward pass, and after it copies the
+pages of newly computed chunks into the store's top tier (a memcpy; lower tiers are written in
+the background). A chunk that fails to load is reported through
+``get_block_ids_with_load_errors`` so vLLM recomputes it: a storage fault costs time, never a
+wrong token.
+
+Saves and loads are synchronous within the step, so ``request_finished`` never needs to hold
+blocks: a partial prefill, a preemption or a request that finishes early leaves nothing behind.
+
+The worker process owns the TieredStore. The scheduler (another process) keeps a mirror of
+what the worker's private tiers hold, fed by the events the worker reports each step
+(``build_connector_worker_meta``), and asks persistent or shared tiers (disk, fs, redis, s3)
+directly, so entries stored by an earlier engine or by another machine are found at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.pages import PageLayout
+from kvtier.keys import Namespace, chunk_keys
+from kvtier.store import TieredStore
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------- metadata
+
+
+@dataclass
+class LoadSpec:
+    """Load chunks ``first_chunk .. first_chunk+len(keys)-1`` of a request into its blocks."""
+
+    req_id: str
+    keys: list[bytes]
+    first_chunk: int
+    block_ids: list[int]  # the request's whole block table
+    skip_blocks: int  # blocks at the start of the first chunk that are already computed
+
+
+@dataclass
+class SaveSpec:
+    """Save one full chunk of a request from its blocks."""
+
+    req_id: str
+    key: bytes
+    parent: bytes | None
+    chunk_index: int
+    block_ids: list[int]  # the chunk's blocks
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    """What the worker does this step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: ("stored"|"removed", chunk key, medium) events of this step."""
+
+    events: list[tuple[str, bytes, str]] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierWorkerMetadata":
+        if isinstance(other, KVTierWorkerMetadata):
+            self.events.extend(other.events)
+        return self
+
+
+# ---------------------------------------------------------------------------------- stats
+
+
+@dataclass
+class KVTierConnectorStats(KVConnectorStats):
+    """Counters of one interval: chunks/bytes loaded per tier, saved, load errors."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def add(self, **deltas: int) -> None:
+        for name, delta in deltas.items():
+            self.data[name] = self.data.get(name, 0) + delta
+
+    def aggregate(self, other: KVConnectorStats) -> "KVTierConnectorStats":
+        for name, value in (other.data or {}).items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+# ---------------------------------------------------------------------------------- connector
+
+
+@dataclass
+class _Request:
+    """Scheduler-side state of one request."""
+
+    keys: list[bytes]  # keys of the prompt's full chunks
+    prompt_len: int
+    token_ids: list[int]
+    block_ids: list[int] = field(default_factory=list)
+    hit_chunks: int = 0  # chunks found in the store at lookup
+    local_tokens: int = 0  # tokens vLLM's own prefix cache had
+    load: tuple[int, int, int] | None = None  # (first_chunk, end_chunk, skip_blocks) pending
+    saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or being stored
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    """vLLM KV connector backed by a kvtier TieredStore (see the module docstring)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        self.block_size = vllm_config.cache_config.block_size
+        if self.config.chunk_tokens % self.block_size:
+            from kvtier.errors import ConfigError
+
+            raise ConfigError(
+                f"kvtier.chunk_tokens ({self.config.chunk_tokens}) must be a multiple of the "
+                f"engine's block size ({self.block_size})"
+            )
+        self.chunk_tokens = self.config.chunk_tokens
+        self.blocks_per_chunk = self.chunk_tokens // self.block_size
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.namespace = _namespace(vllm_config, kv_cache_config, self.chunk_tokens)
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec if kv_cache_config else None
+        page = getattr(spec, "page_size_bytes", None)
+        # scheduler side: a mirror of the worker's tiers plus probes of the persistent ones
+        self._requests: dict[str, _Request] = {}
+        self._present: dict[bytes, set[str]] = {}  # chunk key -> media holding it (from events)
+        self._probes: list = []
+        self._chunk_tokens_of: deque = deque(maxlen=4096)  # recent (key, parent, tokens) for events
+        self._events: list = []
+        # worker side: the store and the engine's pages
+        self.store: TieredStore | None = None
+        self._layout: PageLayout | None = None
+        self._num_blocks = kv_cache_config.num_blocks if kv_cache_config else 0
+        self._rank = 0
+        self._failed_blocks: set[int] = set()
+        self._stats = KVTierConnectorStats()
+        if role == KVConnectorRole.WORKER:
+            self._rank = _tp_rank()
+            cfg = self.config.with_page_size(page) if page else self.config
+            self.store = TieredStore.from_config(cfg.store)
+            if self._rank == 0:
+                self.store.enable_events()
+            log.info("kvtier: worker rank %d store tiers %s", self._rank, [t.name for t in self.store.tiers])
+        else:
+            self._probes = _make_probes(self.config.store.tiers)
+
+    # ------------------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` that the store holds (block-aligned, < prompt)."""
+        state = self._request_state(request)
+        max_chunks = (state.prompt_len - 1) // self.chunk_tokens
+        keys = [self._rank_key(k, 0) for k in state.keys[:max_chunks]]
+        state.hit_chunks = self._lookup(keys)
+        state.local_tokens = num_computed_tokens
+        hit_tokens = state.hit_chunks * self.chunk_tokens
+        if hit_tokens <= num_computed_tokens:
+            return 0, False
+        return hit_tokens - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        """Plan the load of the external tokens into the request's newly allocated blocks."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        state.block_ids = list(blocks.get_block_ids()[0])
+        state.saved_chunks = max(state.saved_chunks, state.hit_chunks)  # those are stored already
+        if num_external_tokens <= 0:
+            state.load = None
+            return
+        start = state.local_tokens
+        end = start + num_external_tokens
+        first_chunk = start // self.chunk_tokens
+        skip = (start - first_chunk * self.chunk_tokens) // self.block_size
+        state.load = (first_chunk, end // self.chunk_tokens, skip)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        """This step's loads (planned at allocation) and saves (newly completed full chunks)."""
+        meta = KVTierMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            self._plan(meta, new.req_id, state, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            self._plan(meta, req_id, state, done)
+        return meta
+
+    def _plan(self, meta: KVTierMetadata, req_id: str, state: _Request, tokens_done: int) -> None:
+        """Add a pending load and the saves of chunks completed by this step."""
+        if state.load is not None:
+            first, end, skip = state.load
+            meta.loads.append(LoadSpec(req_id, state.keys[first:end], first, state.block_ids, skip))
+            state.saved_chunks = max(state.saved_chunks, end)
+            state.load = None
+        full = min(tokens_done, state.prompt_len) // self.chunk_tokens
+        bpc = self.blocks_per_chunk
+        for c in range(state.saved_chunks, full):
+            blocks = state.block_ids[c * bpc : (c + 1) * bpc]
+            if len(blocks) < bpc:
+                break
+            parent = state.keys[c - 1] if c else None
+            meta.saves.append(SaveSpec(req_id, state.keys[c], parent, c, blocks))
+            self._chunk_tokens_of.append((state.keys[c], parent, state.token_ids[c * self.chunk_tokens : (c + 1) * self.chunk_tokens]))
+            state.saved_chunks = c + 1
+
+    def _lookup(self, keys: list[bytes]) -> int:
+        """Leading ``keys`` present: in the mirror of the worker's tiers, else in a probed tier."""
+        n = 0
+        while n < len(keys) and keys[n] in self._present:
+            n += 1
+        if n == len(keys) or not self._probes:
+            return n
+        rest = keys[n:]
+        found = [False] * len(rest)
+        for probe in self._probes:
+            try:
+                found = [a or b for a, b in zip(found, probe.contains_many(rest))]
+            except Exception:  # a probe must not fail the scheduler; the worker will miss anyway
+                log.warning("kvtier: lookup in %s failed", type(probe).__name__, exc_info=True)
+        for hit in found:
+            if not hit:
+                break
+            n += 1
+        return n
+
+    def update_connector_output(self, connector_output) -> None:
+        """Apply the worker's store events to the mirror (and keep them for ``take_events``)."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, KVTierWorkerMetadata):
+            return
+        for kind, key, medium in meta.events:
+            media = self._present.get(key)
+            if kind == "stored":
+                if media is None:
+                    self._present[key] = media = set()
+                media.add(medium)
+            elif media is not None:
+                media.discard(medium)
+                if not media:
+                    del self._present[key]
+        self._events.extend(meta.events)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; saves are synchronous, so its blocks can be freed at once."""
+        self._requests.pop(request.request_id, None)
+        return False, None
+
+    def take_events(self):
+        """BlockStored/BlockRemoved events for chunks entering/leaving kvtier's tiers."""
+        tokens = {key: (parent, toks) for key, parent, toks in self._chunk_tokens_of}
+        events = []
+        pending, self._events = self._events, []
+        for kind, key, medium in pending:
+            if kind == "stored":
+                parent, toks = tokens.get(key, (None, []))
+                events.append(BlockStored(block_hashes=[key], parent_block_hash=parent, token_ids=list(toks),
+                                          block_size=self.chunk_tokens, lora_id=None, medium=medium, lora_name=None))
+            else:
+                events.append(BlockRemoved(block_hashes=[key], medium=medium))
+        return events
+
+    def _request_state(self, request: "Request") -> _Request:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            tokens = list(request.prompt_token_ids or [])
+            lora = request.lora_request.lora_name if request.lora_request else None
+            ns = self.namespace.with_lora(lora).with_salt(request.cache_salt)
+            state = _Request(chunk_keys(tokens, ns, self.chunk_tokens), len(tokens), tokens)
+            self._requests[request.request_id] = state
+        return state
+
+    def _rank_key(self, key: bytes, rank: int) -> bytes:
+        """The key of one tensor-parallel rank's share of a chunk (the chunk key when TP=1)."""
+        if self.tp_size == 1:
+            return key
+        return hashlib.sha256(key + b"rank" + rank.to_bytes(4, "little")).digest()
+
+    # ------------------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Learn the engine's per-layer page tensors."""
+        num_blocks = self._num_blocks or next(iter(kv_caches.values())).shape[0]
+        self._layout = PageLayout(kv_caches, num_blocks, self.blocks_per_chunk)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        """Copy this step's planned chunks into the engine's pages before the forward pass."""
+        meta = self._connector_metadata
+        if not isinstance(meta, KVTierMetadata) or self._layout is None:
+            return
+        for load in meta.loads:
+            self._load(load)
+
+    def _load(self, load: LoadSpec) -> None:
+        bpc = self.blocks_per_chunk
+        layout = self._layout
+        for i, key in enumerate(load.keys):
+            c = load.first_chunk + i
+            blocks = load.block_ids[c * bpc : (c + 1) * bpc]
+            first = load.skip_blocks if i == 0 else 0
+            tier = None
+            try:
+                tier = self.store.read(self._rank_key(key, self._rank), lambda segs: layout.load(segs, blocks, first))
+            except ValueError:  # an entry of another size: not ours to trust
+                log.warning("kvtier: chunk %d of %s has an unexpected size; recomputing", c, load.req_id)
+            if tier is None:
+                failed = load.block_ids[c * bpc + first : (load.first_chunk + len(load.keys)) * bpc]
+                self._failed_blocks.update(failed)
+                self._stats.add(load_errors=1, load_error_chunks=len(load.keys) - i)
+                return
+            self._stats.add(loaded_chunks=1, loaded_bytes=layout.chunk_bytes, **{f"hits_{tier}": 1})
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads complete in ``start_load_kv``; nothing to wait for per layer."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Saves happen once per step in ``wait_for_save``, after every layer is computed."""
+
+    def wait_for_save(self) -> None:
+        """Copy the pages of this step's completed chunks into the store's top tier."""
+        meta = self._connector_metadata
+        if not isinstance(meta, KVTierMetadata) or self._layout is None:
+            return
+        layout = self._layout
+        for save in meta.saves:
+            key = self._rank_key(save.key, self._rank)
+            parent = self._rank_key(save.parent, self._rank) if save.parent else None
+            ok = self.store.write(key, layout.chunk_bytes, lambda segs, b=save.block_ids: layout.save(b, segs),
+                                  parent=parent, chunk_index=save.chunk_index)
+            if ok:
+                self._stats.add(saved_chunks=1, saved_bytes=layout.chunk_bytes)
+            else:
+                self._stats.add(save_skipped=1)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """This step's store events for the scheduler's mirror (rank 0 speaks for all ranks)."""
+        if self.store is None or self._rank != 0:
+            return None
+        events = self.store.take_events()
+        return KVTierWorkerMetadata(events) if events else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call (vLLM recomputes them)."""
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This interval's counters (then reset)."""
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KVTierConnectorStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVTierConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        """Close the store (worker) or the probes (scheduler)."""
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+        for probe in self._probes:
+            close = getattr(probe, "close", None)
+            if close is not None:
+                close()
+        self._probes = []
+
+
+def _namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None", chunk_tokens: int) -> Namespace:
+    """The key namespace: everything about the engine that changes KV bytes."""
+    from vllm.platforms import current_platform
+
+    model = vllm_config.model_config
+    hf = getattr(model, "hf_config", None)
+    blob = json.dumps(hf.to_dict() if hf is not None else {}, sort_keys=True, default=str).encode()
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec if kv_cache_config else None
+    layout = ":".join(str(x) for x in (
+        current_platform.device_type,
+        type(spec).__name__ if spec else "",
+        getattr(spec, "block_size", ""),
+        getattr(spec, "num_kv_heads", ""),
+        getattr(spec, "head_size", ""),
+        getattr(kv_cache_config, "kv_cache_layout", None) or "",
+        f"chunk{chunk_tokens}",
+    ))
+    return Namespace(
+        model=str(model.model),
+        config_digest=hashlib.sha256(blob).hexdigest(),
+        kv_dtype=str(getattr(spec, "dtype", vllm_config.cache_config.cache_dtype)),
+        kv_layout=layout,
+        tp_world_size=vllm_config.parallel_config.tensor_parallel_size,
+        tp_rank=0,  # per-rank keys are derived on the worker (see _rank_key)
+    )
+
+
+def _make_probes(tier_specs: list[dict]) -> list:
+    """Lookup-only views of the tiers a scheduler process can see: disk directories (by file
+    existence) and shared tiers (their own ``contains_many``). Process-private RAM is skipped:
+    the mirror covers it. A tier that cannot be reached is left out with a warning."""
+    from kvtier.errors import KVTierError
+    from kvtier.tiers.disk import DiskConfig, DiskProbe
+    from kvtier.config import build
+    from kvtier.tiers.registry import TIERS, make_tier
+
+    probes = []
+    for i, spec in enumerate(tier_specs):
+        spec = {k: v for k, v in spec.items() if k != "policy"}
+        kind = spec.get("type")
+        try:
+            if kind == "disk":
+                probes.append(DiskProbe(build(DiskConfig, {k: v for k, v in spec.items() if k not in ("type", "name")})))
+            elif kind != "ram" and TIERS.get(kind).self_managed:
+                probes.append(make_tier(spec, f"tiers[{i}]"))
+        except KVTierError as exc:
+            log.warning("kvtier: scheduler cannot look up tier %s: %s", kind, exc)
+    return probes
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except Exception:  # not initialised (single process)
+        return 0
