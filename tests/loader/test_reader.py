@@ -1,0 +1,142 @@
+"""The streaming reader against safetensors itself: every dtype, both local modes, filters, errors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvtier.errors import ConfigError, LoaderError
+from kvtier.loader.reader import ReaderConfig, StreamReader, load_tensors, model_files
+
+DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16, torch.bfloat16,
+          torch.int32, torch.uint32, torch.float32, torch.int64, torch.uint64, torch.float64,
+          torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _tensor(dtype, shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 4).to(dtype)
+    return torch.randint(0, 100, shape, generator=g).to(dtype)
+
+
+@pytest.fixture
+def every_dtype(tmp_path):
+    tensors = {}
+    for i, dt in enumerate(DTYPES):
+        name = str(dt).split(".")[1]
+        tensors[f"{name}.big"] = _tensor(dt, (257, 129), i)
+        tensors[f"{name}.small"] = _tensor(dt, (3,), 100 + i)
+        tensors[f"{name}.scalar"] = _tensor(dt, (), 200 + i)
+        tensors[f"{name}.empty"] = _tensor(dt, (0, 4), 300 + i)
+    path = str(tmp_path / "all.safetensors")
+    save_file(tensors, path)
+    return path
+
+
+def _same(a: dict, b: dict) -> None:
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].reshape(-1).view(torch.uint8) if a[k].numel() else a[k],
+                           b[k].reshape(-1).view(torch.uint8) if b[k].numel() else b[k]), k
+
+
+@pytest.mark.parametrize("mode", ["mmap", "read"])
+@pytest.mark.parametrize("block", ["4KiB", "16MiB"])
+def test_round_trip_every_dtype(every_dtype, mode, block):
+    cfg = ReaderConfig(block_size=block, memory_limit="64KiB" if block == "4KiB" else "64MiB",
+                       local_mode=mode, concurrency=4)
+    _same(load_tensors(every_dtype, cfg), load_file(every_dtype))
+
+
+def test_yielded_tensors_are_owned(every_dtype):
+    """Tensors kept by the caller stay intact while the reader reuses its staging buffers."""
+    names = [n for n in load_file(every_dtype) if n.endswith("small")]  # gaps -> staging buffers
+    cfg = ReaderConfig(block_size="4KiB", memory_limit="8KiB", local_mode="read", concurrency=3)
+    with StreamReader([every_dtype], cfg) as r:
+        kept = dict(r.stream(tensor_names=names))
+    ref = load_file(every_dtype)
+    _same(kept, {n: ref[n] for n in names})
+
+
+def test_memory_limit_bounds_allocations(tmp_path, monkeypatch):
+    path = str(tmp_path / "m.safetensors")
+    save_file({f"t{i}": torch.full((256, 256), float(i)) for i in range(16)}, path)  # 256 KiB each
+    live, peak = [0], [0]
+    real_empty = torch.empty
+
+    def counting_empty(n, *a, **k):
+        t = real_empty(n, *a, **k)
+        if isinstance(n, int) and n >= 256 * 1024:
+            live[0] += n
+            peak[0] = max(peak[0], live[0])
+        return t
+
+    monkeypatch.setattr(torch, "empty", counting_empty)
+    cfg = ReaderConfig(block_size="64KiB", memory_limit="512KiB", local_mode="read", concurrency=4)
+    with StreamReader([path], cfg) as r:
+        for name, t in r.stream():
+            assert torch.all(t == float(name[1:]))
+            live[0] -= t.nbytes
+    assert peak[0] <= 512 * 1024 + 256 * 1024
+
+
+def test_filter_and_unknown_name(every_dtype):
+    with StreamReader([every_dtype]) as r:
+        got = dict(r.stream(tensor_names=["float32.big"]))
+        assert list(got) == ["float32.big"]
+        with pytest.raises(LoaderError, match="nope"):
+            list(r.stream(tensor_names=["nope"]))
+
+
+def test_check_values_rejects_nan(tmp_path):
+    path = str(tmp_path / "nan.safetensors")
+    save_file({"ok": torch.ones(4), "bad": torch.tensor([1.0, float("nan")])}, path)
+    with pytest.raises(LoaderError, match="'bad' holds NaN"):
+        load_tensors(path, ReaderConfig(check_values=True))
+    assert load_tensors(path)["bad"].isnan().any()
+
+
+def test_truncated_file_is_an_error(tmp_path):
+    path = str(tmp_path / "t.safetensors")
+    save_file({"a": torch.ones(1024)}, path)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 10)
+    with pytest.raises(LoaderError, match="past the end"):
+        load_tensors(path)
+
+
+def test_file_shrinking_during_read_is_a_short_read(tmp_path):
+    path = str(tmp_path / "s.safetensors")
+    save_file({"a": torch.ones(1 << 16)}, path)
+    with StreamReader([path], ReaderConfig(local_mode="read")) as r:
+        with open(path, "r+b") as f:
+            f.truncate(1000)
+        with pytest.raises(LoaderError, match="short read"):
+            list(r.stream())
+
+
+def test_model_dir_with_index(tmp_path):
+    from kvtier.loader.header import INDEX_NAME
+    import json
+
+    save_file({"a": torch.ones(3)}, str(tmp_path / "m-1.safetensors"))
+    save_file({"b": torch.zeros(2)}, str(tmp_path / "m-2.safetensors"))
+    (tmp_path / INDEX_NAME).write_text(json.dumps({"weight_map": {"a": "m-1.safetensors", "b": "m-2.safetensors"}}))
+    files = model_files(str(tmp_path))
+    assert [os.path.basename(f) for f in files] == ["m-1.safetensors", "m-2.safetensors"]
+    with StreamReader(files) as r:
+        assert sorted(dict(r.stream())) == ["a", "b"]
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="memory_limit"):
+        ReaderConfig(block_size="16MiB", memory_limit="1MiB")
+    with pytest.raises(ConfigError, match="local_mode"):
+        ReaderConfig(local_mode="fast")
