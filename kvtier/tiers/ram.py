@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import heapq
 import logging
+import mmap
+import os
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,12 +43,16 @@ class RamConfig:
         to ordinary memory with a warning when CUDA is absent); false never pins.
     prefault: touch every arena page at construction, so resident memory is the full arena from
         the start instead of growing up to it on first use.
+    shm_path: back the arena with this new file (e.g. under /dev/shm, mode 0600) so other
+        processes of the same user can map it (the per-node cache server); the file is created
+        exclusively and removed on ``close``. Never pinned.
     """
 
     capacity: Size = Size(1024**3)
     page_size: Size = Size(256 * 1024)
     pin_memory: Literal["auto"] | bool = "auto"
     prefault: bool = False
+    shm_path: str | None = None
 
 
 class _Entry:
@@ -87,7 +93,10 @@ class RamTier(Tier):
         self._page = int(config.page_size)
         self._npages = int(config.capacity) // self._page
         self._capacity = self._npages * self._page
-        self._tensor, self._arena = _allocate(self._capacity, config.pin_memory, name)
+        if config.shm_path:
+            self._tensor, self._arena = None, _map_shared(config.shm_path, self._capacity)
+        else:
+            self._tensor, self._arena = _allocate(self._capacity, config.pin_memory, name)
         if config.prefault and self._capacity:
             self._arena.fill(0)
         self._free = list(range(self._npages))  # already a valid min-heap
@@ -117,6 +126,11 @@ class RamTier(Tier):
         """Bytes in free pages: the most one more entry could take (pages round sizes up)."""
         with self._lock:
             return len(self._free) * self._page
+
+    def offset_of(self, view: np.ndarray) -> int:
+        """Byte offset in the arena of a view from ``views``/``borrow``/``reserve`` (for a
+        process that maps the same ``shm_path``)."""
+        return int(view.__array_interface__["data"][0] - self._arena.__array_interface__["data"][0])
 
     def footprint(self, nbytes: int) -> int:
         """Arena bytes an entry of ``nbytes`` occupies (whole pages)."""
@@ -207,6 +221,11 @@ class RamTier(Tier):
             self._used = 0
             self._arena = np.empty(0, dtype=np.uint8)
             self._tensor = None
+        if self.config.shm_path:
+            try:
+                os.unlink(self.config.shm_path)
+            except FileNotFoundError:
+                pass
 
     # --- zero-copy path ------------------------------------------------------------------------
 
@@ -378,6 +397,22 @@ def _check_meta(length: int, dtype: str, shape: tuple[int, ...] | None) -> tuple
     if len(shape) > MAX_NDIM or count * itemsize != length:
         raise ValueError(f"shape {shape} x {dtype} does not match {length} payload bytes")
     return dtype, shape
+
+
+def _map_shared(path: str, capacity: int) -> np.ndarray:
+    """A uint8 array over a new shared-memory file of ``capacity`` bytes (mode 0600).
+
+    The mapping lives as long as the array (numpy holds the mmap); the file is unlinked by
+    ``RamTier.close``.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, capacity)
+        if not capacity:
+            return np.empty(0, dtype=np.uint8)
+        return np.frombuffer(mmap.mmap(fd, capacity), dtype=np.uint8)
+    finally:
+        os.close(fd)
 
 
 def _allocate(capacity: int, pin: Literal["auto"] | bool, name: str):

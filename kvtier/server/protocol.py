@@ -1,0 +1,175 @@
+"""The cache server's control protocol: length-prefixed msgpack maps over a stream socket.
+
+Payloads never travel here: they sit in shared-memory files both sides map (the server's RAM
+arena for reads, a staging area for writes); messages carry only keys, offsets and lengths.
+
+Framing: a 4-byte big-endian length, then one msgpack map (no extension types, no pickle).
+A request is ``{"op": NAME, ...fields}``; a reply is ``{"ok": True, ...}`` or
+``{"ok": False, "error": CODE, "message": TEXT}``. Requests on one connection are answered in
+order; ``release`` and ``abort`` have no reply (they only give something back).
+
+The first request on a connection must be ``hello`` with the client's ``version`` and, where the
+server has one, its ``token``; anything else closes the connection with an error reply.
+
+======== ======================================== ===============================================
+op       request fields                           reply fields
+======== ======================================== ===============================================
+hello    version:int, token:str|None              version, server_id, arena{path,size},
+                                                  staging{path,size}, page_size, tiers[str]
+lookup   keys:[bytes]                             n (leading keys present in some tier)
+get      key:bytes                                tier (str|None), lease:int, extents[[off,len]]
+release  lease:int                                (none)
+reserve  key, nbytes:int, parent:bytes|None,      status ("ok"|"exists"|"full"), lease, extents
+         chunk_index:int                          (offsets in the staging area)
+commit   lease:int                                stored:bool
+abort    lease:int                                (none)
+delete   key:bytes                                (empty)
+stats    -                                        stats (the store's stats dict + server counters)
+events   -                                        events[[kind, key, medium]] (taken: each event
+                                                  goes to one asker)
+flush    timeout:float                            done:bool
+======== ======================================== ===============================================
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any
+
+import msgpack
+
+from kvtier.errors import KVTierError
+
+VERSION = 1
+MAX_FRAME = 8 * 1024 * 1024  # a lookup of 200k keys fits; anything larger is malformed
+_LEN = struct.Struct(">I")
+
+# op -> {field: accepted types}; every listed field is required
+SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
+    "hello": {"version": (int,), "token": (str, type(None))},
+    "lookup": {"keys": (list,)},
+    "get": {"key": (bytes,)},
+    "release": {"lease": (int,)},
+    "reserve": {"key": (bytes,), "nbytes": (int,), "parent": (bytes, type(None)), "chunk_index": (int,)},
+    "commit": {"lease": (int,)},
+    "abort": {"lease": (int,)},
+    "delete": {"key": (bytes,)},
+    "stats": {},
+    "events": {},
+    "flush": {"timeout": (int, float)},
+}
+NO_REPLY = frozenset({"release", "abort"})
+
+# error codes
+BAD_TOKEN = "bad_token"
+BAD_VERSION = "version_mismatch"
+MALFORMED = "malformed"
+HELLO_FIRST = "hello_first"
+
+
+class ProtocolError(KVTierError):
+    """A frame or message that does not follow the protocol (``code`` names the kind)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class ServerRejected(KVTierError):
+    """The server refused this client (wrong token, protocol version mismatch, bad request)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"kvtier server rejected the request ({code}): {message}")
+        self.code = code
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """One frame: length prefix + msgpack map."""
+    body = msgpack.packb(message, use_bin_type=True)
+    return _LEN.pack(len(body)) + body
+
+
+def send(sock: socket.socket, message: dict[str, Any]) -> None:
+    """Send one message (blocking)."""
+    sock.sendall(encode(message))
+
+
+def recv(sock: socket.socket) -> dict[str, Any] | None:
+    """Read one message; None on a clean end of stream before a frame starts.
+
+    Raises ProtocolError for an oversized frame or a body that is not a msgpack map, and
+    ConnectionError when the stream ends inside a frame.
+    """
+    head = _recv_exact(sock, _LEN.size, allow_eof=True)
+    if head is None:
+        return None
+    (length,) = _LEN.unpack(head)
+    if length > MAX_FRAME:
+        raise ProtocolError(MALFORMED, f"frame of {length} bytes exceeds the {MAX_FRAME}-byte limit")
+    body = _recv_exact(sock, length, allow_eof=False)
+    try:
+        message = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several types for garbage
+        raise ProtocolError(MALFORMED, f"frame is not msgpack ({type(exc).__name__})") from None
+    if not isinstance(message, dict):
+        raise ProtocolError(MALFORMED, "a message must be a msgpack map")
+    return message
+
+
+def validate(message: dict[str, Any]) -> str:
+    """Check a request against ``SCHEMA``; return its op. Raises ProtocolError(MALFORMED)."""
+    op = message.get("op")
+    fields = SCHEMA.get(op) if isinstance(op, str) else None
+    if fields is None:
+        raise ProtocolError(MALFORMED, f"unknown op {op!r}; valid ops: {', '.join(SCHEMA)}")
+    for name, types in fields.items():
+        value = message.get(name)
+        if name not in message or not isinstance(value, types) or isinstance(value, bool):
+            want = "|".join(t.__name__ for t in types)
+            raise ProtocolError(MALFORMED, f"{op}: field {name!r} must be {want}")
+    if op == "lookup" and not all(isinstance(k, bytes) for k in message["keys"]):
+        raise ProtocolError(MALFORMED, "lookup: keys must be a list of bytes")
+    if op == "reserve" and message["nbytes"] < 0:
+        raise ProtocolError(MALFORMED, "reserve: nbytes must not be negative")
+    return op
+
+
+def error(code: str, message: str) -> dict[str, Any]:
+    """An error reply."""
+    return {"ok": False, "error": code, "message": message}
+
+
+def _recv_exact(sock: socket.socket, n: int, allow_eof: bool) -> bytes | None:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            if got == 0 and allow_eof:
+                return None
+            raise ConnectionError("connection closed inside a frame")
+        got += k
+    return bytes(buf)
+
+
+def parse_address(address: str) -> tuple[int, Any]:
+    """``unix:///path`` -> (AF_UNIX, path); ``tcp://host:port`` -> (AF_INET, (host, port)).
+
+    Raises KVTierError (a ConfigError) naming the accepted forms.
+    """
+    from kvtier.errors import ConfigError
+
+    if address.startswith("unix://"):
+        path = address[len("unix://"):]
+        if not path:
+            raise ConfigError(f"server address {address!r}: empty socket path")
+        return socket.AF_UNIX, path
+    if address.startswith("tcp://"):
+        rest = address[len("tcp://"):]
+        host, sep, port = rest.rpartition(":")
+        if not sep or not port.isdigit() or not host:
+            raise ConfigError(f"server address {address!r}: expected tcp://HOST:PORT")
+        return socket.AF_INET, (host.strip("[]"), int(port))
+    raise ConfigError(f"server address {address!r}: expected unix:///path.sock or tcp://HOST:PORT")
