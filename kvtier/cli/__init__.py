@@ -19,6 +19,7 @@ _COMMAND_MODULES = [
     "kvtier.cli.plan",
     "kvtier.cli.bench",
     "kvtier.cli.loader",
+    "kvtier.cli.serve",
 ]
 
 
