@@ -173,6 +173,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._requests: dict[str, _Request] = {}
         self._present: dict[bytes, set[str]] = {}  # chunk key -> media holding it (from events)
         self._probes: list = []
+        self._server = None  # scheduler side with a cache server: lookups go to the server
         self._chunk_tokens_of: deque = deque(maxlen=4096)  # recent (key, parent, tokens) for events
         self._events: list = []
         # worker side: the store and the engine's pages
@@ -185,10 +186,19 @@ class KVTierConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.WORKER:
             self._rank = _tp_rank()
             cfg = self.config.with_page_size(page) if page else self.config
-            self.store = TieredStore.from_config(cfg.store)
+            if self.config.server:  # a per-node cache server owns the tiers
+                from kvtier.server.client import ServerStore
+
+                self.store = ServerStore(self.config.server, token=self.config.server_token)
+            else:
+                self.store = TieredStore.from_config(cfg.store)
             if self._rank == 0:
                 self.store.enable_events()
             log.info("kvtier: worker rank %d store tiers %s", self._rank, [t.name for t in self.store.tiers])
+        elif self.config.server:
+            from kvtier.server.client import ServerStore
+
+            self._server = ServerStore(self.config.server, token=self.config.server_token)
         else:
             self._probes = _make_probes(self.config.store.tiers)
 
@@ -265,6 +275,8 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def _lookup(self, keys: list[bytes]) -> int:
         """Leading ``keys`` present: in the mirror of the worker's tiers, else in a probed tier."""
+        if self._server is not None:  # the server knows every engine's entries
+            return self._server.lookup(keys)
         n = 0
         while n < len(keys) and keys[n] in self._present:
             n += 1
@@ -424,6 +436,9 @@ class KVTierConnector(KVConnectorBase_V1):
             if close is not None:
                 close()
         self._probes = []
+        if self._server is not None:
+            self._server.close()
+            self._server = None
 
 
 def _namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None", chunk_tokens: int) -> Namespace:
