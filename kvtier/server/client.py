@@ -300,6 +300,9 @@ class ServerStore:
         with self._lock:
             return self._call({"op": "delete", "key": bytes(key)}) is not None
 
+    def enable_events(self, maxlen: int = 100_000) -> None:
+        """Nothing to do: the server always records events (bounded) for whoever asks."""
+
     def take_events(self) -> list[tuple[str, Key, str]]:
         """The server's ("stored"|"removed", key, medium) events since anyone last asked."""
         with self._lock:
