@@ -142,6 +142,12 @@ def _disk(args: argparse.Namespace, workdir: str, entry_bytes: int, count: int):
     return DiskTier(config, name="disk")
 
 
+def _server(args: argparse.Namespace, workdir: str, entry_bytes: int, count: int):
+    from kvtier.server.benchmark import server_target  # a kvtier serve subprocess + ServerStore
+
+    return server_target(args, workdir, entry_bytes, count)
+
+
 # name -> Target. Baselines first, so a tier's ratio can be printed beside it.
 TARGETS: dict[str, Target] = {
     "memcpy": Target(_memcpy, baseline=None),
@@ -152,6 +158,7 @@ TARGETS: dict[str, Target] = {
     "redis": Target(shared_targets.redis_tier, baseline="redis-py-loop"),
     "s3": Target(shared_targets.s3_tier, baseline=None),
     "fs": Target(shared_targets.fs_tier, baseline="file"),
+    "server": Target(_server, baseline="memcpy"),
 }
 
 
