@@ -18,9 +18,8 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     model, load_format = sys.argv[1], sys.argv[2]
-    extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None
-    llm = LLM(model=model, load_format=load_format, model_loader_extra_config=extra,
-              skip_tokenizer_init=True, gpu_memory_utilization=0.3, num_gpu_blocks_override=16,
+    extra = {"model_loader_extra_config": json.loads(sys.argv[3])} if len(sys.argv) > 3 else {}
+    llm = LLM(model=model, load_format=load_format, **extra, skip_tokenizer_init=True, gpu_memory_utilization=0.3, num_gpu_blocks_override=16,
               max_model_len=512, enforce_eager=True, dtype="bfloat16")
     prompts = [TokensPrompt(prompt_token_ids=[(i * 37 + j * 11) % 30000 + 5 for j in range(24)]) for i in range(3)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, detokenize=False))
