@@ -5,10 +5,13 @@ at most ``block_size``; neighbouring pieces are merged into one request of at mo
 ``block_size`` (small tensors share a request; a gap up to ``max_gap`` is read and dropped).
 A pool of ``concurrency`` threads runs the requests in file order.
 
-Buffers and ownership: for a whole tensor of a local file on CPU in ``local_mode="mmap"``
-(the default) the tensor is a private copy-on-write mapping of the file and each request is a
+Buffers and ownership: ``local_mode="auto"`` (the default) picks ``mmap`` for a local file
+whose pages are already in the page cache and ``read`` otherwise. For a whole tensor of a local
+file on CPU in ``local_mode="mmap"`` the tensor is a private copy-on-write mapping of the file and each request is a
 large readahead into the page cache (``posix_fadvise(WILLNEED)``): no copy at all, and no
-shared buffer. Otherwise on CPU each request reads straight into the destination tensors
+shared buffer. ``local_mode="direct"`` reads aligned supersets of each range with ``O_DIRECT``
+into the staging pool (past the page cache, like ``dd iflag=direct``) and copies out.
+Otherwise on CPU each request reads straight into the destination tensors
 (``preadv``/socket ``readinto``: no copy). Requests with gaps, and every request on CUDA, read
 into one of a bounded pool of reusable staging buffers (pinned on CUDA) and copy out; a
 staging buffer is reused only after its copies have finished. A yielded tensor is never a view
@@ -32,6 +35,8 @@ from kvtier.loader.header import DTYPES, INDEX_NAME, Header, TensorInfo, index_f
 from kvtier.loader.sources import Source, open_source, scheme_of, source_class
 
 MiB = 1024 * 1024
+LOCAL_MODES = ("auto", "mmap", "read", "direct")
+_ALIGN = 4096
 _MAX_SEGMENTS = 512  # below IOV_MAX (1024) for preadv
 
 
@@ -46,7 +51,7 @@ class ReaderConfig:
     check_values: bool = False
     device: str = "cpu"
     endpoint_url: str | None = None
-    local_mode: str = "mmap"
+    local_mode: str = "auto"
 
     def __post_init__(self):
         for name in ("block_size", "memory_limit", "max_gap"):
@@ -59,8 +64,8 @@ class ReaderConfig:
             raise ConfigError(f"block_size must be at least 4 KiB, got {self.block_size}")
         if self.memory_limit < self.block_size:
             raise ConfigError(f"memory_limit ({self.memory_limit}) must be at least block_size ({self.block_size})")
-        if self.local_mode not in ("mmap", "read"):
-            raise ConfigError(f"local_mode must be 'mmap' or 'read', got {self.local_mode!r}")
+        if self.local_mode not in LOCAL_MODES:
+            raise ConfigError(f"local_mode must be one of {', '.join(LOCAL_MODES)}, got {self.local_mode!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 
@@ -91,6 +96,7 @@ class _Request:
     end: int
     segments: list = field(default_factory=list)  # (file_offset, length, target, dst_offset)
     mapped: bool = False  # readahead into the page cache, no copy
+    direct: bool = False  # O_DIRECT into an aligned staging buffer, then copies
 
     @property
     def dense(self) -> bool:
@@ -229,11 +235,13 @@ class StreamReader:
     def _plan(self, targets: list[_Target], slices) -> list[_Request]:
         block, gap = self.config.block_size, self.config.max_gap
         pieces = []  # (uri, file_offset, length, target, dst_offset)
-        map_ok = self.config.local_mode == "mmap" and self.config.device == "cpu"
+        mode = self.config.local_mode
+        map_ok = {uri: self.config.device == "cpu" and hasattr(src, "mapping") and (
+            mode == "mmap" or (mode == "auto" and src.is_cached())) for uri, src in self._sources.items()}
         for t in targets:
             uri = self.index[t.name][0]
             spec = _slice_for(slices, t.info)
-            t.mapped = map_ok and spec is None and hasattr(self._sources[uri], "mapping")
+            t.mapped = map_ok[uri] and spec is None
             ranges = [(t.info.start, t.info.nbytes)] if spec is None else slice_ranges(t.info, *spec)
             dst = 0
             for off, length in ranges:
@@ -249,7 +257,9 @@ class StreamReader:
         for uri, off, n, t, dst in pieces:
             if (cur is None or uri != cur_uri or off - cur.end > gap or off + n - cur.start > block
                     or len(cur.segments) >= _MAX_SEGMENTS or cur.mapped != t.mapped):
-                cur = _Request(self._sources[uri], off, off + n, mapped=t.mapped)
+                src = self._sources[uri]
+                cur = _Request(src, off, off + n, mapped=t.mapped,
+                               direct=self.config.local_mode == "direct" and hasattr(src, "read_direct"))
                 cur_uri = uri
                 requests.append(cur)
             cur.segments.append((off, n, t, dst))
@@ -265,7 +275,7 @@ class StreamReader:
         cuda = device.type == "cuda"
         limit = self.config.memory_limit
         staging_count = max(1, min(self.concurrency, limit // (2 * self.config.block_size)))
-        pool = _BufferPool(staging_count, self.config.block_size, pin=cuda)
+        pool = _BufferPool(staging_count, self.config.block_size + 2 * _ALIGN, pin=cuda)
         events: queue.Queue = queue.Queue()
         abort = threading.Event()
         lock = threading.Lock()
@@ -342,29 +352,39 @@ class StreamReader:
         if req.mapped:
             req.source.prefetch(req.start, req.end - req.start)
             return
-        if req.dense and not cuda:
+        if req.dense and not cuda and not req.direct:
             views = [memoryview(t.flat[dst:dst + n].numpy()) for _, n, t, dst in req.segments]
             req.source.read_into(req.start, views)
             return
-        buf = pool.get()
+        buf = whole = pool.get()
         try:
-            span = req.end - req.start
-            req.source.read_into(req.start, [memoryview(buf[:span].numpy())])
+            base = req.start
+            if req.direct:  # aligned superset of the range, read past the page cache
+                base = req.start - req.start % _ALIGN
+                first = (-buf.data_ptr()) % _ALIGN
+                span = -(-(req.end - base) // _ALIGN) * _ALIGN
+                got = req.source.read_direct(base, memoryview(buf[first:first + span].numpy()))
+                if got < req.end - base:
+                    raise LoaderError(f"{req.source.uri}: short read at offset {base} ({got} of {req.end - base} bytes)")
+                buf = buf[first:]
+            else:
+                span = req.end - req.start
+                req.source.read_into(req.start, [memoryview(buf[:span].numpy())])
             if cuda:
                 import torch
 
                 stream = _thread_stream(req.segments[0][2].flat.device)
                 with torch.cuda.stream(stream):
                     for off, n, t, dst in req.segments:
-                        rel = off - req.start
+                        rel = off - base
                         t.flat[dst:dst + n].copy_(buf[rel:rel + n], non_blocking=True)
                 stream.synchronize()  # the staging buffer is reused only after its copies finish
             else:
                 for off, n, t, dst in req.segments:
-                    rel = off - req.start
+                    rel = off - base
                     t.flat[dst:dst + n].copy_(buf[rel:rel + n])
         finally:
-            pool.put(buf)
+            pool.put(whole)
 
     def _finish(self, t: _Target):
         """The owned tensor of a completed target, with its dtype and shape (values checked if asked)."""

@@ -47,7 +47,7 @@ def _same(a: dict, b: dict) -> None:
                            b[k].reshape(-1).view(torch.uint8) if b[k].numel() else b[k]), k
 
 
-@pytest.mark.parametrize("mode", ["mmap", "read"])
+@pytest.mark.parametrize("mode", ["auto", "mmap", "read", "direct"])
 @pytest.mark.parametrize("block", ["4KiB", "16MiB"])
 def test_round_trip_every_dtype(every_dtype, mode, block):
     cfg = ReaderConfig(block_size=block, memory_limit="64KiB" if block == "4KiB" else "64MiB",

@@ -31,7 +31,7 @@ def model(tmp_path):
 
 
 @pytest.mark.parametrize("dim", [0, 1, 2])
-@pytest.mark.parametrize("mode", ["mmap", "read"])
+@pytest.mark.parametrize("mode", ["auto", "mmap", "read", "direct"])
 def test_slices_equal_get_slice(model, dim, mode):
     cfg = ReaderConfig(block_size="4KiB", memory_limit="16KiB", local_mode=mode, concurrency=3)
     with StreamReader([model], cfg) as r, safe_open(model, "pt") as f:

@@ -31,6 +31,7 @@ class FileSource(Source):
         self._size = os.fstat(self._fd).st_size
         self._lock = threading.Lock()
         self._map: mmap.mmap | None = None
+        self._direct_fd: int | None = None
 
     def size(self) -> int:
         return self._size
@@ -66,6 +67,50 @@ class FileSource(Source):
         """Start reading ``[offset, offset+length)`` into the page cache (one large readahead)."""
         os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_WILLNEED)
 
+    def is_cached(self, samples: int = 8) -> bool:
+        """True when sampled 4 KiB pages across the file are all in the page cache (a hint).
+
+        Uses ``preadv(RWF_NOWAIT)``, which fails instead of waiting for the disk.
+        """
+        flag = getattr(os, "RWF_NOWAIT", None)
+        if flag is None or self._size == 0:
+            return False
+        buf = bytearray(4096)
+        step = max(1, self._size // samples)
+        for off in range(0, self._size, step):
+            try:
+                os.preadv(self._fd, [buf], off, flag)
+            except BlockingIOError:
+                return False
+            except OSError:
+                return False
+        return True
+
+    def read_direct(self, offset: int, buf: memoryview) -> int:
+        """``O_DIRECT`` read of ``len(buf)`` bytes at ``offset`` (all 4 KiB aligned, ``buf`` too),
+        bypassing the page cache; returns the bytes read (fewer only at the end of the file).
+        Falls back to a buffered read where the file system refuses ``O_DIRECT`` (tmpfs)."""
+        with self._lock:
+            if self._direct_fd is None:
+                try:
+                    self._direct_fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+                except OSError:
+                    self._direct_fd = -1
+            fd = self._direct_fd if self._direct_fd >= 0 else self._fd
+        done = 0
+        while done < len(buf):
+            try:
+                n = os.preadv(fd, [buf[done:]], offset + done)
+            except OSError as exc:
+                if fd != self._fd and exc.errno == 22:  # EINVAL: O_DIRECT not supported here
+                    fd = self._fd
+                    continue
+                raise LoaderError(f"{self.path}: read failed at offset {offset + done} ({exc.strerror})") from None
+            if n == 0:
+                break
+            done += n
+        return done
+
     @classmethod
     def list_dir(cls, uri: str) -> list[tuple[str, int]]:
         path = local_path(uri)
@@ -85,6 +130,9 @@ class FileSource(Source):
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+            if self._direct_fd is not None and self._direct_fd >= 0:
+                os.close(self._direct_fd)
+            self._direct_fd = None
             self._map = None  # tensors still using it keep it alive
 
 
