@@ -18,6 +18,7 @@ from kvtier.errors import KVTierError
 _COMMAND_MODULES = [
     "kvtier.cli.plan",
     "kvtier.cli.bench",
+    "kvtier.cli.demo",
     "kvtier.cli.loader",
     "kvtier.cli.serve",
 ]

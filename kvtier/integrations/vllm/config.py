@@ -2,7 +2,9 @@
 
 Keys (all optional)::
 
-    chunk_tokens       tokens per stored chunk; a multiple of the engine's block size (256)
+    chunk_tokens       tokens per stored chunk, a multiple of the engine's block size (default:
+                       128 rounded up to the block size; the tail of a prompt short of a whole
+                       chunk is recomputed, so smaller chunks lose less of each prompt)
     tiers              ordered tier list, fastest first (default: one 4 GiB RAM tier)
     write_queue_depth  bounded queue per lower tier (64); a full queue drops the write
     write_through      copy every new chunk to the lower tiers too (true)
@@ -21,7 +23,6 @@ from typing import Any, Mapping
 
 from kvtier.config import build, load_mapping
 from kvtier.errors import ConfigError
-from kvtier.keys import DEFAULT_CHUNK_TOKENS
 from kvtier.store import StoreConfig
 
 DEFAULT_CONNECTOR_TIERS = ({"type": "ram", "capacity": "4GiB"},)
@@ -31,13 +32,13 @@ DEFAULT_CONNECTOR_TIERS = ({"type": "ram", "capacity": "4GiB"},)
 class ConnectorConfig:
     """Everything the connector reads from ``kv_connector_extra_config``."""
 
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    chunk_tokens: int | None = None
     store: StoreConfig = field(default_factory=lambda: StoreConfig(tiers=[dict(t) for t in DEFAULT_CONNECTOR_TIERS]))
     server: str | None = None
     server_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
-        if self.chunk_tokens <= 0:
+        if self.chunk_tokens is not None and self.chunk_tokens <= 0:
             raise ConfigError(f"kvtier.chunk_tokens: must be positive, got {self.chunk_tokens}")
 
     @classmethod

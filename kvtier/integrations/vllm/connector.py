@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.pages import PageLayout
 from kvtier.keys import Namespace, chunk_keys
@@ -156,14 +157,12 @@ class KVTierConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
-        if self.config.chunk_tokens % self.block_size:
-            from kvtier.errors import ConfigError
-
+        self.chunk_tokens = self.config.chunk_tokens or -(-128 // self.block_size) * self.block_size
+        if self.chunk_tokens % self.block_size:
             raise ConfigError(
-                f"kvtier.chunk_tokens ({self.config.chunk_tokens}) must be a multiple of the "
-                f"engine's block size ({self.block_size})"
+                f"kv_connector_extra_config.chunk_tokens ({self.chunk_tokens}) must be a multiple "
+                f"of the engine's block size ({self.block_size})"
             )
-        self.chunk_tokens = self.config.chunk_tokens
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.namespace = _namespace(vllm_config, kv_cache_config, self.chunk_tokens)

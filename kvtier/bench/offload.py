@@ -1,0 +1,347 @@
+"""The document's KV-offload experiment on a real vLLM engine (``kvtier demo``).
+
+Documents of random tokens are sent one request at a time in three passes ("first", "again" in
+the same order, "reverse") to vLLM alone and to vLLM with kvtier's connector, with vLLM's own
+KV pool too small for the working set (the document's 21,520-token pool), so vLLM alone loses
+every document before it comes back (its LRU cliff). A capacity curve repeats the same-order
+re-read with kvtier's RAM tier at fractions of the working set's KV bytes. vLLM's own
+prefix-cache hit (the same document twice, the pool large enough for one) is the floor.
+
+Every setting runs in a fresh process with the same CPU thread binding, so the ratios measured
+in one run compare like with like. Absolute times on a shared machine are noisy: read ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.errors import ConfigError, KVTierError
+
+MAIN_SETTINGS = ("vllm", "kvtier-ram", "kvtier-ram+disk")
+OPTIONAL_SETTINGS = ("example-connector",)
+PASSES = ("first", "again", "reverse")
+DEFAULT_FRACTIONS = (0.33, 0.67, 1.0, 1.33)
+CONNECTOR = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+             "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+
+
+@dataclass
+class Setting:
+    """One engine run: a name, the connector config (None: vLLM alone) and its passes."""
+
+    name: str
+    kv_transfer_config: dict | None
+    passes: tuple[str, ...] = PASSES
+    engine_hit_docs: int = 0
+    capacity_fraction: float | None = None
+    result: dict = field(default_factory=dict)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvtier demo``."""
+    parser.add_argument("--model", help="a local model directory (default: a small random Qwen2 made once)")
+    parser.add_argument("--variant", default="small", choices=("small", "kv-heavy"),
+                        help="which random model to make when --model is not given (default: small)")
+    parser.add_argument("--docs", type=int, default=10, help="number of documents (default 10)")
+    parser.add_argument("--tokens", type=int, default=5000, help="tokens per document (default 5000)")
+    parser.add_argument("--pool-tokens", type=int, default=21504,
+                        help="vLLM's own KV pool in tokens, smaller than the working set (default 21504)")
+    parser.add_argument("--settings", default=",".join(MAIN_SETTINGS),
+                        help=f"comma list of {', '.join(MAIN_SETTINGS + OPTIONAL_SETTINGS)} (default: the first three)")
+    parser.add_argument("--capacity-fractions", default=",".join(map(str, DEFAULT_FRACTIONS)),
+                        help="RAM-tier sizes for the capacity curve, as fractions of the working set; '' to skip")
+    parser.add_argument("--chunk-tokens", type=int, default=None, help="kvtier chunk size (default: the connector's)")
+    parser.add_argument("--work-dir", help="where disk tiers and spec files go (default: a temp dir)")
+    parser.add_argument("--plot", metavar="PNG", help="also draw the tables as a PNG")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the experiment, print tables (or JSON), return 0."""
+    settings_names = _parse_settings(args.settings)
+    fractions = [float(x) for x in args.capacity_fractions.split(",") if x.strip()]
+    if args.docs < 1 or args.tokens < 256:
+        raise ConfigError("--docs must be >= 1 and --tokens >= 256")
+    model = _model_dir(args)
+    bytes_per_token = _bytes_per_token(model)
+    docs, warmup, hit_docs = _documents(args.docs, args.tokens)
+    chunk = args.chunk_tokens or 128
+    working_set = args.docs * ((args.tokens - 1) // chunk) * chunk * bytes_per_token
+    with tempfile.TemporaryDirectory(prefix="kvtier-demo-", dir=args.work_dir) as work:
+        settings = _settings(settings_names, fractions, working_set, Path(work), args.chunk_tokens)
+        _run_settings(settings, model, docs, warmup, hit_docs, args, Path(work))
+    report = _report(settings, working_set)
+    if args.plot:
+        _plot(report, args.plot)
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        _print(report, args, working_set)
+    return 0
+
+
+def _parse_settings(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    valid = MAIN_SETTINGS + OPTIONAL_SETTINGS
+    for name in names:
+        if name not in valid:
+            raise ConfigError(f"unknown setting {name!r}; valid: {', '.join(valid)}")
+    return names
+
+
+def _model_dir(args: argparse.Namespace) -> str:
+    if args.model:
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            raise ConfigError(f"{args.model}: not a model directory (no config.json)")
+        return args.model
+    from kvtier.bench.models import make_random_model
+
+    return str(make_random_model(args.variant))
+
+
+def _bytes_per_token(model: str) -> int:
+    from kvtier.plan import kv_shape, load_model_config
+
+    return kv_shape(load_model_config(model)).bytes_per_token
+
+
+def _documents(num_docs: int, tokens: int) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """Deterministic random documents, a warm-up prompt and documents for the engine-hit probe."""
+    rng = np.random.default_rng(20261007)
+    docs = [rng.integers(100, 31000, tokens).tolist() for _ in range(num_docs)]
+    warmup = rng.integers(100, 31000, 600).tolist()
+    hit_docs = [rng.integers(100, 31000, tokens).tolist() for _ in range(3)]
+    return docs, warmup, hit_docs
+
+
+def _kvtier(tiers: list[dict], chunk_tokens: int | None) -> dict:
+    extra: dict = {"tiers": tiers}
+    if chunk_tokens:
+        extra["chunk_tokens"] = chunk_tokens
+    return {**CONNECTOR, "kv_connector_extra_config": extra}
+
+
+def _settings(names: list[str], fractions: list[float], working_set: int, work: Path,
+              chunk_tokens: int | None) -> list[Setting]:
+    """The engine runs to make: the main settings, then the capacity curve."""
+    big = max([f for f in fractions if f > 1.0] or [1.33])
+    settings: list[Setting] = []
+    for name in names:
+        if name == "vllm":
+            settings.append(Setting(name, None, engine_hit_docs=3))
+        elif name == "kvtier-ram":  # large enough for the working set; doubles as the curve's top point
+            tiers = [{"type": "ram", "capacity": int(big * working_set)}]
+            settings.append(Setting(name, _kvtier(tiers, chunk_tokens), capacity_fraction=big))
+        elif name == "kvtier-ram+disk":
+            tiers = [{"type": "ram", "capacity": int(0.2 * working_set)},
+                     {"type": "disk", "path": str(work / "disk"), "capacity": 2 * working_set + (256 << 20)}]
+            settings.append(Setting(name, _kvtier(tiers, chunk_tokens)))
+        elif name == "example-connector":
+            settings.append(Setting(name, {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                                           "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}))
+    for fraction in fractions:
+        if fraction == big and "kvtier-ram" in names:
+            continue
+        tiers = [{"type": "ram", "capacity": int(fraction * working_set)}]
+        settings.append(Setting(f"capacity-{fraction:g}", _kvtier(tiers, chunk_tokens),
+                                passes=("first", "again"), capacity_fraction=fraction))
+    return settings
+
+
+def _run_settings(settings: list[Setting], model: str, docs, warmup, hit_docs, args, work: Path) -> None:
+    """Run each setting in its own process, with identical CPU binding; progress on stderr."""
+    from tqdm import tqdm
+
+    env = _engine_env()
+    order = {"first": list(range(len(docs))), "again": list(range(len(docs))),
+             "reverse": list(reversed(range(len(docs))))}
+    bar = tqdm(settings, desc="kvtier demo", unit="engine", file=sys.stderr, disable=args.json and not sys.stderr.isatty())
+    for setting in bar:
+        bar.set_postfix_str(setting.name)
+        spec = {
+            "model": model, "docs": docs, "warmup": warmup, "hit_docs": hit_docs,
+            "pool_blocks": max(1, args.pool_tokens // 128),
+            "max_model_len": max(2048, args.tokens + 64),
+            "passes": {p: order[p] for p in setting.passes},
+            "kv_transfer_config": setting.kv_transfer_config,
+            "engine_hit_docs": setting.engine_hit_docs,
+        }
+        spec_path, out_path = work / f"{setting.name}.spec.json", work / f"{setting.name}.out.json"
+        spec_path.write_text(json.dumps(spec))
+        log_path = work / f"{setting.name}.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.run([sys.executable, "-m", "kvtier.bench.engine_run", str(spec_path), str(out_path)],
+                                  env=env, stdout=log, stderr=subprocess.STDOUT)
+        if proc.returncode != 0:
+            tail = log_path.read_text(errors="replace").splitlines()[-15:]
+            raise KVTierError(f"setting {setting.name}: engine run failed (exit {proc.returncode}):\n" + "\n".join(tail))
+        setting.result = json.loads(out_path.read_text())
+
+
+def _engine_env() -> dict:
+    """The environment of every engine run: the same CPU thread binding for all settings."""
+    env = dict(os.environ)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0]))
+    env.setdefault("OMP_NUM_THREADS", str(len(cores)))
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return env
+
+
+def _p50(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def _report(settings: list[Setting], working_set: int) -> dict:
+    """The stable JSON document (rows, capacity_curve, engine_hit_ttft_p50_ms, breakeven)."""
+    rows, curve = [], []
+    by_name = {s.name: s for s in settings}
+    for s in settings:
+        for name, reqs in s.result["passes"].items():
+            row = {"setting": s.name, "pass": name, "ttft_p50_ms": _p50([r["ttft_ms"] for r in reqs]),
+                   "hit_tokens": sum(r["hit_tokens"] for r in reqs),
+                   "local_hit_tokens": sum(r["local_hit_tokens"] for r in reqs),
+                   "query_tokens": sum(r["query_tokens"] for r in reqs)}
+            if not s.name.startswith("capacity-"):
+                rows.append(row)
+            if s.capacity_fraction is not None and name == "again":
+                curve.append({"capacity_fraction": s.capacity_fraction, **{k: row[k] for k in row if k not in ("setting", "pass")}})
+    hits = [h["again"]["ttft_ms"] for s in settings for h in s.result.get("engine_hit", [])]
+    engine_hit = _p50(hits)
+    curve.sort(key=lambda p: p["capacity_fraction"])
+    report = {"rows": rows, "capacity_curve": curve, "engine_hit_ttft_p50_ms": engine_hit,
+              "working_set_bytes": working_set, "breakeven_hit_rate": None}
+    p50 = {(r["setting"], r["pass"]): r["ttft_p50_ms"] for r in rows}
+    if ("vllm", "first") in p50 and ("kvtier-ram", "again") in p50:
+        from kvtier.plan import breakeven_from_ttft
+
+        recompute = p50[("vllm", "again")] if ("vllm", "again") in p50 else p50[("vllm", "first")]
+        be = breakeven_from_ttft(recompute, p50[("kvtier-ram", "again")], p50[("kvtier-ram", "first")])
+        report["breakeven_hit_rate"] = be["breakeven_hit_rate"]
+        report["breakeven"] = be
+    report["agreement"] = _agreement(by_name)
+    report["targets"] = _targets(p50, curve, engine_hit)
+    return report
+
+
+def _agreement(by_name: dict[str, Setting]) -> dict:
+    """How often each setting's first generated token equals vLLM alone's, per pass."""
+    base = by_name.get("vllm")
+    if base is None:
+        return {}
+    ref = {r["doc"]: r["token_ids"] for r in base.result["passes"].get("first", [])}
+    out = {}
+    for name, s in by_name.items():
+        for pass_name, reqs in s.result["passes"].items():
+            same = sum(1 for r in reqs if ref.get(r["doc"]) == r["token_ids"])
+            out[f"{name}/{pass_name}"] = f"{same}/{len(reqs)}"
+    return out
+
+
+def _targets(p50: dict, curve: list[dict], engine_hit: float) -> list[dict]:
+    """The issue's targets, each with the measured value and whether it is met."""
+    checks = []
+
+    def check(name: str, value: float | None, limit: str, ok: bool | None) -> None:
+        checks.append({"target": name, "value": value, "limit": limit, "met": ok})
+
+    ram_again = p50.get(("kvtier-ram", "again"))
+    if ram_again is not None and engine_hit == engine_hit:
+        ratio = ram_again / engine_hit
+        check("kvtier-ram re-read / engine hit", round(ratio, 3), "<= 1.3", ratio <= 1.3)
+    if ram_again is not None and ("vllm", "again") in p50:
+        speedup = p50[("vllm", "again")] / ram_again
+        check("vLLM re-read / kvtier-ram re-read", round(speedup, 2), ">= 10", speedup >= 10)
+    disk_again = p50.get(("kvtier-ram+disk", "again"))
+    if disk_again is not None and engine_hit == engine_hit:
+        ratio = disk_again / engine_hit
+        check("kvtier-ram+disk re-read / engine hit", round(ratio, 3), "<= 2", ratio <= 2)
+    if ("kvtier-ram", "first") in p50 and ("vllm", "first") in p50:
+        overhead = p50[("kvtier-ram", "first")] / p50[("vllm", "first")] - 1
+        check("kvtier-ram first pass overhead", round(overhead, 4), "<= 0.03", overhead <= 0.03)
+    for point in curve:
+        share = point["hit_tokens"] / point["query_tokens"] if point["query_tokens"] else 0.0
+        need = {0.33: 0.25, 0.67: 0.55}.get(round(point["capacity_fraction"], 2))
+        if need is not None:
+            check(f"capacity {point['capacity_fraction']:g}: hit share", round(share, 3), f">= {need}", share >= need)
+        elif point["capacity_fraction"] > 1.0:
+            check(f"capacity {point['capacity_fraction']:g}: hit share", round(share, 3), ">= 0.9", share >= 0.9)
+    if ("example-connector", "again") in p50 and ram_again is not None:
+        check("kvtier-ram re-read / example-connector re-read", round(ram_again / p50[("example-connector", "again")], 3),
+              "<= 1", ram_again <= p50[("example-connector", "again")])
+    if ("example-connector", "first") in p50 and ("kvtier-ram", "first") in p50:
+        check("kvtier-ram first / example-connector first",
+              round(p50[("kvtier-ram", "first")] / p50[("example-connector", "first")], 3), "< 1",
+              p50[("kvtier-ram", "first")] < p50[("example-connector", "first")])
+    return checks
+
+
+def _print(report: dict, args: argparse.Namespace, working_set: int) -> None:
+    from kvtier.cli._common import print_table
+    from kvtier.config import format_bytes
+
+    print(f"{args.docs} documents x {args.tokens} tokens, one request at a time; vLLM pool {args.pool_tokens} tokens; "
+          f"working set {format_bytes(working_set)} of KV\n")
+    print_table(["setting", "pass", "TTFT p50 (ms)", "hit tokens / query tokens"],
+                [[r["setting"], r["pass"], r["ttft_p50_ms"], f"{r['hit_tokens']:,} / {r['query_tokens']:,}"]
+                 for r in report["rows"]])
+    if report["capacity_curve"]:
+        print()
+        print_table(["RAM tier / working set", "re-read TTFT p50 (ms)", "hit tokens / query tokens"],
+                    [[f"{p['capacity_fraction']:g}", p["ttft_p50_ms"], f"{p['hit_tokens']:,} / {p['query_tokens']:,}"]
+                     for p in report["capacity_curve"]])
+    print(f"\nvLLM's own prefix-cache hit (same document twice): TTFT p50 {report['engine_hit_ttft_p50_ms']:.1f} ms")
+    if report["breakeven_hit_rate"] is not None:
+        be = report["breakeven"]
+        print(f"break-even hit rate: {report['breakeven_hit_rate']:.1%} "
+              f"(miss cost {be['miss_cost_ms']:.1f} ms, hit gain {be['hit_gain_ms']:.1f} ms)")
+    if report["targets"]:
+        print()
+        print_table(["target", "measured", "limit", "met"],
+                    [[t["target"], t["value"], t["limit"], "yes" if t["met"] else "NO"] for t in report["targets"]])
+
+
+def _plot(report: dict, path: str) -> None:
+    """TTFT per setting and pass, and the capacity curve, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    settings = list(dict.fromkeys(r["setting"] for r in report["rows"]))
+    passes = list(dict.fromkeys(r["pass"] for r in report["rows"]))
+    width = 0.8 / max(1, len(passes))
+    for j, p in enumerate(passes):
+        vals = [next((r["ttft_p50_ms"] for r in report["rows"] if r["setting"] == s and r["pass"] == p), 0) for s in settings]
+        ax1.bar([i + j * width for i in range(len(settings))], vals, width, label=p)
+    ax1.axhline(report["engine_hit_ttft_p50_ms"], color="k", ls="--", lw=1, label="vLLM prefix hit")
+    ax1.set_xticks([i + width * (len(passes) - 1) / 2 for i in range(len(settings))], settings)
+    ax1.set_ylabel("TTFT p50 (ms)")
+    ax1.set_title("TTFT per setting and pass")
+    ax1.legend()
+    curve = report["capacity_curve"]
+    if curve:
+        xs = [c["capacity_fraction"] for c in curve]
+        ax2.plot(xs, [c["ttft_p50_ms"] for c in curve], "o-", label="re-read TTFT p50 (ms)")
+        ax2.set_xlabel("RAM tier / working set")
+        ax2.set_ylabel("TTFT p50 (ms)")
+        share = ax2.twinx()
+        share.plot(xs, [c["hit_tokens"] / max(1, c["query_tokens"]) for c in curve], "s--", color="tab:green")
+        share.set_ylabel("hit tokens / query tokens")
+        share.set_ylim(0, 1.05)
+        ax2.set_title("Capacity curve (same-order re-read)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
