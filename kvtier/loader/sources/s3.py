@@ -103,7 +103,11 @@ class S3Source(Source):
         resp = self._client.get_object(Bucket=self.bucket, Key=self.key,
                                        Range=f"bytes={offset}-{offset + wanted - 1}")
         body = resp["Body"]
-        raw = getattr(body, "_raw_stream", None)  # urllib3 response: readinto avoids a copy
+        raw = getattr(body, "_raw_stream", None)
+        if not resp.get("ContentEncoding"):
+            # http.client's response under urllib3's: readinto lands socket bytes in our buffer
+            # with no intermediate copy. Identity encoding only; otherwise the public read().
+            raw = getattr(raw, "_fp", raw)
         got = 0
         try:
             for v in views:
