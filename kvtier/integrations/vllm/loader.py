@@ -2,10 +2,13 @@
 
     vllm serve MODEL --load-format kvtier --model-loader-extra-config '{"concurrency": 16}'
 
-MODEL is a local directory or an ``s3://bucket/prefix/`` URI (vLLM itself fetches the config
-files of an s3:// model; the weights are streamed straight from S3, or read from the node-local
-cache when ``cache_dir`` is given). Extra-config keys are those of ``KVTierLoadOptions``;
-an unknown key is rejected with the list of valid ones.
+MODEL is a local directory. vLLM 0.32 refuses an ``s3://`` MODEL for any load format but its
+own object-storage ones, so remote weights are named in the extra config instead: MODEL is a
+local directory holding the config files, and ``weights_uri`` (``s3://bucket/prefix/``) is
+streamed straight from S3, or pulled once into the node-local cache first when ``cache_dir``
+is set. (``kvtier pull`` prints the cached directory, which also works as MODEL.)
+Extra-config keys are those of ``KVTierLoadOptions``; an unknown key is rejected with the
+list of valid ones.
 """
 
 from __future__ import annotations
@@ -40,11 +43,13 @@ class KVTierLoadOptions:
     cache_dir: str | None = None
     endpoint_url: str | None = None
     device: str = "cpu"
+    weights_uri: str | None = None
+    local_mode: str = "auto"
 
     def reader_config(self) -> ReaderConfig:
         return ReaderConfig(concurrency=self.concurrency, block_size=self.block_size,
                             memory_limit=self.memory_limit, check_values=self.check_values,
-                            device=self.device, endpoint_url=self.endpoint_url)
+                            device=self.device, endpoint_url=self.endpoint_url, local_mode=self.local_mode)
 
 
 class KVTierModelLoader(BaseModelLoader):
@@ -57,11 +62,16 @@ class KVTierModelLoader(BaseModelLoader):
         self.reader_config = self.options.reader_config()
 
     def _files(self, model_config: ModelConfig) -> list[str]:
-        uri = model_config.model_weights or model_config.model
+        uri = self.options.weights_uri or model_config.model_weights or model_config.model
         if scheme_of(uri) == "file" and not os.path.exists(uri):
             raise LoaderError(f"{uri}: the kvtier load format reads a local directory or an s3:// URI")
-        local = resolve(uri, self.options.cache_dir)
+        local = resolve(uri, self.options.cache_dir, **self._pull_kwargs())
         return model_files(local, self.options.endpoint_url)
+
+    def _pull_kwargs(self) -> dict:
+        from kvtier.loader.sources.s3 import S3Config
+
+        return {"source_kwargs": {"config": S3Config(endpoint_url=self.options.endpoint_url)}}
 
     def download_model(self, model_config: ModelConfig) -> None:
         """Pull an s3:// model into the node cache (when one is configured) and list its files."""
