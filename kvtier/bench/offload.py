@@ -341,6 +341,7 @@ def _plot(report: dict, path: str) -> None:
         share.plot(xs, [c["hit_tokens"] / max(1, c["query_tokens"]) for c in curve], "s--", color="tab:green")
         share.set_ylabel("hit tokens / query tokens")
         share.set_ylim(0, 1.05)
+        ax2.set_ylim(bottom=0)
         ax2.set_title("Capacity curve (same-order re-read)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

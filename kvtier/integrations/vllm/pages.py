@@ -77,14 +77,15 @@ class PageLayout:
         return self.piece_bytes
 
     def _pieces(self, segments: Sequence) -> Iterator[np.ndarray]:
-        """Split entry segments into piece-sized uint8 views, in entry order."""
+        """Split entry segments into piece-sized uint8 views, in entry order.
+
+        ValueError (before anything is copied) unless the segments hold exactly one chunk.
+        """
         size = self.piece_bytes
-        for seg in segments:
-            seg = seg if isinstance(seg, np.ndarray) else np.frombuffer(seg, dtype=np.uint8)
-            if seg.size % size:
-                raise ValueError("entry segment is not a whole number of pages")
-            for off in range(0, seg.size, size):
-                yield seg[off : off + size]
+        arrays = [seg if isinstance(seg, np.ndarray) else np.frombuffer(seg, dtype=np.uint8) for seg in segments]
+        if sum(a.size for a in arrays) != self.chunk_bytes or any(a.size % size for a in arrays):
+            raise ValueError(f"entry of {sum(a.size for a in arrays)} bytes is not one chunk of {self.chunk_bytes}")
+        return (a[off : off + size] for a in arrays for off in range(0, a.size, size))
 
     def _order(self, block_ids: Sequence[int]):
         """(layer, piece, block) triples in entry order, paired with the block's index in the chunk."""
