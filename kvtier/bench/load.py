@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -58,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     opts = {"concurrency": args.concurrency, "block_size": parse_size(args.block_size, "block-size"),
             "memory_limit": parse_size(args.memory_limit, "memory-limit")}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-load-", dir=args.workdir) as work:
-        path = args.target or generate(os.path.join(work, "bench.safetensors"), parse_size(args.size, "size"))
+        path = args.target or _generate_in_child(os.path.join(work, "bench.safetensors"), parse_size(args.size, "size"))
         if not os.path.isfile(path):
             raise ConfigError(f"{path}: not a file")
         results, notes = [], {}
@@ -97,6 +96,13 @@ def generate(path: str, size: int) -> str:
             used += t.nbytes
         layer += 1
     save_file(tensors, path)
+    return path
+
+
+def _generate_in_child(path: str, size: int) -> str:
+    """``generate`` in a child process, so this (parent) process stays small."""
+    code = f"from kvtier.bench.load import generate; generate({path!r}, {size})"
+    subprocess.run([sys.executable, "-c", code], check=True)
     return path
 
 
@@ -240,6 +246,14 @@ def _rss() -> int:
 _SINK: list = []
 
 
+def _hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def _touch(tensor) -> None:
     """Consume every byte as a model load does: copy it into a (pre-faulted) parameter buffer."""
     import torch
@@ -277,10 +291,11 @@ def _measure(spec: dict) -> dict:
     start = time.perf_counter()
     nbytes = globals()[f"_run_{method.replace('-', '_')}"](spec)
     secs = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM, not ru_maxrss: Linux carries the parent's high-water mark into ru_maxrss across
+    # fork/exec, so a child of a large parent would report the parent's peak.
+    peak = _hwm()
     if method == "dd":
-        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-        baseline = 0
+        peak = baseline = 0  # dd's own peak is not observable from here (its buffer is 16 MiB)
     return {"method": method, "mode": spec["mode"], "gb_per_s": nbytes / secs / 1e9, "peak_rss_bytes": peak,
             "baseline_rss_bytes": baseline, "seconds": round(secs, 4), "bytes": nbytes}
 

@@ -73,7 +73,7 @@ def pull(uri: str, cache_dir: str, concurrency: int = 16, block_size: int = 16 *
         fcntl.flock(lock_fd, fcntl.LOCK_EX)  # held by one downloader per node; others wait here
         if is_complete(dest):
             return PullResult(dest, False, 0, _count(dest))
-        listing = source_class(uri).list_dir(uri, **(source_kwargs or {}))
+        listing = source_class(uri).list_dir(uri, **_kw(uri, source_kwargs or {}))
         if not listing:
             raise LoaderError(f"{uri}: no objects to pull")
         if on_total is not None:
@@ -117,7 +117,7 @@ def _fetch(uri: str, path: str, size: int, concurrency: int, block_size: int,
     fetched = 0
     try:
         os.ftruncate(fd, size)
-        with open(journal, "a", encoding="ascii") as jf, open_source(uri, **_kw(uri, source_kwargs)) as src:
+        with open(journal, "a" if done else "w", encoding="ascii") as jf, open_source(uri, **_kw(uri, source_kwargs)) as src:
             if src.size() != size:
                 raise LoaderError(f"{uri}: size changed during pull ({src.size()} != {size})")
 
@@ -155,8 +155,9 @@ def _fetch(uri: str, path: str, size: int, concurrency: int, block_size: int,
 
 def _read_journal(journal: str) -> set[int]:
     try:
-        with open(journal, encoding="ascii") as f:
-            return {int(line) for line in f if line.strip().isdigit()}
+        with open(journal, encoding="ascii", errors="replace") as f:
+            lines = f.read().split("\n")[:-1]  # a line cut short by a kill has no newline: ignored
+        return {int(line) for line in lines if line.isdigit()}
     except OSError:
         return set()
 

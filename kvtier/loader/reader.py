@@ -235,13 +235,13 @@ class StreamReader:
     def _plan(self, targets: list[_Target], slices) -> list[_Request]:
         block, gap = self.config.block_size, self.config.max_gap
         pieces = []  # (uri, file_offset, length, target, dst_offset)
-        mode = self.config.local_mode
-        map_ok = {uri: self.config.device == "cpu" and hasattr(src, "mapping") and (
-            mode == "mmap" or (mode == "auto" and src.is_cached())) for uri, src in self._sources.items()}
+        map_ok, prefetch = self._map_plan()
         for t in targets:
             uri = self.index[t.name][0]
             spec = _slice_for(slices, t.info)
             t.mapped = map_ok[uri] and spec is None
+            if t.mapped and not prefetch[uri]:
+                continue  # already in the page cache: no I/O to do, the mapping is the tensor
             ranges = [(t.info.start, t.info.nbytes)] if spec is None else slice_ranges(t.info, *spec)
             dst = 0
             for off, length in ranges:
@@ -266,6 +266,17 @@ class StreamReader:
             cur.end = max(cur.end, off + n)
         return requests
 
+    def _map_plan(self) -> tuple[dict[str, bool], dict[str, bool]]:
+        """Per source: whether whole tensors are mapped, and whether a readahead is needed first."""
+        mode = self.config.local_mode
+        mapped, prefetch = {}, {}
+        for uri, src in self._sources.items():
+            can = self.config.device == "cpu" and hasattr(src, "mapping")
+            cached = can and mode == "auto" and src.is_cached()
+            mapped[uri] = can and (mode == "mmap" or cached)
+            prefetch[uri] = mapped[uri] and not cached
+        return mapped, prefetch
+
     # -- execution --------------------------------------------------------------------------
 
     def _run(self, targets: list[_Target], requests: list[_Request], on_bytes) -> Iterator[tuple[str, object]]:
@@ -280,9 +291,13 @@ class StreamReader:
         abort = threading.Event()
         lock = threading.Lock()
 
-        for t in targets:  # empty tensors need no I/O
+        for t in targets:  # empty tensors and cached mapped ones need no I/O
             if t.pieces == 0:
-                t.flat = torch.empty(0, dtype=torch.uint8, device=device)
+                if t.mapped and t.nbytes:
+                    src = self._sources[self.index[t.name][0]]
+                    t.flat = torch.frombuffer(src.mapping(), dtype=torch.uint8, count=t.nbytes, offset=t.info.start)
+                else:
+                    t.flat = torch.empty(0, dtype=torch.uint8, device=device)
                 yield t.name, self._finish(t)
 
         def work(req: _Request) -> None:

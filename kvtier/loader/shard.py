@@ -92,8 +92,11 @@ class SafetensorsWriter:
         self._left = set(self._offsets)
 
     def write(self, name: str, tensor) -> None:
+        import torch
+
         pos, spec = self._offsets[name]
-        data = memoryview(tensor.contiguous().cpu().view(-1).view(__import__("torch").uint8).numpy())
+        flat = tensor.contiguous().cpu().reshape(-1)
+        data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
         if len(data) != spec.nbytes:
             raise LoaderError(f"{self.path}: tensor {name!r} has {len(data)} bytes, expected {spec.nbytes}")
         done = 0
