@@ -310,8 +310,12 @@ class TieredStore:
             n = None
         if n is None:
             if level.managed:
-                with self._lock:  # the entry is gone or was corrupt: forget it
-                    self._forget(level, key)
+                with self._lock:
+                    # Gone or corrupt (the tier removed it): forget it. A fault that left the
+                    # entry in place (EIO, a raising tier) keeps it, or ``used`` would drift
+                    # below what the tier holds.
+                    if not level.tier.contains(key):
+                        self._forget(level, key)
             return None
         if level.managed:
             with self._lock:
@@ -368,8 +372,10 @@ class TieredStore:
                 self._counters.not_admitted += 1
                 return False
             stored = self._store_top(key, nbytes, fill, parent)
-        if stored:
-            self._queue_lower(key, parent)
+            if stored:
+                # Under the same lock hold: an eviction in between would find the key not yet
+                # queued, demote it and leave the write-through copy to miss (a counted drop).
+                self._queue_lower(key, parent)
         return stored
 
     def put(self, key: Key, data, parent: Key | None = None, chunk_index: int = 0) -> bool:
@@ -475,11 +481,15 @@ class TieredStore:
         """Copy ``key`` into a lower tier (from ``data`` or from the top tier)."""
         if data is None:
             with self._lock:
-                data = self._snapshot_top(key)
-                self._release_queued(key)
+                try:
+                    data = self._snapshot_top(key)
+                finally:  # a failed snapshot must not pin the key's orphan bytes forever
+                    self._release_queued(key)
             if data is None:
                 level.tier.stats.add(dropped=1)
                 return
+        else:  # a demotion carries its bytes (``bytes``); sizes below are read off an array
+            data = np.frombuffer(data, dtype=np.uint8)
         if level.managed:
             with self._lock:
                 if level.holds(key):
@@ -520,10 +530,22 @@ class TieredStore:
     def _make_room(self, index: int, nbytes: int) -> bool:
         """Evict from managed tier ``index`` until ``nbytes`` fit (lock held). False if they can't."""
         level = self._levels[index]
-        capacity = level.tier.capacity_bytes
-        if nbytes > capacity:
+        tier = level.tier
+        capacity = tier.capacity_bytes
+        # A paged tier (RAM) rounds each entry up to whole pages: payload bytes under capacity
+        # do not mean a free run for the new entry, so ask the tier what the entry takes.
+        footprint = getattr(tier, "footprint", None)
+        free_bytes = getattr(tier, "free_bytes", None)
+        need = footprint(nbytes) if footprint is not None else nbytes
+        if need > capacity:
             return False
-        while level.used + nbytes > capacity:
+
+        def fits() -> bool:
+            if level.used + nbytes > capacity:
+                return False
+            return free_bytes is None or free_bytes() >= need
+
+        while not fits():
             victim = level.policy.victim()
             if victim is None:
                 return False
@@ -533,11 +555,16 @@ class TieredStore:
     @staticmethod
     def _chain_tail(level: _Level, key: Key) -> Key:
         """The last resident descendant of ``key`` in its prefix chain (``key`` if none)."""
+        seen = {key}
         while True:
             kids = level.children.get(key)
             if not kids:
                 return key
-            key = next(iter(kids))
+            nxt = next(iter(kids))
+            if nxt in seen:  # a caller-made cycle (a chunk named as its own ancestor)
+                return key
+            seen.add(nxt)
+            key = nxt
 
     def _evict(self, index: int, key: Key) -> None:
         """Remove ``key`` from tier ``index``, demoting it to the next tier first if needed."""
@@ -621,6 +648,7 @@ class TieredStore:
     def delete(self, key: Key) -> None:
         """Remove ``key`` from every tier."""
         with self._lock:
+            self._orphans.pop(key, None)  # a pending write-through must not bring it back
             for level in self._levels:
                 if level.managed:
                     if level.holds(key):
@@ -657,22 +685,44 @@ class TieredStore:
                 })
             return {**self._counters.__dict__, "tiers": tiers}
 
-    def close(self) -> None:
-        """Finish queued writes (briefly), stop the workers and close every tier."""
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish queued writes (for up to about ``timeout`` seconds), stop the workers and
+        close every tier. Writes still queued then (a stuck tier) are dropped and counted."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self.flush(timeout=10.0)
+        deadline = time.monotonic() + timeout
+        self.flush(timeout=timeout)
         for level in self._levels[1:]:
-            level.queue.put(_STOP)
+            self._drop_pending(level)
+            try:  # a full queue here means a worker still demotes into it: do not wait forever
+                level.queue.put(_STOP, timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Full:
+                log.warning("kvtier: writer for tier %s did not stop", level.tier.name)
         for level in self._levels[1:]:
-            level.worker.join(timeout=10.0)
+            level.worker.join(timeout=max(0.1, deadline - time.monotonic()))
         for level in self._levels:
             try:
                 level.tier.close()
             except Exception:
                 log.exception("kvtier: closing tier %s failed", level.tier.name)
+
+    def _drop_pending(self, level: _Level) -> None:
+        """Drop (and count) the writes still queued for ``level`` (at close, after the flush)."""
+        while True:
+            try:
+                item = level.queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP:
+                key, _parent, data = item
+                with self._lock:
+                    if data is None:
+                        self._release_queued(key)
+                    self._counters.write_drops += 1
+                level.tier.stats.add(dropped=1)
+            level.queue.task_done()
 
     def __enter__(self) -> "TieredStore":
         return self
