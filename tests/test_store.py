@@ -1,0 +1,624 @@
+"""TieredStore against real tiers: RAM + disk under a temp dir.
+
+Fakes appear only to inject faults (a tier that raises, a tier held behind a gate to fill a
+queue). Waits poll with a deadline; nothing sleeps a fixed time. Policy targets (hit ratios) are
+tested in tests/policies; here the policy is LRU so eviction order is predictable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.policies.lru import LRUPolicy
+from kvtier.store import StoreConfig, TieredStore
+from kvtier.tiers.disk import DiskConfig, DiskTier, entry_path
+from kvtier.tiers.ram import RamConfig, RamTier
+
+PAGE = 4096
+
+
+def key(i: int, ns: bytes = b"k") -> bytes:
+    return hashlib.sha256(ns + i.to_bytes(8, "little")).digest()
+
+
+def payload(i: int, n: int = PAGE) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def wait_for(pred, timeout: float = 10.0) -> bool:
+    """Poll ``pred`` until it holds or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        threading.Event().wait(0.002)
+    return True
+
+
+def config(tmp_path, ram_pages: int = 4, disk: str = "4MiB", **store) -> dict:
+    return {
+        "tiers": [
+            {"type": "ram", "capacity": ram_pages * PAGE, "page_size": PAGE, "policy": "lru"},
+            {"type": "disk", "path": str(tmp_path / "disk"), "capacity": disk, "policy": "lru",
+             "drop_cache": False},
+        ],
+        **store,
+    }
+
+
+@pytest.fixture
+def make_store(tmp_path):
+    stores = []
+
+    def make(**kw) -> TieredStore:
+        store = TieredStore.from_config(config(tmp_path, **kw))
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
+
+
+def tier_stats(store: TieredStore, name: str) -> dict:
+    return next(t for t in store.stats()["tiers"] if t["name"] == name)
+
+
+def assert_accounting(store: TieredStore) -> None:
+    """The store's used bytes per tier agree with what the tier itself holds."""
+    for t, tier in zip(store.stats()["tiers"], store.tiers):
+        assert t["used_bytes"] == tier.used_bytes(), t["name"]
+        assert t["entries"] == len(list(tier.keys())), t["name"]
+
+
+# ------------------------------------------------------------------------------------ fault fakes
+
+
+class GatedRam(RamTier):
+    """A slow lower tier: ``put`` waits until the gate opens."""
+
+    def __init__(self, capacity: int, name: str = "gated"):
+        super().__init__(RamConfig(capacity=capacity, page_size=PAGE, pin_memory=False), name=name)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def put(self, key, data, dtype="uint8", shape=None) -> bool:
+        self.entered.set()
+        self.gate.wait(30)
+        return super().put(key, data, dtype, shape)
+
+
+class FaultyDisk(DiskTier):
+    """A disk tier whose reads and/or writes raise (a tier must not, but a buggy one may)."""
+
+    fail_get = False
+    fail_put = False
+
+    def get_into(self, key, out):
+        if self.fail_get:
+            raise OSError("injected read fault")
+        return super().get_into(key, out)
+
+    def put(self, key, data, dtype="uint8", shape=None) -> bool:
+        if self.fail_put:
+            raise OSError("injected write fault")
+        return super().put(key, data, dtype, shape)
+
+
+def ram(pages: int) -> RamTier:
+    return RamTier(RamConfig(capacity=pages * PAGE, page_size=PAGE, pin_memory=False), name="ram")
+
+
+def store_over(levels, **cfg) -> TieredStore:
+    return TieredStore([(tier, LRUPolicy()) for tier in levels], StoreConfig(**cfg))
+
+
+# ------------------------------------------------------------------------------------ lookups, reads
+
+
+def test_lookup_counts_leading_chunks_in_any_tier_without_side_effects(make_store):
+    store = make_store(ram_pages=2)
+    keys = [key(i) for i in range(4)]
+    for i, k in enumerate(keys):
+        assert store.put(k, payload(i), parent=keys[i - 1] if i else None, chunk_index=i)
+    assert store.flush()
+    where = [store.locate(k) for k in keys]
+    assert "disk" in where and "ram" in where  # the chain spans both tiers
+    before = (store.stats()["tiers"], where)
+
+    assert store.lookup(keys) == 4
+    assert store.lookup(keys[:2] + [key(99)] + keys[2:]) == 2
+    assert store.lookup([key(99)] + keys) == 0
+    assert store.lookup([]) == 0
+
+    after = (store.stats()["tiers"], [store.locate(k) for k in keys])
+    assert after == before  # no promotion, no tier reads, no counters moved
+
+
+def test_lookup_does_not_refresh_recency(make_store):
+    store = make_store(ram_pages=2, write_through=False)
+    a, b, c = key(1), key(2), key(3)
+    store.put(a, payload(1))
+    store.put(b, payload(2))
+    assert store.lookup([a]) == 1  # a lookup is not a use: a stays the LRU victim
+    store.put(c, payload(3))
+    assert store.locate(a) != "ram" and store.locate(b) == "ram"
+
+
+@pytest.mark.parametrize("size", [1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE + 7])
+def test_get_and_get_into_are_bit_exact_from_each_tier(make_store, size):
+    store = make_store(ram_pages=8)
+    data = payload(size, size)
+    k = key(size)
+    assert store.put(k, data)
+    assert store.get(k) == data
+    out = bytearray(size + 100)
+    assert store.get_into(k, out) == size
+    assert bytes(out[:size]) == data
+    assert store.flush()
+    # Push it out of RAM (write-through already copied it to disk).
+    for i in range(8):
+        store.put(key(i, b"filler"), payload(i))
+    assert store.locate(k) == "disk"
+    arr = np.zeros(size, dtype=np.uint8)
+    assert store.get_into(k, arr) == size
+    assert arr.tobytes() == data
+    assert store.get(k) == data
+    assert store.get(key(12345)) is None
+    assert store.get_into(key(12345), bytearray(8)) is None
+
+
+def test_lower_tier_hit_is_promoted_to_the_top_tier(make_store):
+    store = make_store(ram_pages=2, write_through=False)
+    for i in range(4):
+        store.put(key(i), payload(i))
+    assert store.flush()
+    assert store.locate(key(0)) == "disk"
+    seen = []
+    assert store.read(key(0), lambda segs: seen.append(b"".join(bytes(s) for s in segs))) == "disk"
+    assert seen == [payload(0)]
+    assert store.locate(key(0)) == "ram"
+    assert store.stats()["promotions"] == 1
+    assert store.read(key(0), lambda segs: None) == "ram"
+    assert store.get(key(0)) == payload(0)
+    assert_accounting(store)
+
+
+# ------------------------------------------------------------------------------------ eviction
+
+
+@pytest.mark.parametrize("write_through", [False, True])
+def test_eviction_from_the_top_tier_demotes_to_the_next(make_store, write_through):
+    store = make_store(ram_pages=4, write_through=write_through)
+    for i in range(10):
+        assert store.put(key(i), payload(i))
+    assert store.flush()
+    for i in range(6):
+        assert store.locate(key(i)) == "disk", i
+    for i in range(6, 10):
+        assert store.locate(key(i)) == "ram", i
+    disk = store.tiers[1]
+    for i in range(6):  # straight from the disk tier: really there, bit-exact
+        assert disk.get(key(i)) == payload(i)
+    stats = store.stats()
+    assert stats["evictions"] == 6
+    if write_through:
+        assert all(disk.contains(key(i)) for i in range(10))
+        assert stats["demotions"] == 0  # the copies were already on their way down
+    else:
+        assert not any(disk.contains(key(i)) for i in range(6, 10))
+        assert stats["demotions"] == 6
+    assert stats["write_drops"] == 0
+    assert_accounting(store)
+
+
+def test_within_a_chain_the_tail_is_evicted_before_the_head(make_store):
+    store = make_store(ram_pages=4, write_through=False)
+    chain = [key(i, b"a") for i in range(4)]
+    for i, k in enumerate(chain):
+        store.put(k, payload(i), parent=chain[i - 1] if i else None, chunk_index=i)
+    # LRU alone would evict a0 then a1; chain-aware eviction takes the tail instead.
+    store.put(key(0, b"b"), payload(10))
+    store.put(key(1, b"b"), payload(11), parent=key(0, b"b"), chunk_index=1)
+    assert store.flush()
+    assert [store.locate(k) for k in chain] == ["ram", "ram", "disk", "disk"]
+    assert store.lookup(chain) == 4  # still all present, now across tiers
+    assert [store.get(k) for k in chain] == [payload(i) for i in range(4)]
+
+
+def test_a_cyclic_parent_link_does_not_hang_eviction(make_store):
+    store = make_store(ram_pages=2, write_through=False)
+    a, b = key(1), key(2)
+    store.put(a, payload(1), parent=a)  # a caller bug: a chunk named as its own parent
+    store.put(b, payload(2), parent=b)
+    done = threading.Event()
+
+    def fill():
+        for i in range(3, 8):
+            store.put(key(i), payload(i))
+        done.set()
+
+    threading.Thread(target=fill, daemon=True).start()
+    assert done.wait(10), "eviction loops on a cyclic chain"
+    assert store.flush()
+    assert store.get(a) == payload(1)
+
+
+def test_entries_that_are_not_page_multiples_still_fit_after_making_room(make_store):
+    # Each entry takes 2 pages of a 4-page arena while its payload is barely over one page:
+    # making room by payload bytes alone would leave the arena without free pages.
+    store = make_store(ram_pages=4, write_through=False)
+    size = PAGE + 1
+    for i in range(8):
+        assert store.put(key(i), payload(i, size)), i
+        assert store.locate(key(i)) == "ram"
+    assert tier_stats(store, "ram")["dropped"] == 0
+    for i in range(8):  # each promotion evicts (demotes) another: let that land before its read
+        assert store.flush()
+        assert store.get(key(i)) == payload(i, size), i
+    assert_accounting(store)
+
+
+def test_entry_larger_than_the_top_tier_is_refused(make_store):
+    store = make_store(ram_pages=2)
+    assert not store.put(key(1), payload(1, 2 * PAGE + 1))
+    assert store.lookup([key(1)]) == 0
+    assert store.put(key(2), payload(2, 2 * PAGE))
+
+
+# ------------------------------------------------------------------------------------ background writes
+
+
+def test_full_write_queue_drops_and_counts_without_blocking():
+    lower = GatedRam(64 * PAGE)
+    store = store_over([ram(16), lower], write_queue_depth=2)
+    try:
+        assert store.put(key(0), payload(0))
+        assert lower.entered.wait(10)  # the worker holds item 0 behind the gate
+        done = threading.Event()
+
+        def burst():
+            for i in range(1, 10):
+                store.put(key(i), payload(i))
+            done.set()
+
+        threading.Thread(target=burst, daemon=True).start()
+        assert done.wait(10), "put blocked on a full queue"
+        stats = store.stats()
+        assert stats["write_drops"] == 7  # 2 fit in the queue
+        assert tier_stats(store, "gated")["dropped"] == 7
+        assert tier_stats(store, "gated")["queue_depth"] == 2
+        assert all(store.get(key(i)) == payload(i) for i in range(10))  # the top tier has all
+        lower.gate.set()
+        assert store.flush()
+        assert sorted(lower.keys()) == sorted(key(i) for i in range(3))
+    finally:
+        lower.gate.set()
+        store.close()
+
+
+def test_top_entry_evicted_before_its_lower_write_ran_still_reaches_the_lower_tier():
+    lower = GatedRam(64 * PAGE)
+    store = store_over([ram(2), lower], write_queue_depth=64)
+    try:
+        store.put(key(0), payload(0))
+        assert lower.entered.wait(10)
+        for i in range(1, 8):  # evicts 0..5 from the top while their writes wait
+            store.put(key(i), payload(i))
+        assert store.locate(key(1)) is None  # neither tier has it right now
+        lower.gate.set()
+        assert store.flush()
+        for i in range(8):
+            assert lower.get(key(i)) == payload(i), i
+            assert store.get(key(i)) == payload(i), i
+        assert store._orphans == {} and store._queued == {}  # no bytes kept past their writes
+    finally:
+        lower.gate.set()
+        store.close()
+
+
+def test_prefetch_promotes_in_the_background(make_store):
+    store = make_store(ram_pages=4, write_through=False)
+    chain = [key(i) for i in range(6)]
+    for i, k in enumerate(chain):
+        store.put(k, payload(i))
+    for i in range(4):
+        store.put(key(i, b"other"), payload(100 + i))
+    assert store.flush()
+    assert all(store.locate(k) == "disk" for k in chain)
+    store.prefetch(chain[:3])
+    assert wait_for(lambda: all(store.locate(k) == "ram" for k in chain[:3]))
+    assert store.stats()["promotions"] == 3
+    assert [store.get(k) for k in chain[:3]] == [payload(i) for i in range(3)]
+
+    misses = store.stats()["misses"]
+    store.prefetch([key(999), chain[4]])  # stops at the first missing chunk
+    assert wait_for(lambda: store.stats()["misses"] == misses + 1)
+    assert store.locate(chain[4]) == "disk"
+
+
+def test_stats_per_tier(make_store):
+    store = make_store(ram_pages=4, disk="1MiB")
+    sizes = [100, PAGE, 3000, PAGE + 5, 17, 2 * PAGE]
+    for i, n in enumerate(sizes):
+        store.put(key(i), payload(i, n))
+    assert store.flush()
+    store.get(key(len(sizes) - 1))  # a RAM hit
+    store.get(key(0))  # evicted from RAM: a disk hit
+    store.get(key(777))  # a miss
+    stats = store.stats()
+    assert stats["hits"] == 2 and stats["misses"] == 1
+    ram_t, disk_t = stats["tiers"]
+    assert (ram_t["name"], ram_t["medium"], ram_t["type"]) == ("ram", "CPU", "RamTier")
+    assert (disk_t["name"], disk_t["medium"], disk_t["type"]) == ("disk", "DISK", "DiskTier")
+    assert ram_t["capacity_bytes"] == 4 * PAGE and disk_t["capacity_bytes"] == 1024**2
+    assert disk_t["entries"] == len(sizes) and disk_t["used_bytes"] == sum(sizes)
+    assert disk_t["puts"] == len(sizes) and disk_t["bytes_written"] == sum(sizes)
+    assert disk_t["hits"] >= 1 and disk_t["bytes_read"] >= sizes[0]
+    assert ram_t["hits"] >= 1 and ram_t["evictions"] >= 1
+    assert disk_t["queue_depth"] == 0
+    assert_accounting(store)
+
+
+def entry_size(i: int) -> int:
+    return 1 + (i * 7919) % (3 * PAGE)
+
+
+def test_concurrent_put_get_from_threads_loses_and_mixes_nothing(make_store):
+    store = make_store(ram_pages=32, disk="16MiB", write_queue_depth=10_000)
+    nthreads, per_thread = 4, 60
+    errors: list[str] = []
+
+    def work(t: int) -> None:
+        rng = np.random.default_rng(t)
+        mine = []
+        for j in range(per_thread):
+            i = t * 1000 + j
+            size = entry_size(i)
+            if not store.put(key(i), payload(i, size)):
+                errors.append(f"thread {t}: put of entry {i} refused")
+            mine.append((i, size))
+            for i2, size2 in (mine[int(rng.integers(len(mine)))], mine[-1]):
+                got = store.get(key(i2))  # may miss while in flight, never wrong
+                if got is not None and got != payload(i2, size2):
+                    errors.append(f"thread {t}: wrong bytes for entry {i2}")
+            shared = key(int(rng.integers(8)), b"shared")
+            got = store.get(shared)
+            if got is None:
+                store.put(shared, payload(7_000_000 + shared[0], PAGE))
+            elif got != payload(7_000_000 + shared[0], PAGE):
+                errors.append(f"thread {t}: wrong shared bytes")
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(nthreads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not any(th.is_alive() for th in threads)
+    assert errors == []
+    assert store.flush()
+    assert store.stats()["write_drops"] == 0
+    for t in range(nthreads):
+        for j in range(per_thread):
+            i = t * 1000 + j
+            assert store.get(key(i)) == payload(i, entry_size(i)), i
+    assert_accounting(store)
+
+
+# ------------------------------------------------------------------------------------ faults, config
+
+
+def test_disk_tier_that_cannot_start_leaves_a_degraded_store(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"not a directory")
+    cfg = config(tmp_path)
+    cfg["tiers"][1]["path"] = str(blocker / "disk")
+    with caplog.at_level(logging.WARNING, logger="kvtier.store"):
+        store = TieredStore.from_config(cfg)
+    with store:
+        assert [t.name for t in store.tiers] == ["ram"]
+        assert any("disk" in r.getMessage() and "left out" in r.getMessage() for r in caplog.records)
+        assert store.put(key(1), payload(1))
+        assert store.get(key(1)) == payload(1)
+        assert store.lookup([key(1)]) == 1
+
+
+def test_lower_tier_faults_are_counted_misses_and_drops(tmp_path):
+    disk = FaultyDisk(DiskConfig(path=str(tmp_path / "d"), drop_cache=False))
+    store = store_over([ram(2), disk], write_through=True)
+    with store:
+        disk.fail_put = True
+        store.put(key(0), payload(0))
+        assert store.flush()
+        assert tier_stats(store, "disk")["errors"] == 1
+        disk.fail_put = False  # the worker survived the fault
+        for i in range(1, 4):
+            store.put(key(i), payload(i))
+        assert store.flush()
+        assert store.locate(key(1)) == "disk"
+        disk.fail_get = True
+        assert store.get(key(1)) is None  # a fault: a miss, not an exception
+        assert tier_stats(store, "disk")["errors"] == 2
+        assert_accounting(store)
+        disk.fail_get = False
+        assert store.get(key(1)) == payload(1)  # a transient fault does not lose the entry
+
+
+@pytest.mark.parametrize(
+    "cfg, needles",
+    [
+        ({"tierz": []}, ["'tierz'", "tiers", "write_queue_depth", "admission"]),
+        ({"tiers": [{"type": "ramm"}]}, ["'ramm'", "disk", "ram", "redis", "s3", "fs"]),
+        ({"tiers": [{"type": "ram", "policy": "lruu"}]}, ["'lruu'", "lru", "fifo", "s3fifo", "wtinylfu"]),
+        ({"tiers": [{"type": "ram", "capcity": "1MiB"}]}, ["'capcity'", "capacity", "page_size"]),
+        ({"tiers": [{"type": "ram", "capacity": "abc"}]}, ["'abc'", "capacity"]),
+        ({"tiers": [{"type": "ram", "capacity": "2 GB/s"}]}, ["capacity"]),
+        ({"tiers": [{"type": "ram", "capacity": "2XiB"}]}, ["'XiB'", "GiB", "MiB"]),
+        ({"tiers": [{"policy": "lru"}]}, ["'type'", "disk", "ram"]),
+        ({"tiers": []}, ["at least one tier"]),
+        ({"write_queue_depth": 0}, ["write_queue_depth"]),
+        ({"admission": {"min_prefix": 2}}, ["'min_prefix'", "min_prefix_chunks"]),
+    ],
+)
+def test_config_mistakes_are_one_line_config_errors(cfg, needles):
+    with pytest.raises(ConfigError) as info:
+        TieredStore.from_config(cfg).close()
+    msg = str(info.value)
+    assert "\n" not in msg
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+
+
+def test_sizes_accept_units(tmp_path):
+    cfg = config(tmp_path)
+    cfg["tiers"][0]["capacity"] = "64KiB"
+    cfg["tiers"][1]["capacity"] = "2 MB"
+    with TieredStore.from_config(cfg) as store:
+        assert [t.capacity_bytes for t in store.tiers] == [64 * 1024, 2_000_000]
+
+
+# ------------------------------------------------------------------------------------ restart, corruption
+
+
+def test_restart_finds_disk_entries_and_serves_them(tmp_path):
+    keys = [key(i) for i in range(5)]
+    with TieredStore.from_config(config(tmp_path)) as store:
+        for i, k in enumerate(keys):
+            store.put(k, payload(i, 1000 + i), parent=keys[i - 1] if i else None, chunk_index=i)
+    # close() finished the queued writes
+    with TieredStore.from_config(config(tmp_path)) as again:
+        assert again.lookup(keys) == 5
+        assert all(again.locate(k) == "disk" for k in keys)
+        assert again.get(keys[0]) == payload(0, 1000)
+        assert again.locate(keys[0]) == "ram"
+        assert [again.get(k) for k in keys] == [payload(i, 1000 + i) for i in range(5)]
+        assert_accounting(again)
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("damage", ["payload byte", "truncated"])
+def test_corrupt_disk_file_is_a_counted_miss_never_wrong_bytes(tmp_path, damage):
+    with TieredStore.from_config(config(tmp_path)) as store:
+        store.put(key(1), payload(1, 3000))
+        store.put(key(2), payload(2, 3000))
+    path = entry_path(str(tmp_path / "disk"), key(1), fanout=True)
+    if damage == "payload byte":
+        _flip(path, os.path.getsize(path) - 10)
+    else:
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) - 10)
+    with TieredStore.from_config(config(tmp_path)) as store:
+        out = bytearray(3000)
+        assert store.get_into(key(1), out) is None
+        assert store.get(key(1)) is None
+        stats = store.stats()
+        assert stats["misses"] == 2
+        assert tier_stats(store, "disk")["corrupt"] == 1
+        assert store.lookup([key(1)]) == 0  # forgotten, not retried
+        assert store.get(key(2)) == payload(2, 3000)
+        assert_accounting(store)
+
+
+# ------------------------------------------------------------------------------------ admission, events
+
+
+def test_admission_rejects_short_prefixes(make_store):
+    store = make_store(admission={"enabled": True, "min_prefix_chunks": 3})
+    assert not store.put(key(0), payload(0), chunk_index=0)
+    assert not store.put(key(1), payload(1), parent=key(0), chunk_index=1)
+    assert store.put(key(2), payload(2), parent=key(1), chunk_index=2)
+    assert store.stats()["not_admitted"] == 2
+    assert store.lookup([key(0)]) == 0 and store.lookup([key(2)]) == 1
+    assert store.flush()
+    assert not store.tiers[1].contains(key(0))
+
+
+def test_take_events_reports_stored_and_removed_with_the_medium(make_store):
+    store = make_store(ram_pages=2, write_through=False)
+    assert store.take_events() == []  # not enabled
+    store.enable_events()
+    store.put(key(0), payload(0))
+    assert store.take_events() == [("stored", key(0), "CPU")]
+    assert store.take_events() == []
+    store.put(key(1), payload(1))
+    store.put(key(2), payload(2))  # evicts key 0 to disk
+    assert store.flush()
+    events = store.take_events()
+    assert ("removed", key(0), "CPU") in events
+    assert ("stored", key(0), "DISK") in events
+    assert ("stored", key(2), "CPU") in events
+    store.delete(key(0))
+    assert store.take_events() == [("removed", key(0), "DISK")]
+
+
+# ------------------------------------------------------------------------------------ memory, close
+
+
+def test_ram_tier_memory_stays_flat_across_put_evict_cycles():
+    capacity = 8 * 1024 * 1024
+    top = RamTier(RamConfig(capacity=capacity, page_size=64 * 1024, pin_memory=False, prefault=True))
+    store = TieredStore([(top, LRUPolicy())])
+    rng = np.random.default_rng(0)
+    blobs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (70_000, 300_000, 1_000_001)]
+    proc = psutil.Process()
+    with store:
+        def cycle(start: int) -> None:
+            for i in range(start, start + 300):
+                blob = blobs[i % len(blobs)]
+                assert store.put(key(i), blob, parent=key(i - 1) if i % 4 else None)
+                if i % 7 == 0:
+                    assert store.get_into(key(i), bytearray(blob.size)) == blob.size
+
+        cycle(0)  # warm-up: scratch buffers and bookkeeping reach their steady size
+        rss = proc.memory_info().rss
+        for round_ in range(1, 6):
+            cycle(round_ * 1000)
+        growth = proc.memory_info().rss - rss
+        assert store.stats()["evictions"] > 1000
+        assert growth < 4 * 1024 * 1024, f"RSS grew by {growth} bytes"
+
+
+def test_close_finishes_queued_writes(tmp_path):
+    with TieredStore.from_config(config(tmp_path, ram_pages=64)) as store:
+        for i in range(40):
+            store.put(key(i), payload(i))
+    with TieredStore.from_config(config(tmp_path, ram_pages=64)) as again:
+        assert again.lookup([key(i) for i in range(40)]) == 40
+        assert again.get(key(39)) == payload(39)
+    # a closed store refuses writes without raising
+    assert not store.put(key(100), payload(100))
+
+
+def test_close_returns_with_a_tier_stuck_on_a_write():
+    lower = GatedRam(64 * PAGE)
+    store = store_over([ram(16), lower], write_queue_depth=2)
+    try:
+        for i in range(5):
+            store.put(key(i), payload(i))
+        assert lower.entered.wait(10)
+        done = threading.Event()
+
+        def close():
+            store.close(timeout=0.5)
+            done.set()
+
+        threading.Thread(target=close, daemon=True).start()
+        assert done.wait(10), "close() hangs on a stuck lower tier"
+    finally:
+        lower.gate.set()
