@@ -1,0 +1,55 @@
+"""Run a scripted scenario on one real vLLM engine in this process (used by the tests).
+
+``python tests/integration/scenario.py SPEC.json OUT.json``. The spec names the model, the pool
+size, the kv_transfer_config, the documents and the steps: ``{"send": DOC, "tag": NAME}`` sends a
+document and records its result under NAME; ``{"rss": NAME}`` records the summed RSS of this
+process tree (the engine and its worker).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import psutil
+
+
+def tree_rss() -> int:
+    """Resident bytes of this process and all its descendants."""
+    me = psutil.Process(os.getpid())
+    total = 0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            total += proc.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def main(spec_path: str, out_path: str) -> int:
+    from vllm import LLM, SamplingParams
+
+    from kvtier.bench.engine_run import _one
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, gpu_memory_utilization=0.3,
+              num_gpu_blocks_override=spec["pool_blocks"], max_model_len=spec.get("max_model_len", 4096),
+              kv_transfer_config=spec.get("kv_transfer_config"), enable_prefix_caching=True,
+              disable_log_stats=False, seed=0)
+    sampling = SamplingParams(max_tokens=spec.get("max_tokens", 1), temperature=0.0, logprobs=5)
+    docs = spec["docs"]
+    out: dict = {"results": {}, "rss": {}}
+    for step in spec["steps"]:
+        if "send" in step:
+            out["results"][step["tag"]] = _one(llm, docs[step["send"]], sampling)
+        elif "rss" in step:
+            out["rss"][step["rss"]] = tree_rss()
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))

@@ -1,0 +1,186 @@
+"""KVTierConnector end to end on a real vLLM CPU engine and the small random Qwen2 model.
+
+Three engine processes run in sequence over one disk directory (module fixture):
+
+- A stores four documents (RAM tier for two of them, every chunk written through to disk), then
+  re-reads one with vLLM's own prefix cache and two from kvtier;
+- B is a new engine over the same disk directory: it hits what A stored (keys are
+  process-independent), with the same computation as A's own prefix-cache hit;
+- C runs over a copy of the directory in which every entry was corrupted (flipped byte,
+  truncated file) or deleted: it recomputes, gives the same predictions, and does not crash.
+
+A cold prefill is not bit-identical to any cached path (DESIGN.md), so predictions are compared
+with a tolerance for near-ties; the same cached computation is compared exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+HERE = Path(__file__).parent
+TOKENS = 2000
+CHUNK = 128
+LOADABLE = (TOKENS - 1) // CHUNK * CHUNK  # 1920: whole chunks, prompt minus one token
+CONNECTOR = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+             "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+
+
+def _docs(n: int) -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(100, 31000, TOKENS).tolist() for _ in range(n)]
+
+
+def _engine_env() -> dict:
+    env = dict(os.environ)
+    cores = sorted(os.sched_getaffinity(0))
+    env["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
+    env["OMP_NUM_THREADS"] = str(len(cores))
+    return env
+
+
+def run_scenario(tmp: Path, name: str, spec: dict) -> tuple[int, dict, str]:
+    """Run one engine scenario in a subprocess; (exit code, results, log text)."""
+    spec_path, out_path, log_path = tmp / f"{name}.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    with open(log_path, "w") as log:
+        proc = subprocess.run([sys.executable, str(HERE / "scenario.py"), str(spec_path), str(out_path)],
+                              env=_engine_env(), stdout=log, stderr=subprocess.STDOUT, timeout=900)
+    text = log_path.read_text(errors="replace")
+    results = json.loads(out_path.read_text()) if proc.returncode == 0 else {}
+    return proc.returncode, results, text
+
+
+def _connector(tiers: list[dict], **extra) -> dict:
+    return {**CONNECTOR, "kv_connector_extra_config": {"tiers": tiers, **extra}}
+
+
+def _entry_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def _corrupt(root: Path) -> dict[str, list[Path]]:
+    """Flip a payload byte in a third of the entries, truncate a third, delete a third."""
+    done: dict[str, list[Path]] = {"flipped": [], "truncated": [], "deleted": []}
+    for i, path in enumerate(_entry_files(root)):
+        if i % 3 == 0:
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0xFF
+            path.write_bytes(bytes(data))
+            done["flipped"].append(path)
+        elif i % 3 == 1:
+            with open(path, "r+b") as f:
+                f.truncate(path.stat().st_size // 2)
+            done["truncated"].append(path)
+        else:
+            path.unlink()
+            done["deleted"].append(path)
+    return done
+
+
+def same_prediction(ref: dict, got: dict, tol: float = 0.02) -> bool:
+    """Equal greedy token, or a near-tie in the reference where a tiny difference may flip it."""
+    if ref["token_ids"] == got["token_ids"]:
+        return True
+    top = sorted(ref["logprobs"].values(), reverse=True)
+    return len(top) > 1 and top[0] - top[1] < tol
+
+
+def logprobs_close(ref: dict, got: dict, tol: float) -> bool:
+    common = set(ref["logprobs"]) & set(got["logprobs"])
+    return bool(common) and all(abs(ref["logprobs"][t] - got["logprobs"][t]) <= tol for t in common)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    from kvtier.bench.models import make_random_model
+
+    tmp = tmp_path_factory.mktemp("connector")
+    model = str(make_random_model("small"))
+    docs = _docs(4) + _docs(40)[4:]  # 4 documents to store, then fresh ones for the memory check
+    disk = tmp / "disk"
+    tiers = [{"type": "ram", "capacity": "16MiB"}, {"type": "disk", "path": str(disk), "capacity": "1GiB"}]
+    base = {"model": model, "docs": docs, "pool_blocks": 24, "max_model_len": 2560}
+    steps_a = [{"send": i, "tag": f"cold{i}"} for i in range(4)]
+    steps_a += [{"send": 3, "tag": "local3"}, {"send": 0, "tag": "kv0"}, {"send": 1, "tag": "kv1"}]
+    rc_a, a, log_a = run_scenario(tmp, "a", {**base, "kv_transfer_config": _connector(tiers), "steps": steps_a})
+    assert rc_a == 0, log_a[-3000:]
+    files_after_a = len(_entry_files(disk))
+
+    corrupted_dir = tmp / "corrupted"
+    shutil.copytree(disk, corrupted_dir)
+    damage = _corrupt(corrupted_dir)
+
+    steps_b = [{"send": 3, "tag": "kv3"}, {"send": 2, "tag": "kv2"}, {"rss": "start"}]
+    steps_b += [{"send": i, "tag": f"new{i}"} for i in range(4, 14)] + [{"rss": "mid"}]
+    steps_b += [{"send": i, "tag": f"new{i}"} for i in range(14, 40)] + [{"rss": "end"}]
+    rc_b, b, log_b = run_scenario(tmp, "b", {**base, "kv_transfer_config": _connector(tiers), "steps": steps_b})
+    assert rc_b == 0, log_b[-3000:]
+
+    tiers_c = [{"type": "ram", "capacity": "16MiB"}, {"type": "disk", "path": str(corrupted_dir), "capacity": "1GiB"}]
+    steps_c = [{"send": i, "tag": f"c{i}"} for i in range(4)]
+    rc_c, c, log_c = run_scenario(tmp, "c", {**base, "kv_transfer_config": _connector(tiers_c), "steps": steps_c})
+    return {"a": a["results"], "b": b, "c": (rc_c, c, log_c), "damage": damage, "files_after_a": files_after_a}
+
+
+def test_cold_pass_stores_and_rereads_hit(engines):
+    a = engines["a"]
+    for i in range(4):
+        assert a[f"cold{i}"]["hit_tokens"] == 0
+    assert a["local3"]["local_hit_tokens"] == LOADABLE  # vLLM's own prefix cache, same length
+    for i in (0, 1):
+        assert a[f"kv{i}"]["hit_tokens"] == LOADABLE  # the external hits are exactly what was stored
+        assert same_prediction(a[f"cold{i}"], a[f"kv{i}"])
+        assert logprobs_close(a[f"cold{i}"], a[f"kv{i}"], tol=0.02)
+    assert engines["files_after_a"] == 4 * (LOADABLE // CHUNK)  # every chunk written through to disk
+
+
+def test_second_engine_hits_first_engines_disk_entries(engines):
+    a, b = engines["a"], engines["b"]["results"]
+    assert b["kv3"]["hit_tokens"] == LOADABLE
+    assert b["kv2"]["hit_tokens"] == LOADABLE
+    # Loaded KV is the bytes A computed: the same computation as A's own prefix-cache hit.
+    assert b["kv3"]["token_ids"] == a["local3"]["token_ids"]
+    assert logprobs_close(a["local3"], b["kv3"], tol=1e-5)
+    assert same_prediction(a["cold2"], b["kv2"])
+
+
+def test_ram_tier_keeps_engine_memory_bounded(engines):
+    rss = engines["b"]["rss"]
+    # 36 new documents (70 MB of KV) pass through a 16 MiB RAM tier: the engine's memory grows by
+    # at most the tier's capacity plus a margin, and not with the number of documents.
+    assert rss["end"] - rss["start"] < (16 << 20) + (96 << 20)
+    assert rss["end"] - rss["mid"] < 48 << 20
+
+
+def test_corrupt_and_missing_entries_are_recomputed(engines):
+    rc, c, log = engines["c"]
+    assert rc == 0, log[-3000:]
+    a = engines["a"]
+    for i in range(4):
+        assert same_prediction(a[f"cold{i}"], c["results"][f"c{i}"])
+        assert logprobs_close(a[f"cold{i}"], c["results"][f"c{i}"], tol=0.02)
+    # Every damaged entry that was read was detected and removed, never served.
+    damage = engines["damage"]
+    assert "corrupt" in log
+    read_damaged = [p for p in damage["flipped"] + damage["truncated"] if not p.exists()]
+    assert read_damaged, "no damaged entry was read"
+
+
+def test_bad_extra_config_fails_engine_start_with_the_key(tmp_path):
+    from kvtier.bench.models import make_random_model
+
+    spec = {"model": str(make_random_model("small")), "docs": _docs(1), "pool_blocks": 24, "max_model_len": 2560,
+            "kv_transfer_config": _connector([{"type": "ram", "capacity": "64MiB"}], tierz=[]), "steps": []}
+    rc, _, log = run_scenario(tmp_path, "bad", spec)
+    assert rc != 0
+    assert "unknown key 'tierz'" in log and "valid keys" in log
