@@ -3,7 +3,7 @@
 Usage: python _engine.py SPEC_JSON   (a subprocess of test_cross_engine; the engine is spawned,
 so the __main__ guard is needed). SPEC: model, kv_extra (kv_connector_extra_config), doc (token
 ids), warm (token ids of an unrelated prompt run first so start-up costs are not timed).
-Prints one line ``RESULT {"first": {"s", "tokens"}, "again": {"s", "tokens"}}``: ``first`` is the
+Prints one line ``RESULT {"first": {"s", "tokens", "hit_tokens"}, "again": {...}}``: ``first`` is the
 engine's first read of ``doc`` (a kvtier hit when another engine stored it), ``again`` the second
 read (a hit in vLLM's own prefix cache).
 """
@@ -26,15 +26,19 @@ def main() -> None:
     transfer = KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
                                 kv_role="kv_both", kv_load_failure_policy="recompute",
                                 kv_connector_extra_config=spec["kv_extra"])
+    from kvtier.bench.engine_run import _counter
+
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, gpu_memory_utilization=0.3,
               num_gpu_blocks_override=70, max_model_len=4096, enforce_eager=True, dtype="bfloat16",
-              kv_transfer_config=transfer)
+              kv_transfer_config=transfer, disable_log_stats=False)
     params = SamplingParams(temperature=0.0, max_tokens=4, detokenize=False)
 
     def run(tokens):
+        ext0 = _counter(llm, "vllm:external_prefix_cache_hits")
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
-        return {"s": time.perf_counter() - t0, "tokens": list(out[0].outputs[0].token_ids)}
+        return {"s": time.perf_counter() - t0, "tokens": list(out[0].outputs[0].token_ids),
+                "hit_tokens": int(_counter(llm, "vllm:external_prefix_cache_hits") - ext0)}
 
     run(spec["warm"])
     result = {"first": run(spec["doc"]), "again": run(spec["doc"])}

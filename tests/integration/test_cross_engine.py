@@ -7,9 +7,9 @@ Four engine launches cover three ways of sharing:
 - B (fs) has only ``ram -> fs`` of its own, no server, as if on another machine: a hit from fs.
 - B (redis) has only ``ram -> redis``, no server: a hit from redis.
 
-For each B: its first read is a kvtier hit (server stats count the chunk hits; every B's first
-read is far below A's cold prefill, and through the server within 2x of its own engine-local
-prefix hit), and its greedy tokens equal A's engine-local prefix hit
+For each B: its first read is a kvtier hit of the whole cached prefix (vLLM's external
+prefix-cache hit counter; the server's stats count the chunk hits too), and its greedy tokens
+equal A's engine-local prefix hit
 on the same cached prefix (a 2,049-token document: kvtier and vLLM's prefix cache both reuse
 2,048 tokens and compute 1, so the computation is the same; see DESIGN.md on why a cold prefill
 is not the reference).
@@ -86,12 +86,12 @@ def test_engines_share_kv_through_server_fs_and_redis(model, tmp_path, redis_url
     (tmp_path / "report.json").write_text(json.dumps(report))
     print(json.dumps({k: {"first_s": round(v["first"]["s"], 4), "again_s": round(v["again"]["s"], 4)}
                       for k, v in report.items()}))
+    loadable = (DOC_TOKENS - 1) // 128 * 128  # whole chunks of the prompt minus its last token
+    assert a["first"]["hit_tokens"] == 0
     for name in ("b_server", "b_fs", "b_redis"):
         b = report[name]
+        # B's first read is a kvtier hit of the whole cached prefix that A stored ...
+        assert b["first"]["hit_tokens"] == loadable, (name, b)
+        # ... and the same computation as A's engine-local prefix hit: the same greedy tokens.
         assert b["first"]["tokens"] == a["again"]["tokens"], name
-        # a kvtier hit: far below A's cold prefill of the same document (measured ~1.3 s vs 0.1-0.2 s)
-        assert b["first"]["s"] < 0.5 * a["first"]["s"], (name, b, a["first"])
-    # Through the node's server the first read costs about what an engine-local prefix hit does.
-    # The target is <= 2x; two runs on a shared 2-core machine measured 0.7x and 2.06x
-    # (fs: 3.1x, 2.1x; redis: 2.5x, 1.4x), so the assertion leaves room for that noise.
-    assert report["b_server"]["first"]["s"] <= 3 * report["b_server"]["again"]["s"], report["b_server"]
+    # Times are printed above for the record; speed is measured by `kvtier demo`, not asserted here.
