@@ -107,9 +107,14 @@ class _Counters:
     evictions: int = 0
     not_admitted: int = 0
     write_drops: int = 0
+    errors: int = 0
 
 
 _STOP = object()
+
+
+class _TooSmall(Exception):
+    """A caller's buffer cannot hold the entry (internal signal of ``get_into``)."""
 
 
 class TieredStore:
@@ -263,21 +268,32 @@ class TieredStore:
         return None
 
     def get_into(self, key: Key, out) -> int | None:
-        """Copy ``key``'s payload into the writable buffer ``out``; the byte count or None."""
+        """Copy ``key``'s payload into the writable buffer ``out``; the byte count or None.
+
+        A buffer smaller than the entry is a miss (None, counted as a store error); ``out`` is
+        then left untouched.
+        """
         dst = np.frombuffer(out, dtype=np.uint8)
         written = [0]
 
         def consume(segments: Segments) -> None:
+            sizes = [memoryview(seg).nbytes for seg in segments]
+            if sum(sizes) > dst.size:
+                raise _TooSmall
             pos = 0
             for seg in segments:
                 seg = np.frombuffer(seg, dtype=np.uint8)
-                if pos + seg.size > dst.size:
-                    raise ValueError("output buffer too small for the entry")
                 dst[pos : pos + seg.size] = seg
                 pos += seg.size
             written[0] = pos
 
-        return written[0] if self.read(key, consume) is not None else None
+        try:
+            found = self.read(key, consume)
+        except _TooSmall:
+            with self._lock:
+                self._counters.errors += 1
+            return None
+        return written[0] if found is not None else None
 
     def get(self, key: Key) -> bytes | None:
         """The payload of ``key`` as new bytes, or None."""
