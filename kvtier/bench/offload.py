@@ -14,6 +14,7 @@ in one run compare like with like. Absolute times on a shared machine are noisy:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -28,7 +29,7 @@ import numpy as np
 from kvtier.errors import ConfigError, KVTierError
 
 MAIN_SETTINGS = ("vllm", "kvtier-ram", "kvtier-ram+disk")
-OPTIONAL_SETTINGS = ("example-connector",)
+OPTIONAL_SETTINGS = ("example-connector", "lmcache-mp")
 PASSES = ("first", "again", "reverse")
 DEFAULT_FRACTIONS = (0.33, 0.67, 1.0, 1.33)
 CONNECTOR = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
@@ -44,6 +45,7 @@ class Setting:
     passes: tuple[str, ...] = PASSES
     engine_hit_docs: int = 0
     capacity_fraction: float | None = None
+    lmcache_l1_bytes: int | None = None  # "lmcache-mp": L1 size of the LMCache server started around the run
     result: dict = field(default_factory=dict)
 
 
@@ -63,12 +65,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-tokens", type=int, default=None, help="kvtier chunk size (default: the connector's)")
     parser.add_argument("--work-dir", help="where disk tiers and spec files go (default: a temp dir)")
     parser.add_argument("--plot", metavar="PNG", help="also draw the tables as a PNG")
+    parser.add_argument("--lmcache-python", metavar="PATH", default=os.environ.get("KVTIER_LMCACHE_PYTHON"),
+                        help="python of a virtualenv with vllm and lmcache, for the lmcache-mp setting "
+                             "(default: $KVTIER_LMCACHE_PYTHON)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the experiment, print tables (or JSON), return 0."""
     settings_names = _parse_settings(args.settings)
+    if "lmcache-mp" in settings_names:
+        from kvtier.bench.lmcache_mp import check_python
+
+        args.lmcache_python = check_python(getattr(args, "lmcache_python", None))
     fractions = [float(x) for x in args.capacity_fractions.split(",") if x.strip()]
     if args.docs < 1 or args.tokens < 256:
         raise ConfigError("--docs must be >= 1 and --tokens >= 256")
@@ -150,6 +159,8 @@ def _settings(names: list[str], fractions: list[float], working_set: int, work: 
         elif name == "example-connector":
             settings.append(Setting(name, {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                                            "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}))
+        elif name == "lmcache-mp":  # LMCache's server with an L1 as large as kvtier-ram's RAM tier
+            settings.append(Setting(name, None, lmcache_l1_bytes=int(big * working_set)))
     for fraction in fractions:
         if fraction == big and "kvtier-ram" in names:
             continue
@@ -169,6 +180,7 @@ def _run_settings(settings: list[Setting], model: str, docs, warmup, hit_docs, a
     bar = tqdm(settings, desc="kvtier demo", unit="engine", file=sys.stderr, disable=args.json and not sys.stderr.isatty())
     for setting in bar:
         bar.set_postfix_str(setting.name)
+        server = _lmcache_server(setting, args, work, env)
         spec = {
             "model": model, "docs": docs, "warmup": warmup, "hit_docs": hit_docs,
             "pool_blocks": max(1, args.pool_tokens // 128),
@@ -180,13 +192,25 @@ def _run_settings(settings: list[Setting], model: str, docs, warmup, hit_docs, a
         spec_path, out_path = work / f"{setting.name}.spec.json", work / f"{setting.name}.out.json"
         spec_path.write_text(json.dumps(spec))
         log_path = work / f"{setting.name}.log"
-        with open(log_path, "w") as log:
-            proc = subprocess.run([sys.executable, "-m", "kvtier.bench.engine_run", str(spec_path), str(out_path)],
-                                  env=env, stdout=log, stderr=subprocess.STDOUT)
+        python, run_env = (args.lmcache_python, server.engine_env(env)) if server else (sys.executable, env)
+        with open(log_path, "w") as log, (server or contextlib.nullcontext()):
+            proc = subprocess.run([python, "-m", "kvtier.bench.engine_run", str(spec_path), str(out_path)],
+                                  env=run_env, stdout=log, stderr=subprocess.STDOUT)
         if proc.returncode != 0:
             tail = log_path.read_text(errors="replace").splitlines()[-15:]
             raise KVTierError(f"setting {setting.name}: engine run failed (exit {proc.returncode}):\n" + "\n".join(tail))
         setting.result = json.loads(out_path.read_text())
+
+
+def _lmcache_server(setting: Setting, args, work: Path, env: dict):
+    """For "lmcache-mp": the (not yet started) LMCache server, its connector config set on ``setting``."""
+    if setting.lmcache_l1_bytes is None:
+        return None
+    from kvtier.bench.lmcache_mp import LMCacheServer
+
+    server = LMCacheServer(args.lmcache_python, setting.lmcache_l1_bytes, work / f"{setting.name}.server.log", env=env)
+    setting.kv_transfer_config = server.kv_transfer_config()
+    return server
 
 
 def _engine_env() -> dict:
@@ -284,6 +308,13 @@ def _targets(p50: dict, curve: list[dict], engine_hit: float) -> list[dict]:
         check("kvtier-ram first / example-connector first",
               round(p50[("kvtier-ram", "first")] / p50[("example-connector", "first")], 3), "< 1",
               p50[("kvtier-ram", "first")] < p50[("example-connector", "first")])
+    if ("lmcache-mp", "again") in p50 and ram_again is not None:
+        check("kvtier-ram re-read / lmcache-mp re-read", round(ram_again / p50[("lmcache-mp", "again")], 3),
+              "< 1", ram_again < p50[("lmcache-mp", "again")])
+    if ("lmcache-mp", "first") in p50 and ("kvtier-ram", "first") in p50:
+        check("kvtier-ram first / lmcache-mp first",
+              round(p50[("kvtier-ram", "first")] / p50[("lmcache-mp", "first")], 3), "<= 1",
+              p50[("kvtier-ram", "first")] <= p50[("lmcache-mp", "first")])
     return checks
 
 
