@@ -13,8 +13,6 @@ from kvtier.cli._common import emit_json, print_table
 from kvtier.config import format_bytes, parse_size
 from kvtier.errors import ConfigError
 
-_KIB = 1024
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``pull``, ``shard``, ``probe`` and ``load``."""
