@@ -427,6 +427,8 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         """Close the store (worker) or the probes (scheduler)."""
+        if self._layout is not None:
+            self._layout.close()
         if self.store is not None:
             self.store.close()
             self.store = None
