@@ -115,6 +115,29 @@ class Tier(ABC):
         n = self.get_into(key, out)
         return None if n is None else bytes(out[:n])
 
+    def _deliver(self, payload: memoryview, out) -> int | None:
+        """Copy a verified payload into the caller's buffer; count a hit (or, when ``out`` is too
+        small, an error and a miss, leaving ``out`` untouched)."""
+        dest = memoryview(out).cast("B")
+        n = payload.nbytes
+        if dest.nbytes < n:
+            self.stats.add(errors=1, misses=1)
+            return None
+        dest[:n] = payload
+        self.stats.add(hits=1, bytes_read=n)
+        return n
+
+    def _header(self, key: Key, view: memoryview, dtype: str, shape: tuple[int, ...] | None) -> bytes | None:
+        """The entry header for a put, or None (counted as an error and a drop) when the key,
+        dtype or shape cannot describe ``view``."""
+        from kvtier.entry import encode_header
+
+        try:
+            return encode_header(bytes(key), view, dtype, shape)
+        except ValueError:
+            self.stats.add(errors=1, dropped=1)
+            return None
+
     def close(self) -> None:
         """Release resources. Further calls are not allowed."""
 

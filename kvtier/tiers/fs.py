@@ -180,10 +180,8 @@ class FsTier(Tier):
     def put(self, key: Key, data, dtype: str = "uint8", shape: tuple[int, ...] | None = None) -> bool:
         """Write header + payload to a unique temp file and rename it into place (atomic)."""
         view = memoryview(data).cast("B")
-        try:
-            header = entry.encode_header(bytes(key), view, dtype, shape)
-        except ValueError:
-            self.stats.add(errors=1, dropped=1)
+        header = self._header(key, view, dtype, shape)
+        if header is None:
             return False
         size = view.nbytes
         if size > self.config.capacity:

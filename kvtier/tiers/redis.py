@@ -244,7 +244,7 @@ class RedisTier(Tier):
     def get_into(self, key: Key, out) -> int | None:
         """Copy the verified payload into ``out``; ``out`` is untouched on a miss."""
         value = self._call(lambda: self._client.get(self._key(key)), _FAULT)
-        return self._deliver(key, value, out)
+        return self._deliver_value(key, value, out)
 
     def get_many_into(self, keys: Sequence[Key], outs: Sequence) -> list[int | None]:
         """``get_into`` for each (key, out) pair, fetched in one pipelined round trip."""
@@ -261,7 +261,7 @@ class RedisTier(Tier):
         if values is None:
             self.stats.add(misses=len(keys))
             return [None] * len(keys)
-        return [self._deliver(k, v, o) for k, v, o in zip(keys, values, outs)]
+        return [self._deliver_value(k, v, o) for k, v, o in zip(keys, values, outs)]
 
     def get(self, key: Key) -> bytes | None:
         """The payload as new bytes (one round trip), or None on a miss."""
@@ -284,26 +284,16 @@ class RedisTier(Tier):
             return None
         return payload
 
-    def _deliver(self, key: Key, value, out) -> int | None:
+    def _deliver_value(self, key: Key, value, out) -> int | None:
+        """Verify a fetched value and copy its payload into ``out`` (a counted miss if bad)."""
         payload = self._verified(key, value)
-        if payload is None:
-            return None
-        dest = memoryview(out).cast("B")
-        n = payload.nbytes
-        if dest.nbytes < n:
-            self.stats.add(errors=1, misses=1)
-            return None
-        dest[:n] = payload
-        self.stats.add(hits=1, bytes_read=n)
-        return n
+        return None if payload is None else self._deliver(payload, out)
 
     def put(self, key: Key, data, dtype: str = "uint8", shape: tuple[int, ...] | None = None) -> bool:
         """Store header + a copy of ``data`` (sent straight from the caller's buffer)."""
         view = memoryview(data).cast("B")
-        try:
-            header = entry.encode_header(bytes(key), view, dtype, shape)
-        except ValueError:
-            self.stats.add(errors=1, dropped=1)
+        header = self._header(key, view, dtype, shape)
+        if header is None:
             return False
         if self.config.capacity and view.nbytes > self.config.capacity:
             self.stats.add(dropped=1)

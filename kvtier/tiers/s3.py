@@ -223,7 +223,7 @@ class S3Tier(Tier):
 
     def get_into(self, key: Key, out) -> int | None:
         """Fetch, verify, then copy into ``out``; ``out`` is untouched on a miss."""
-        return self._deliver(key, self._call(lambda: self._fetch(key), None), out)
+        return self._deliver_value(key, self._call(lambda: self._fetch(key), None), out)
 
     def get_many_into(self, keys: Sequence[Key], outs: Sequence) -> list[int | None]:
         """``get_into`` for each (key, out) pair, ``max_workers`` requests in parallel."""
@@ -250,26 +250,16 @@ class S3Tier(Tier):
             return None
         return payload
 
-    def _deliver(self, key: Key, value, out) -> int | None:
+    def _deliver_value(self, key: Key, value, out) -> int | None:
+        """Verify a fetched value and copy its payload into ``out`` (a counted miss if bad)."""
         payload = self._verified(key, value)
-        if payload is None:
-            return None
-        dest = memoryview(out).cast("B")
-        n = payload.nbytes
-        if dest.nbytes < n:
-            self.stats.add(errors=1, misses=1)
-            return None
-        dest[:n] = payload
-        self.stats.add(hits=1, bytes_read=n)
-        return n
+        return None if payload is None else self._deliver(payload, out)
 
     def put(self, key: Key, data, dtype: str = "uint8", shape: tuple[int, ...] | None = None) -> bool:
         """Upload header + payload as one object (one PUT); True once the endpoint acknowledged it."""
         view = memoryview(data).cast("B")
-        try:
-            header = entry.encode_header(bytes(key), view, dtype, shape)
-        except ValueError:
-            self.stats.add(errors=1, dropped=1)
+        header = self._header(key, view, dtype, shape)
+        if header is None:
             return False
         size = view.nbytes
         if size > self.config.capacity:
