@@ -300,6 +300,8 @@ class KVTierConnector(KVConnectorBase_V1):
         if not isinstance(meta, KVTierWorkerMetadata):
             return
         for kind, key, medium in meta.events:
+            if medium not in _MIRRORED_MEDIA:
+                continue  # persistent and shared tiers are asked directly (probes)
             media = self._present.get(key)
             if kind == "stored":
                 if media is None:
@@ -469,13 +471,16 @@ def _namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None
     )
 
 
+_MIRRORED_MEDIA = frozenset({"CPU"})  # the worker's process-private RAM: known only through its events
+
+
 def _make_probes(tier_specs: list[dict]) -> list:
     """Lookup-only views of the tiers a scheduler process can see: disk directories (by file
     existence) and shared tiers (their own ``contains_many``). Process-private RAM is skipped:
     the mirror covers it. A tier that cannot be reached is left out with a warning."""
+    from kvtier.config import build
     from kvtier.errors import KVTierError
     from kvtier.tiers.disk import DiskConfig, DiskProbe
-    from kvtier.config import build
     from kvtier.tiers.registry import TIERS, make_tier
 
     probes = []
