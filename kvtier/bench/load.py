@@ -1,9 +1,9 @@
 """``kvtier bench load``: weight-loading throughput of kvtier beside dd, safetensors, Run:ai and one plain GET.
 
 ``kvtier`` is the default reader (``local_mode="auto"``: a file already in the page cache is
-mapped copy-on-write after a concurrent readahead, a cold one is read with concurrent large
-``preadv`` calls into owned tensors within ``memory_limit``); ``kvtier-read`` forces the
-latter, ``kvtier-direct`` reads with ``O_DIRECT`` through the staging pool. The memory check
+mapped copy-on-write, a cold one is read with concurrent large ``O_DIRECT`` reads through the
+staging pool into owned tensors within ``memory_limit``); ``kvtier-read`` forces buffered
+``preadv`` straight into the tensors, ``kvtier-direct`` forces ``O_DIRECT``. The memory check
 applies to every kvtier run that does not map the file (a mapping's RSS is the page cache).
 ``single-stream`` is one plain GET of the whole object; ``sequential`` is ranged GETs of
 ``block_size`` one after another (what a reader without concurrency does).
@@ -238,7 +238,7 @@ def _checks(results: list[dict], opts: dict, path: str) -> list[dict]:
         if r["method"].startswith("kvtier") and not mapped and r.get("peak_rss_bytes"):
             over = r["peak_rss_bytes"] - r.get("baseline_rss_bytes", 0)
             bound = opts["memory_limit"] + largest + margin
-            checks.append({"name": f"kvtier {r['mode']} peak RSS over baseline", "bytes": over, "bound": bound,
+            checks.append({"name": f"{r['method']} {r['mode']} peak RSS over baseline", "bytes": over, "bound": bound,
                            "met": over <= bound})
     return checks
 

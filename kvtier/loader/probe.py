@@ -62,19 +62,20 @@ def probe(path: str, block_size: int, concurrency: int, max_bytes: int | None = 
     return ProbeResult(block_size, concurrency, got / secs / 1e9 if secs else 0.0, got, secs)
 
 
-def drop_file_cache(path: str) -> str:
+def drop_file_cache(path: str, system: bool = True) -> str:
     """Evict ``path`` from the page cache; returns the method used.
 
-    Tries the system-wide ``/proc/sys/vm/drop_caches`` (root, not in most containers), then
-    ``posix_fadvise(DONTNEED)`` on the file (works unprivileged for clean pages).
+    With ``system``, tries the system-wide ``/proc/sys/vm/drop_caches`` first (root, not in
+    most containers); then ``posix_fadvise(DONTNEED)`` on the file (unprivileged, clean pages).
     """
     os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        pass
+    if system:
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("3\n")
+            return "drop_caches"
+        except OSError:
+            pass
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

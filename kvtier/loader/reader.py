@@ -6,7 +6,8 @@ at most ``block_size``; neighbouring pieces are merged into one request of at mo
 A pool of ``concurrency`` threads runs the requests in file order.
 
 Buffers and ownership: ``local_mode="auto"`` (the default) picks ``mmap`` for a local file
-whose pages are already in the page cache and ``read`` otherwise. For a whole tensor of a local
+whose pages are already in the page cache and ``direct`` otherwise (a cold model is read past
+the page cache, as ``dd iflag=direct`` does, so the node does not hold it twice). For a whole tensor of a local
 file on CPU in ``local_mode="mmap"`` the tensor is a private copy-on-write mapping of the file and each request is a
 large readahead into the page cache (``posix_fadvise(WILLNEED)``): no copy at all, and no
 shared buffer. ``local_mode="direct"`` reads aligned supersets of each range with ``O_DIRECT``
@@ -177,6 +178,7 @@ class StreamReader:
         except BaseException:
             self.close()
             raise
+        self._cold: dict[str, bool] = {}  # auto mode: uri -> not in the page cache
         self.index: dict[str, tuple[str, TensorInfo]] = {}
         for uri, header in self.headers.items():
             for name, info in header.tensors.items():
@@ -258,8 +260,7 @@ class StreamReader:
             if (cur is None or uri != cur_uri or off - cur.end > gap or off + n - cur.start > block
                     or len(cur.segments) >= _MAX_SEGMENTS or cur.mapped != t.mapped):
                 src = self._sources[uri]
-                cur = _Request(src, off, off + n, mapped=t.mapped,
-                               direct=self.config.local_mode == "direct" and hasattr(src, "read_direct"))
+                cur = _Request(src, off, off + n, mapped=t.mapped, direct=not t.mapped and self._direct(src))
                 cur_uri = uri
                 requests.append(cur)
             cur.segments.append((off, n, t, dst))
@@ -276,6 +277,17 @@ class StreamReader:
             mapped[uri] = can and (mode == "mmap" or cached)
             prefetch[uri] = mapped[uri] and not cached
         return mapped, prefetch
+
+    def _direct(self, src: Source) -> bool:
+        """O_DIRECT for a local file in ``direct`` mode, or in ``auto`` mode when it is not cached."""
+        if not hasattr(src, "read_direct") or self.config.device != "cpu":
+            return False
+        mode = self.config.local_mode
+        if mode == "auto":
+            if src.uri not in self._cold:
+                self._cold[src.uri] = not src.is_cached()
+            return self._cold[src.uri]
+        return mode == "direct"
 
     # -- execution --------------------------------------------------------------------------
 

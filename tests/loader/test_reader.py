@@ -140,3 +140,18 @@ def test_config_errors():
         ReaderConfig(block_size="16MiB", memory_limit="1MiB")
     with pytest.raises(ConfigError, match="local_mode"):
         ReaderConfig(local_mode="fast")
+
+
+def test_auto_mode_reads_a_cold_file_directly(every_dtype):
+    """A file out of the page cache is read with O_DIRECT in auto mode; a cached one is mapped."""
+    from kvtier.loader.probe import drop_file_cache
+
+    drop_file_cache(every_dtype, system=False)  # this file only: other work shares the machine
+    cfg = ReaderConfig(block_size="4KiB", memory_limit="64KiB", concurrency=4)
+    with StreamReader([every_dtype], cfg) as r:
+        got = dict(r.stream())
+        assert r._cold == {every_dtype: True}
+    _same(got, load_file(every_dtype))
+    with StreamReader([every_dtype], cfg) as r:  # now cached: mapped, no I/O requests
+        _same(dict(r.stream()), load_file(every_dtype))
+        assert r._cold == {}
