@@ -5,9 +5,13 @@ at most ``block_size``; neighbouring pieces are merged into one request of at mo
 ``block_size`` (small tensors share a request; a gap up to ``max_gap`` is read and dropped).
 A pool of ``concurrency`` threads runs the requests in file order.
 
-Buffers and ownership: ``local_mode="auto"`` (the default) picks ``mmap`` for a local file
-whose pages are already in the page cache and ``direct`` otherwise (a cold model is read past
-the page cache, as ``dd iflag=direct`` does, so the node does not hold it twice). For a whole tensor of a local
+Buffers and ownership: ``local_mode="auto"`` (the default) maps whole tensors of local files
+on CPU, and first reads the file into the page cache with large concurrent readaheads unless
+it is already there (sampled with ``RWF_NOWAIT``): on a CPU host that is the cheapest path,
+since the page cache pages become the tensors with no copy and no zeroed allocation.
+``local_mode="direct"`` reads past the page cache instead (as ``dd iflag=direct`` does, so a
+node does not hold a model twice), and ``read`` uses buffered reads into owned tensors; both
+stay within ``memory_limit``, while a mapping's pages are page cache, not reader memory. For a whole tensor of a local
 file on CPU in ``local_mode="mmap"`` the tensor is a private copy-on-write mapping of the file and each request is a
 large readahead into the page cache (``posix_fadvise(WILLNEED)``): no copy at all, and no
 shared buffer. ``local_mode="direct"`` reads aligned supersets of each range with ``O_DIRECT``
@@ -273,21 +277,17 @@ class StreamReader:
         mapped, prefetch = {}, {}
         for uri, src in self._sources.items():
             can = self.config.device == "cpu" and hasattr(src, "mapping")
-            cached = can and mode == "auto" and src.is_cached()
-            mapped[uri] = can and (mode == "mmap" or cached)
+            mapped[uri] = can and mode in ("auto", "mmap")
+            cached = False
+            if mapped[uri] and mode == "auto":
+                cached = src.is_cached()
+                self._cold[uri] = not cached
             prefetch[uri] = mapped[uri] and not cached
         return mapped, prefetch
 
     def _direct(self, src: Source) -> bool:
-        """O_DIRECT for a local file in ``direct`` mode, or in ``auto`` mode when it is not cached."""
-        if not hasattr(src, "read_direct") or self.config.device != "cpu":
-            return False
-        mode = self.config.local_mode
-        if mode == "auto":
-            if src.uri not in self._cold:
-                self._cold[src.uri] = not src.is_cached()
-            return self._cold[src.uri]
-        return mode == "direct"
+        """O_DIRECT reads for a local file in ``direct`` mode."""
+        return self.config.local_mode == "direct" and hasattr(src, "read_direct") and self.config.device == "cpu"
 
     # -- execution --------------------------------------------------------------------------
 
