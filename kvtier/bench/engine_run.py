@@ -1,14 +1,13 @@
-"""One setting of the offload experiment, in its own process: start vLLM, replay the passes.
+"""One setting of the offload experiment, in its own process: a vLLM engine driven by the caller.
 
-Run as ``python -m kvtier.bench.engine_run SPEC.json OUT.json``. Each setting gets a fresh
-process so the engine's memory and its CPU thread binding are the same for every setting (the
-caller sets ``VLLM_CPU_OMP_THREADS_BIND`` and ``OMP_NUM_THREADS`` identically for all of them).
+Run as ``python -m kvtier.bench.engine_run SPEC.json``; the caller drives it one request at a
+time over stdin/stdout (``serve``), so several settings' engines can be alive at once and their
+requests interleaved: noise from a shared machine then falls on every setting alike. The caller
+sets ``VLLM_CPU_OMP_THREADS_BIND`` and ``OMP_NUM_THREADS`` identically for every engine.
 
-The spec (JSON): model, docs (list of token-id lists), pool_blocks, passes (names -> order of
-document indices), kv_transfer_config (or null), engine_hit_docs (how many documents to send
-twice in a row to time vLLM's own prefix-cache hit), max_model_len, logprobs.
-The result (JSON): for each pass, per document: TTFT in ms, external hit tokens, local hit
-tokens, prompt tokens, the first generated token and its top log-probabilities.
+The spec (JSON): model, docs and hit_docs (lists of token-id lists), warmup (token ids),
+pool_blocks, max_model_len, kv_transfer_config (or null), logprobs. Each answer: TTFT in ms,
+external and local hit tokens, prompt tokens, the generated token and its top log-probabilities.
 """
 
 from __future__ import annotations
@@ -50,14 +49,21 @@ def _one(llm, tokens: list[int], sampling) -> dict:
     }
 
 
-def run(spec: dict) -> dict:
-    """Run the passes of ``spec`` on one engine; see the module docstring."""
+MARKER = "@@kvtier "  # prefix of protocol lines on stdout (vLLM's own logs share the stream)
+
+
+def serve(spec: dict) -> None:
+    """Start the engine, then answer commands from stdin, one JSON object per line.
+
+    ``{"doc": I}`` sends document I, ``{"hit": I}`` the I-th engine-hit probe document, and
+    ``{"quit": true}`` ends. Each answer is one stdout line: MARKER + JSON (see ``_one``).
+    """
     from vllm import LLM, SamplingParams
 
     llm = LLM(
         model=spec["model"],
         skip_tokenizer_init=True,
-        gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.5),
+        gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.3),
         num_gpu_blocks_override=spec["pool_blocks"],
         max_model_len=spec["max_model_len"],
         kv_transfer_config=spec.get("kv_transfer_config"),
@@ -66,26 +72,24 @@ def run(spec: dict) -> dict:
         seed=0,
     )
     sampling = SamplingParams(max_tokens=1, temperature=0.0, logprobs=spec.get("logprobs", 5))
-    docs = spec["docs"]
-    _one(llm, spec["warmup"], sampling)  # first request pays one-off costs
-    result = {"passes": {}, "engine_hit": []}
-    for name, order in spec["passes"].items():
-        result["passes"][name] = [dict(_one(llm, docs[i], sampling), doc=i) for i in order]
-    for i in range(spec.get("engine_hit_docs", 0)):
-        extra = spec["hit_docs"][i]
-        first = _one(llm, extra, sampling)
-        again = _one(llm, extra, sampling)  # the pool holds one document: a local prefix hit
-        result["engine_hit"].append({"first": first, "again": again})
-    return result
+    _one(llm, spec["warmup"], sampling)  # the first request pays one-off costs
+    _answer({"ready": True})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("quit"):
+            break
+        tokens = spec["docs"][cmd["doc"]] if "doc" in cmd else spec["hit_docs"][cmd["hit"]]
+        _answer(_one(llm, tokens, sampling))
+
+
+def _answer(obj: dict) -> None:
+    sys.stdout.write(MARKER + json.dumps(obj) + "\n")
+    sys.stdout.flush()
 
 
 def main(argv: list[str]) -> int:
-    spec_path, out_path = argv
-    with open(spec_path, encoding="utf-8") as f:
-        spec = json.load(f)
-    result = run(spec)
-    with open(out_path, "w", encoding="utf-8") as f:
-        json.dump(result, f)
+    with open(argv[0], encoding="utf-8") as f:
+        serve(json.load(f))
     return 0
 
 

@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity-fractions", default=",".join(map(str, DEFAULT_FRACTIONS)),
                         help="RAM-tier sizes for the capacity curve, as fractions of the working set; '' to skip")
     parser.add_argument("--chunk-tokens", type=int, default=None, help="kvtier chunk size (default: the connector's)")
+    parser.add_argument("--max-engines", type=int, default=4,
+                        help="engines alive at once, whose requests are interleaved (default 4; lower it to save memory)")
+    parser.add_argument("--settle-ms", type=float, default=1500,
+                        help="quiet time before an engine's turn: vLLM's worker busy-polls for ~1 s after its last step (1500)")
     parser.add_argument("--work-dir", help="where disk tiers and spec files go (default: a temp dir)")
     parser.add_argument("--plot", metavar="PNG", help="also draw the tables as a PNG")
     parser.add_argument("--lmcache-python", metavar="PATH", default=os.environ.get("KVTIER_LMCACHE_PYTHON"),
@@ -81,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
     fractions = [float(x) for x in args.capacity_fractions.split(",") if x.strip()]
     if args.docs < 1 or args.tokens < 256:
         raise ConfigError("--docs must be >= 1 and --tokens >= 256")
+    if args.pool_tokens // 128 - 1 < -(-(args.tokens + 64) // 128):  # vLLM keeps one block back
+        raise ConfigError(f"--pool-tokens {args.pool_tokens} cannot hold one document of {args.tokens} tokens; "
+                          f"use at least {(-(-(args.tokens + 64) // 128) + 1) * 128}")
     model = _model_dir(args)
     bytes_per_token = _bytes_per_token(model)
     docs, warmup, hit_docs = _documents(args.docs, args.tokens)
@@ -171,35 +179,113 @@ def _settings(names: list[str], fractions: list[float], working_set: int, work: 
 
 
 def _run_settings(settings: list[Setting], model: str, docs, warmup, hit_docs, args, work: Path) -> None:
-    """Run each setting in its own process, with identical CPU binding; progress on stderr."""
+    """Run the settings in groups of engines alive at once, interleaving their passes.
+
+    Within a group each pass runs on every setting before the next pass starts (in a rotating
+    order), so slow drifts of load from elsewhere on a shared machine fall on all settings alike.
+    Between two engines' turns the machine is left quiet for ``--settle-ms``: vLLM's worker
+    busy-polls its message queue for a second after its last step, which would otherwise be
+    timed against the next engine. The main settings form the first group(s), the capacity curve
+    the next; ``--max-engines`` bounds a group (memory). Progress, one tick per request, on stderr.
+    """
     from tqdm import tqdm
 
-    env = _engine_env()
+    main = [s for s in settings if not s.name.startswith("capacity-")]
+    curve = [s for s in settings if s.name.startswith("capacity-")]
+    size = max(1, args.max_engines)
+    groups = [g[i : i + size] for g in (main, curve) for i in range(0, len(g), size)]
     order = {"first": list(range(len(docs))), "again": list(range(len(docs))),
              "reverse": list(reversed(range(len(docs))))}
-    bar = tqdm(settings, desc="kvtier demo", unit="engine", file=sys.stderr, disable=args.json and not sys.stderr.isatty())
-    for setting in bar:
-        bar.set_postfix_str(setting.name)
-        server = _lmcache_server(setting, args, work, env)
-        spec = {
-            "model": model, "docs": docs, "warmup": warmup, "hit_docs": hit_docs,
-            "pool_blocks": max(1, args.pool_tokens // 128),
-            "max_model_len": max(2048, args.tokens + 64),
-            "passes": {p: order[p] for p in setting.passes},
-            "kv_transfer_config": setting.kv_transfer_config,
-            "engine_hit_docs": setting.engine_hit_docs,
-        }
-        spec_path, out_path = work / f"{setting.name}.spec.json", work / f"{setting.name}.out.json"
-        spec_path.write_text(json.dumps(spec))
-        log_path = work / f"{setting.name}.log"
-        python, run_env = (args.lmcache_python, server.engine_env(env)) if server else (sys.executable, env)
-        with open(log_path, "w") as log, (server or contextlib.nullcontext()):
-            proc = subprocess.run([python, "-m", "kvtier.bench.engine_run", str(spec_path), str(out_path)],
-                                  env=run_env, stdout=log, stderr=subprocess.STDOUT)
-        if proc.returncode != 0:
-            tail = log_path.read_text(errors="replace").splitlines()[-15:]
-            raise KVTierError(f"setting {setting.name}: engine run failed (exit {proc.returncode}):\n" + "\n".join(tail))
-        setting.result = json.loads(out_path.read_text())
+    total = sum(len(order[p]) for s in settings for p in s.passes) + sum(2 * s.engine_hit_docs for s in settings)
+    quiet = args.json and not sys.stderr.isatty()
+    with tqdm(total=total, desc="kvtier demo", unit="req", file=sys.stderr, disable=quiet) as bar:
+        for group in groups:
+            _run_group(group, order, model, docs, warmup, hit_docs, args, work, bar)
+
+
+def _run_group(group: list[Setting], order: dict, model: str, docs, warmup, hit_docs, args, work: Path, bar) -> None:
+    """Start one engine per setting of ``group``, replay the passes interleaved, stop them."""
+    env = _engine_env()
+    spec = {"model": model, "docs": docs, "warmup": warmup, "hit_docs": hit_docs,
+            "pool_blocks": args.pool_tokens // 128, "max_model_len": args.tokens + 64}
+    with contextlib.ExitStack() as stack:
+        engines = {}
+        for setting in group:
+            bar.set_postfix_str(f"starting {setting.name}")
+            server = _lmcache_server(setting, args, work, env)
+            if server is not None:
+                stack.enter_context(server)
+            python, run_env = (args.lmcache_python, server.engine_env(env)) if server else (sys.executable, env)
+            spec_path = work / f"{setting.name}.spec.json"
+            spec_path.write_text(json.dumps({**spec, "kv_transfer_config": setting.kv_transfer_config}))
+            engines[setting.name] = stack.enter_context(_Engine(setting.name, python, run_env, spec_path, work))
+        for engine in engines.values():
+            engine.wait_ready()
+        for setting in group:
+            setting.result = {"passes": {p: [] for p in setting.passes}, "engine_hit": []}
+        settle = args.settle_ms / 1000
+        for k, name in enumerate(PASSES):
+            members = [s for s in group if name in s.passes]
+            for setting in members[k % max(1, len(members)):] + members[: k % max(1, len(members))]:
+                bar.set_postfix_str(f"{setting.name}: {name}")
+                for j, doc in enumerate(order[name]):
+                    answer = engines[setting.name].ask({"doc": doc}, settle if j == 0 else 0.0)
+                    setting.result["passes"][name].append({**answer, "doc": doc})
+                    bar.update(1)
+        for setting in group:
+            for i in range(setting.engine_hit_docs):
+                first = engines[setting.name].ask({"hit": i}, settle if i == 0 else 0.0)
+                again = engines[setting.name].ask({"hit": i})  # the pool holds one document: a local hit
+                setting.result["engine_hit"].append({"first": first, "again": again})
+                bar.update(2)
+
+
+class _Engine:
+    """One setting's engine process (``kvtier.bench.engine_run``), asked one request at a time."""
+
+    def __init__(self, name: str, python: str, env: dict, spec_path: Path, work: Path):
+        self.name = name
+        self.log_path = work / f"{name}.log"
+        self._log = open(self.log_path, "w")
+        self._proc = subprocess.Popen([python, "-m", "kvtier.bench.engine_run", str(spec_path)], env=env,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                      text=True, start_new_session=True)
+
+    def wait_ready(self) -> None:
+        self._read()
+
+    def ask(self, command: dict, settle_s: float = 0.0) -> dict:
+        """Send one command after ``settle_s`` of quiet, return the engine's answer."""
+        time.sleep(settle_s)
+        self._proc.stdin.write(json.dumps(command) + "\n")
+        self._proc.stdin.flush()
+        return self._read()
+
+    def _read(self) -> dict:
+        from kvtier.bench.engine_run import MARKER
+
+        for line in self._proc.stdout:
+            if line.startswith(MARKER):
+                return json.loads(line[len(MARKER):])
+            self._log.write(line)
+        self._log.flush()
+        tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-15:])
+        raise KVTierError(f"setting {self.name}: engine exited (code {self._proc.wait()}):\n{tail}")
+
+    def __enter__(self) -> "_Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self._proc.poll() is None:
+                self._proc.stdin.write(json.dumps({"quit": True}) + "\n")
+                self._proc.stdin.flush()
+                self._proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self._proc.kill()
+            self._proc.wait()
+        finally:
+            self._log.close()
 
 
 def _lmcache_server(setting: Setting, args, work: Path, env: dict):
