@@ -622,3 +622,34 @@ def test_close_returns_with_a_tier_stuck_on_a_write():
         assert done.wait(10), "close() hangs on a stuck lower tier"
     finally:
         lower.gate.set()
+
+
+@pytest.mark.parametrize("fraction, floor", [(0.33, 0.25), (0.67, 0.55)])
+def test_default_policy_keeps_a_subset_of_a_chain_loop_larger_than_the_cache(fraction, floor):
+    """The document's cliff, through the store: 10 prefix chains of page-sized chunks re-read in
+    the same order, the RAM tier holding a fraction of them. LRU gets 0 hits here; the default
+    policy must keep a stable subset (the issue's capacity-curve targets)."""
+    from kvtier.keys import Namespace, chunk_keys
+
+    chunk, docs_n, chunks_n = 512 << 10, 10, 39
+    store = TieredStore.from_config({"tiers": [{"type": "ram", "capacity": int(fraction * docs_n * chunks_n * chunk),
+                                                "page_size": 64 << 10}]})
+    rng = np.random.default_rng(0)
+    docs = [chunk_keys(rng.integers(0, 30000, 5000), Namespace("m"), 128)[:chunks_n] for _ in range(docs_n)]
+    payload = np.zeros(chunk, np.uint8)
+
+    def one_pass() -> float:
+        hits = 0
+        for keys in docs:
+            n = store.lookup(keys)
+            for key in keys[:n]:
+                assert store.read(key, lambda segs: None) is not None
+            hits += n
+            for i in range(n, len(keys)):
+                store.put(keys[i], payload, parent=keys[i - 1] if i else None, chunk_index=i)
+        return hits / (docs_n * chunks_n)
+
+    assert one_pass() == 0.0
+    assert one_pass() >= floor
+    assert one_pass() >= floor
+    store.close()

@@ -95,8 +95,9 @@ class WTinyLFUPolicy(EvictionPolicy):
             return candidate
         incumbent = next(iter(main))
         limit = max(1, int(self._capacity() * self._window_share))
-        if candidate is None or self._bytes["window"] < limit:
-            return incumbent  # the window may still grow to its share
+        if candidate is None or self._bytes["window"] + self._window[candidate] <= limit:
+            return incumbent  # the window has room for one more entry of this size
+        # Otherwise the next insert overflows the window: the candidate must win its place.
         freq = self._sketch.frequency
         return incumbent if freq(candidate) > freq(incumbent) else candidate
 
