@@ -340,6 +340,8 @@ def _report(settings: list[Setting], working_set: int) -> dict:
         be = breakeven_from_ttft(recompute, p50[("kvtier-ram", "again")], p50[("kvtier-ram", "first")])
         report["breakeven_hit_rate"] = be["breakeven_hit_rate"]
         report["breakeven"] = be
+    report["requests"] = {s.name: {p: [round(r["ttft_ms"], 2) for r in reqs] for p, reqs in s.result["passes"].items()}
+                          for s in settings}
     report["agreement"] = _agreement(by_name)
     report["targets"] = _targets(p50, curve, engine_hit)
     return report

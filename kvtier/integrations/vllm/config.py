@@ -6,6 +6,7 @@ Keys (all optional)::
                        128 rounded up to the block size; the tail of a prompt short of a whole
                        chunk is recomputed, so smaller chunks lose less of each prompt)
     tiers              ordered tier list, fastest first (default: one 4 GiB RAM tier)
+    load_threads       chunks of one request read at once, overlapping lower tiers' I/O (4)
     write_queue_depth  bounded queue per lower tier (64); a full queue drops the write
     write_through      copy every new chunk to the lower tiers too (true)
     admission          {"min_prefix_chunks": N, "doorkeeper": bool} (off)
@@ -33,13 +34,16 @@ class ConnectorConfig:
     """Everything the connector reads from ``kv_connector_extra_config``."""
 
     chunk_tokens: int | None = None
+    load_threads: int = 4
     store: StoreConfig = field(default_factory=lambda: StoreConfig(tiers=[dict(t) for t in DEFAULT_CONNECTOR_TIERS]))
     server: str | None = None
     server_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.chunk_tokens is not None and self.chunk_tokens <= 0:
-            raise ConfigError(f"kvtier.chunk_tokens: must be positive, got {self.chunk_tokens}")
+            raise ConfigError(f"kv_connector_extra_config.chunk_tokens: must be positive, got {self.chunk_tokens}")
+        if self.load_threads < 1:
+            raise ConfigError(f"kv_connector_extra_config.load_threads: must be at least 1, got {self.load_threads}")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorConfig":
@@ -61,15 +65,19 @@ class ConnectorConfig:
         return build(cls, merged, "kv_connector_extra_config")
 
     def with_page_size(self, page_bytes: int) -> "ConnectorConfig":
-        """The same config with RAM tiers' page size set to the engine's page size.
+        """The same config with RAM tiers sized for the engine: page size = the engine's page
+        size, and the arena touched at start.
 
         One arena page per engine (layer, block) page makes every page copy a single memcpy.
-        An explicit ``page_size`` in the config is kept.
+        Touching the arena at start moves its page faults out of the first requests (measured:
+        +6% TTFT on a first pass with an untouched arena, +1% with it touched). Explicit
+        ``page_size``/``prefault`` settings are kept.
         """
         tiers = []
         for spec in self.store.tiers:
             spec = dict(spec)
             if spec.get("type") == "ram":
                 spec.setdefault("page_size", page_bytes)
+                spec.setdefault("prefault", True)
             tiers.append(spec)
         return dataclasses.replace(self, store=dataclasses.replace(self.store, tiers=tiers))

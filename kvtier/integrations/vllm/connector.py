@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -178,6 +179,7 @@ class KVTierConnector(KVConnectorBase_V1):
         # worker side: the store and the engine's pages
         self.store: TieredStore | None = None
         self._layout: PageLayout | None = None
+        self._load_pool: ThreadPoolExecutor | None = None
         self._num_blocks = kv_cache_config.num_blocks if kv_cache_config else 0
         self._rank = 0
         self._failed_blocks: set[int] = set()
@@ -354,6 +356,8 @@ class KVTierConnector(KVConnectorBase_V1):
         """Learn the engine's per-layer page tensors."""
         num_blocks = self._num_blocks or next(iter(kv_caches.values())).shape[0]
         self._layout = PageLayout(kv_caches, num_blocks, self.blocks_per_chunk)
+        if self.config.load_threads > 1:
+            self._load_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-load")
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Copy this step's planned chunks into the engine's pages before the forward pass."""
@@ -364,23 +368,39 @@ class KVTierConnector(KVConnectorBase_V1):
             self._load(load)
 
     def _load(self, load: LoadSpec) -> None:
+        """Copy a request's planned chunks into its blocks, several chunks at a time.
+
+        Concurrent reads overlap a lower tier's I/O (disk, network). If any chunk fails, every
+        block from the first failed chunk on is reported for recomputation: a chunk is worth
+        nothing without the chunks before it.
+        """
+        indices = range(len(load.keys))
+        if self._load_pool is not None and len(load.keys) > 1:
+            tiers = list(self._load_pool.map(lambda i: self._load_chunk(load, i), indices))
+        else:
+            tiers = [self._load_chunk(load, i) for i in indices]
+        bad = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
+        for tier in tiers[:bad]:
+            self._stats.add(loaded_chunks=1, loaded_bytes=self._layout.chunk_bytes, **{f"hits_{tier}": 1})
+        if bad < len(tiers):
+            bpc = self.blocks_per_chunk
+            first = load.skip_blocks if bad == 0 else 0
+            end = (load.first_chunk + len(load.keys)) * bpc
+            self._failed_blocks.update(load.block_ids[(load.first_chunk + bad) * bpc + first : end])
+            self._stats.add(load_errors=1, load_error_chunks=len(tiers) - bad)
+
+    def _load_chunk(self, load: LoadSpec, i: int) -> str | None:
+        """Load the ``i``-th planned chunk into its blocks; the serving tier's name or None."""
         bpc = self.blocks_per_chunk
+        c = load.first_chunk + i
+        blocks = load.block_ids[c * bpc : (c + 1) * bpc]
+        first = load.skip_blocks if i == 0 else 0
         layout = self._layout
-        for i, key in enumerate(load.keys):
-            c = load.first_chunk + i
-            blocks = load.block_ids[c * bpc : (c + 1) * bpc]
-            first = load.skip_blocks if i == 0 else 0
-            tier = None
-            try:
-                tier = self.store.read(self._rank_key(key, self._rank), lambda segs: layout.load(segs, blocks, first))
-            except ValueError:  # an entry of another size: not ours to trust
-                log.warning("kvtier: chunk %d of %s has an unexpected size; recomputing", c, load.req_id)
-            if tier is None:
-                failed = load.block_ids[c * bpc + first : (load.first_chunk + len(load.keys)) * bpc]
-                self._failed_blocks.update(failed)
-                self._stats.add(load_errors=1, load_error_chunks=len(load.keys) - i)
-                return
-            self._stats.add(loaded_chunks=1, loaded_bytes=layout.chunk_bytes, **{f"hits_{tier}": 1})
+        try:
+            return self.store.read(self._rank_key(load.keys[i], self._rank), lambda segs: layout.load(segs, blocks, first))
+        except ValueError:  # an entry of another size: not ours to trust
+            log.warning("kvtier: chunk %d of %s has an unexpected size; recomputing", c, load.req_id)
+            return None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads complete in ``start_load_kv``; nothing to wait for per layer."""
@@ -429,6 +449,9 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         """Close the store (worker) or the probes (scheduler)."""
+        if self._load_pool is not None:
+            self._load_pool.shutdown(wait=True)
+            self._load_pool = None
         if self._layout is not None:
             self._layout.close()
         if self.store is not None:
