@@ -230,6 +230,14 @@ class TieredStore:
                 return level.tier.name
         return None
 
+    def in_top_tier(self, keys: Sequence[Key]) -> list[bool]:
+        """For each key, whether the top tier holds it now (a memcpy away). No side effects."""
+        top = self._levels[0]
+        with self._lock:
+            if top.managed:
+                return [top.holds(k) for k in keys]
+        return [False] * len(keys)
+
     def __contains__(self, key: Key) -> bool:
         return self.lookup([key]) == 1
 

@@ -368,17 +368,23 @@ class KVTierConnector(KVConnectorBase_V1):
             self._load(load)
 
     def _load(self, load: LoadSpec) -> None:
-        """Copy a request's planned chunks into its blocks, several chunks at a time.
+        """Copy a request's planned chunks into its blocks.
 
-        Concurrent reads overlap a lower tier's I/O (disk, network). If any chunk fails, every
+        Chunks in the top tier are copied inline (a memcpy each); the others are read by the
+        load threads at the same time, overlapping a lower tier's I/O. If any chunk fails, every
         block from the first failed chunk on is reported for recomputation: a chunk is worth
         nothing without the chunks before it.
         """
-        indices = range(len(load.keys))
-        if self._load_pool is not None and len(load.keys) > 1:
-            tiers = list(self._load_pool.map(lambda i: self._load_chunk(load, i), indices))
-        else:
-            tiers = [self._load_chunk(load, i) for i in indices]
+        tiers: list[str | None] = [None] * len(load.keys)
+        local = self._in_top_tier(load.keys)
+        pending = {}
+        if self._load_pool is not None:  # start the slow reads first, then copy the local ones
+            pending = {i: self._load_pool.submit(self._load_chunk, load, i) for i, near in enumerate(local) if not near}
+        for i in range(len(load.keys)):
+            if i not in pending:
+                tiers[i] = self._load_chunk(load, i)
+        for i, future in pending.items():
+            tiers[i] = future.result()
         bad = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
         for tier in tiers[:bad]:
             self._stats.add(loaded_chunks=1, loaded_bytes=self._layout.chunk_bytes, **{f"hits_{tier}": 1})
@@ -388,6 +394,13 @@ class KVTierConnector(KVConnectorBase_V1):
             end = (load.first_chunk + len(load.keys)) * bpc
             self._failed_blocks.update(load.block_ids[(load.first_chunk + bad) * bpc + first : end])
             self._stats.add(load_errors=1, load_error_chunks=len(tiers) - bad)
+
+    def _in_top_tier(self, keys: list[bytes]) -> list[bool]:
+        """Which chunks the store's top tier holds (copied inline; the others go to the pool)."""
+        probe = getattr(self.store, "in_top_tier", None)
+        if probe is None:
+            return [False] * len(keys)
+        return probe([self._rank_key(k, self._rank) for k in keys])
 
     def _load_chunk(self, load: LoadSpec, i: int) -> str | None:
         """Load the ``i``-th planned chunk into its blocks; the serving tier's name or None."""
