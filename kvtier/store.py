@@ -131,6 +131,7 @@ class TieredStore:
         self._counters = _Counters()
         self._orphans: dict[Key, bytes] = {}  # bytes of top-tier entries evicted before their lower writes ran
         self._queued: dict[Key, int] = {}  # key -> lower writes still to read from the top tier
+        self._in_flight: dict[Key, int] = {}  # key -> lower writes that have their bytes, not yet landed
         self._scratch = threading.local()
         self._closed = False
         for level in self._levels:
@@ -509,11 +510,24 @@ class TieredStore:
                     data = self._snapshot_top(key)
                 finally:  # a failed snapshot must not pin the key's orphan bytes forever
                     self._release_queued(key)
+                if data is not None:  # until the put below lands, an eviction must not demote it again
+                    self._in_flight[key] = self._in_flight.get(key, 0) + 1
             if data is None:
                 level.tier.stats.add(dropped=1)
                 return
-        else:  # a demotion carries its bytes (``bytes``); sizes below are read off an array
-            data = np.frombuffer(data, dtype=np.uint8)
+            try:
+                self._put_lower(level, key, parent, data)
+            finally:
+                with self._lock:
+                    n = self._in_flight.pop(key) - 1
+                    if n:
+                        self._in_flight[key] = n
+            return
+        # a demotion carries its bytes (``bytes``); sizes below are read off an array
+        self._put_lower(level, key, parent, np.frombuffer(data, dtype=np.uint8))
+
+    def _put_lower(self, level: _Level, key: Key, parent: Key | None, data: np.ndarray) -> None:
+        """Make room in a lower tier and write ``data`` there (I/O outside the lock)."""
         if level.managed:
             with self._lock:
                 if level.holds(key):
@@ -598,7 +612,8 @@ class TieredStore:
             snap = self._snapshot_top(key)  # lower writes still pending: keep the bytes for them
             if snap is not None:
                 self._orphans[key] = snap.tobytes()
-        elif nxt is not None and nxt.managed and not nxt.holds(key) and not self._queued.get(key):
+        elif (nxt is not None and nxt.managed and not nxt.holds(key) and not self._queued.get(key)
+              and not self._in_flight.get(key)):
             snap = self._snapshot_top(key) if index == 0 else self._read_for_demotion(level, key)
             if snap is not None:
                 try:
