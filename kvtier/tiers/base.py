@@ -21,6 +21,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
 from typing import ClassVar, Iterable, Iterator
 
+from kvtier.entry import decode, encode_header
+from kvtier.errors import CorruptEntry
+
 Key = bytes
 
 
@@ -115,6 +118,25 @@ class Tier(ABC):
         n = self.get_into(key, out)
         return None if n is None else bytes(out[:n])
 
+    def _verified(self, key: Key, value) -> memoryview | None:
+        """The payload of a fetched entry (header + payload bytes), or None: an absent value is a
+        counted miss; one that does not parse or fails its checksum is counted corrupt and removed."""
+        if value is None:
+            self.stats.add(misses=1)
+            return None
+        try:
+            _header, payload = decode(value, expected_key=bytes(key))
+        except CorruptEntry:
+            self.stats.add(corrupt=1, misses=1)
+            self.delete(key)
+            return None
+        return payload
+
+    def _deliver_value(self, key: Key, value, out) -> int | None:
+        """Verify a fetched entry and copy its payload into ``out`` (a counted miss if bad)."""
+        payload = self._verified(key, value)
+        return None if payload is None else self._deliver(payload, out)
+
     def _deliver(self, payload: memoryview, out) -> int | None:
         """Copy a verified payload into the caller's buffer; count a hit (or, when ``out`` is too
         small, an error and a miss, leaving ``out`` untouched)."""
@@ -130,8 +152,6 @@ class Tier(ABC):
     def _header(self, key: Key, view: memoryview, dtype: str, shape: tuple[int, ...] | None) -> bytes | None:
         """The entry header for a put, or None (counted as an error and a drop) when the key,
         dtype or shape cannot describe ``view``."""
-        from kvtier.entry import encode_header
-
         try:
             return encode_header(bytes(key), view, dtype, shape)
         except ValueError:

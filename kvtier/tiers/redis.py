@@ -273,21 +273,7 @@ class RedisTier(Tier):
         return bytes(payload)
 
     def _verified(self, key: Key, value) -> memoryview | None:
-        if value is None or value is _FAULT:
-            self.stats.add(misses=1)
-            return None
-        try:
-            _header, payload = entry.decode(value, expected_key=bytes(key))
-        except CorruptEntry:
-            self.stats.add(corrupt=1, misses=1)
-            self.delete(key)
-            return None
-        return payload
-
-    def _deliver_value(self, key: Key, value, out) -> int | None:
-        """Verify a fetched value and copy its payload into ``out`` (a counted miss if bad)."""
-        payload = self._verified(key, value)
-        return None if payload is None else self._deliver(payload, out)
+        return super()._verified(key, None if value is _FAULT else value)
 
     def put(self, key: Key, data, dtype: str = "uint8", shape: tuple[int, ...] | None = None) -> bool:
         """Store header + a copy of ``data`` (sent straight from the caller's buffer)."""

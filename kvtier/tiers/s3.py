@@ -237,23 +237,10 @@ class S3Tier(Tier):
         return bytes(payload)
 
     def _verified(self, key: Key, value) -> memoryview | None:
-        if value is None:
-            self.stats.add(misses=1)
+        if value is None:  # gone: forget it in the listing cache too
             with self._lock:
                 self._known.pop(bytes(key), None)
-            return None
-        try:
-            _header, payload = entry.decode(value, expected_key=bytes(key))
-        except CorruptEntry:
-            self.stats.add(corrupt=1, misses=1)
-            self.delete(key)
-            return None
-        return payload
-
-    def _deliver_value(self, key: Key, value, out) -> int | None:
-        """Verify a fetched value and copy its payload into ``out`` (a counted miss if bad)."""
-        payload = self._verified(key, value)
-        return None if payload is None else self._deliver(payload, out)
+        return super()._verified(key, value)
 
     def put(self, key: Key, data, dtype: str = "uint8", shape: tuple[int, ...] | None = None) -> bool:
         """Upload header + payload as one object (one PUT); True once the endpoint acknowledged it."""
