@@ -83,7 +83,10 @@ def run(args: argparse.Namespace) -> int:
         from kvtier.bench.lmcache_mp import check_python
 
         args.lmcache_python = check_python(getattr(args, "lmcache_python", None))
-    fractions = [float(x) for x in args.capacity_fractions.split(",") if x.strip()]
+    try:
+        fractions = [float(x) for x in args.capacity_fractions.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--capacity-fractions: expected numbers like 0.33,0.67, got {args.capacity_fractions!r}") from None
     if args.docs < 1 or args.tokens < 256:
         raise ConfigError("--docs must be >= 1 and --tokens >= 256")
     if args.pool_tokens // 128 - 1 < -(-(args.tokens + 64) // 128):  # vLLM keeps one block back
