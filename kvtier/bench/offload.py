@@ -434,7 +434,7 @@ def _print(report: dict, args: argparse.Namespace, working_set: int) -> None:
     if report["targets"]:
         print()
         print_table(["target", "measured", "limit", "met"],
-                    [[t["target"], t["value"], t["limit"], "yes" if t["met"] else "NO"] for t in report["targets"]])
+                    [[t["target"], f"{t['value']:.3f}", t["limit"], "yes" if t["met"] else "NO"] for t in report["targets"]])
 
 
 def _plot(report: dict, path: str) -> None:
