@@ -27,11 +27,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("shard", help="write vLLM's pre-sharded layout model-rank-R-part-P.safetensors",
                        description=_shard.__doc__)
-    p.add_argument("model", help="model directory, .safetensors file, or s3:// URI")
-    p.add_argument("--tp", type=int, required=True, help="tensor-parallel world size")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--max-part-size", default="5GB")
-    _reader_args(p)
+    p.add_argument("model", help="local model directory (pull an s3:// model first with kvtier pull)")
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel world size to cut the model for")
+    p.add_argument("--out", required=True, help="output directory (new or empty)")
+    p.add_argument("--max-part-size", default="5GB", help="largest file per rank (default 5GB)")
+    _common(p)
     p.set_defaults(func=_shard)
 
     p = sub.add_parser("probe", help="read throughput of a file per block size and concurrency (read-only)",
@@ -78,14 +78,14 @@ def _reader_config(args):
 
 
 @contextlib.contextmanager
-def _progress(args, desc: str, total: int | None = None):
+def _progress(args, desc: str, total: int | None = None, unit: str = "B"):
     if args.no_progress or not sys.stderr.isatty() and args.json:
         yield None
         return
     from tqdm import tqdm
 
-    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-              disable=args.no_progress) as bar:
+    scale = {"unit_scale": True, "unit_divisor": 1024} if unit == "B" else {}
+    with tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=args.no_progress, **scale) as bar:
         yield bar
 
 
@@ -113,24 +113,28 @@ def _pull(args) -> int:
 
 
 def _shard(args) -> int:
-    """Write each tensor-parallel rank's slices to model-rank-{rank}-part-{part}.safetensors."""
-    from kvtier.loader.reader import StreamReader, model_files
-    from kvtier.loader.shard import write_presharded
+    """Cut a model for tensor parallelism into vLLM's pre-sharded layout, each rank's parameters
+    in model-rank-{rank}-part-{part}.safetensors, so each rank of a later engine reads only its own
+    files (--load-format kvtier, or vLLM's sharded_state). vLLM itself decides the cut: an engine
+    with tensor_parallel_size=TP is started (on this host's GPUs, or its CPUs) and each rank saves
+    its parameters. The config and tokenizer files are copied along, so --out is a model directory."""
+    from kvtier.integrations.vllm.shard import PHASES, ShardJob, shard
 
-    if args.tp < 1:
-        raise ConfigError(f"--tp must be at least 1, got {args.tp}")
-    config = _reader_config(args)
-    files = model_files(args.model, config.endpoint_url)
-    with StreamReader(files, config) as r:
-        total = r.total_bytes() * args.tp
-    with _progress(args, "shard", total) as bar:
-        paths = write_presharded(files, args.out, args.tp, config,
-                                 parse_size(args.max_part_size, "max-part-size"),
-                                 on_bytes=bar.update if bar else None)
+    job = ShardJob(args.model, args.out, args.tp, parse_size(args.max_part_size, "max-part-size"))
+    job.check()
+    with _progress(args, "shard", len(PHASES), unit="step") as bar:
+        def on_phase(name: str) -> None:
+            if bar is not None:
+                if name != PHASES[0]:
+                    bar.update(1)
+                bar.set_postfix_str(name)
+        manifest = shard(job, on_phase)
+        if bar is not None:
+            bar.update(len(PHASES) - bar.n)
     if args.json:
-        emit_json({"files": paths})
+        emit_json(manifest)
     else:
-        print("\n".join(paths))
+        print("\n".join(os.path.join(args.out, n) for n in manifest["files"]))
     return 0
 
 

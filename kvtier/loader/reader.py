@@ -472,12 +472,7 @@ def model_files(uri: str, endpoint_url: str | None = None) -> list[str]:
     ``model.safetensors.index.json``, else every ``*.safetensors`` under it, sorted."""
     if uri.endswith(".safetensors"):
         return [uri]
-    kwargs = {}
-    if scheme_of(uri) == "s3":
-        from kvtier.loader.sources.s3 import S3Config
-
-        kwargs["config"] = S3Config(endpoint_url=endpoint_url)
-    listing = dict(source_class(uri).list_dir(uri, **kwargs))
+    listing = list_dir(uri, endpoint_url)
     base = uri.rstrip("/")
     if INDEX_NAME in listing:
         with _open(f"{base}/{INDEX_NAME}", ReaderConfig(endpoint_url=endpoint_url)) as src:
@@ -490,7 +485,24 @@ def model_files(uri: str, endpoint_url: str | None = None) -> list[str]:
         names = sorted(n for n in listing if n.endswith(".safetensors"))
     if not names:
         raise LoaderError(f"{uri}: no .safetensors files found")
-    return [f"{base}/{n}" for n in names] if scheme_of(uri) != "file" else [os.path.join(base, n) for n in names]
+    return [join_uri(uri, n) for n in names]
+
+
+def list_dir(uri: str, endpoint_url: str | None = None) -> dict[str, int]:
+    """``{name: size}`` of the objects directly under a local directory or an ``s3://`` prefix."""
+    kwargs = {}
+    if scheme_of(uri) == "s3":
+        from kvtier.loader.sources.s3 import S3Config
+
+        kwargs["config"] = S3Config(endpoint_url=endpoint_url)
+    return dict(source_class(uri).list_dir(uri, **kwargs))
+
+
+def join_uri(base: str, name: str) -> str:
+    """``name`` under the directory or prefix ``base`` (a path join for local files)."""
+    if scheme_of(base) == "file":
+        return os.path.join(base, name)
+    return f"{base.rstrip('/')}/{name}"
 
 
 def load_tensors(uri: str, config: ReaderConfig | None = None, **stream_kwargs) -> dict[str, object]:

@@ -1,25 +1,26 @@
-"""Tensor-parallel shards: read one rank's slice of each tensor, and write a pre-sharded layout.
+"""Tensor-parallel shards: read one rank's slice of a tensor, and find one rank's files in a
+pre-sharded layout.
 
 ``rank_slice`` splits a dim evenly; ``default_tp_dim`` knows the Llama/Qwen-family rule
 (column-parallel projections and embeddings split along dim 0, row-parallel ``o_proj`` and
-``down_proj`` along dim 1, everything else replicated). ``write_presharded`` writes
-``model-rank-{rank}-part-{part}.safetensors`` so each rank later reads only its own files; the
-files are written header-first and filled tensor by tensor, so memory stays bounded by the
-reader's ``memory_limit`` whatever the model size.
+``down_proj`` along dim 1, everything else replicated).
+
+vLLM's pre-sharded layout (its ``sharded_state`` load format; written by ``kvtier shard``) holds
+each rank's own parameters, under the engine's parameter names, in
+``model-rank-{rank}-part-{part}.safetensors`` (or ``model-pp-{pp}-tp-{tp}-part-{part}`` with
+pipeline parallelism). ``ShardedLayout`` finds it among a directory's file names and hands each
+rank its own files, after checking that the layout was cut for the engine's world size.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import struct
-from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 from kvtier.errors import LoaderError
-from kvtier.loader.header import DTYPES, TensorInfo
-from kvtier.loader.reader import ReaderConfig, SliceSpec, StreamReader
+from kvtier.loader.header import TensorInfo
+from kvtier.loader.reader import SliceSpec
 
 _COLUMN = re.compile(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|embed_tokens|lm_head)\.(weight|bias)$")
 _ROW = re.compile(r"(o_proj|down_proj)\.weight$")
@@ -57,116 +58,74 @@ def rank_slices(rank: int, world: int,
     return pick
 
 
+_TP_ONLY = re.compile(r"model-rank-(\d+)-part-(\d+)\.safetensors")
+_PP_AND_TP = re.compile(r"model-pp-(\d+)-tp-(\d+)-part-(\d+)\.safetensors")
+MANIFEST_NAME = "kvtier-shard.json"
+
+
+def shard_file_name(rank: int, part: int, pp_rank: int | None = None) -> str:
+    """vLLM's pre-sharded file name (the pipeline-parallel form when ``pp_rank`` is given)."""
+    if pp_rank is None:
+        return f"model-rank-{rank}-part-{part}.safetensors"
+    return f"model-pp-{pp_rank}-tp-{rank}-part-{part}.safetensors"
+
+
 @dataclass(frozen=True)
-class _Spec:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
+class ShardedLayout:
+    """The pre-sharded files of one directory: ``files[(pp_rank, tp_rank)]`` in part order."""
 
+    files: dict[tuple[int, int], list[str]] = field(default_factory=dict)
+    pipeline: bool = False
 
-class SafetensorsWriter:
-    """Writes one safetensors file whose tensor list is known up front, in any order.
+    @property
+    def tp_size(self) -> int:
+        return 1 + max(tp for _, tp in self.files)
 
-    The header goes first; ``write(name, tensor)`` puts each tensor's bytes at its offset. The
-    file appears under its final name only on ``close()`` after every tensor was written
-    (temp file + ``os.replace``); ``abort()`` removes it. Not thread-safe.
-    """
+    @property
+    def pp_size(self) -> int:
+        return 1 + max(pp for pp, _ in self.files)
 
-    def __init__(self, path: str, specs: Iterable[_Spec], metadata: Mapping[str, str] | None = None):
-        self.path = path
-        self._tmp = f"{path}.tmp.{os.getpid()}"
-        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-        self._offsets: dict[str, tuple[int, _Spec]] = {}
-        pos = 0
-        for s in specs:
-            header[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [pos, pos + s.nbytes]}
-            self._offsets[s.name] = (pos, s)
-            pos += s.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # align the data section to 8 bytes, as safetensors does
-        self._data_start = 8 + len(raw)
-        self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.write(self._fd, struct.pack("<Q", len(raw)) + raw)
-        os.ftruncate(self._fd, self._data_start + pos)
-        self._left = set(self._offsets)
+    @classmethod
+    def find(cls, names: Iterable[str], where: str = "model") -> "ShardedLayout | None":
+        """The layout among ``names`` (base names), or None when none of them is a rank file.
 
-    def write(self, name: str, tensor) -> None:
-        import torch
+        Raises LoaderError when the layout is incomplete: a rank or a part missing, or both file
+        name forms mixed, since loading such a directory would silently miss weights.
+        """
+        parts: dict[tuple[int, int], dict[int, str]] = {}
+        forms = set()
+        for name in names:
+            if m := _TP_ONLY.fullmatch(name):
+                pp, tp, part = 0, int(m[1]), int(m[2])
+            elif m := _PP_AND_TP.fullmatch(name):
+                pp, tp, part = int(m[1]), int(m[2]), int(m[3])
+            else:
+                continue
+            forms.add(m.re is _PP_AND_TP)
+            parts.setdefault((pp, tp), {})[part] = name
+        if not parts:
+            return None
+        if len(forms) > 1:
+            raise LoaderError(f"{where}: holds both model-rank-* and model-pp-* files; keep one layout")
+        layout = cls({k: [v[p] for p in sorted(v)] for k, v in parts.items()}, pipeline=forms.pop())
+        for pp in range(layout.pp_size):
+            for tp in range(layout.tp_size):
+                got = parts.get((pp, tp))
+                if not got:
+                    raise LoaderError(f"{where}: pre-sharded layout lacks the files of "
+                                      f"{'pp rank %d, ' % pp if layout.pipeline else ''}tp rank {tp}")
+                if sorted(got) != list(range(len(got))):
+                    missing = min(set(range(max(got) + 1)) - set(got))
+                    raise LoaderError(f"{where}: {got[max(got)]} is there but part {missing} of that rank is not")
+        return layout
 
-        pos, spec = self._offsets[name]
-        flat = tensor.contiguous().cpu().reshape(-1)
-        data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
-        if len(data) != spec.nbytes:
-            raise LoaderError(f"{self.path}: tensor {name!r} has {len(data)} bytes, expected {spec.nbytes}")
-        done = 0
-        while done < len(data):
-            done += os.pwrite(self._fd, data[done:], self._data_start + pos + done)
-        self._left.discard(name)
-
-    def close(self) -> None:
-        if self._left:
-            self.abort()
-            raise LoaderError(f"{self.path}: {len(self._left)} tensors never written (e.g. {min(self._left)!r})")
-        os.fsync(self._fd)
-        os.close(self._fd)
-        os.replace(self._tmp, self.path)
-
-    def abort(self) -> None:
-        os.close(self._fd)
-        if os.path.exists(self._tmp):
-            os.unlink(self._tmp)
-
-
-def shard_file_name(rank: int, part: int) -> str:
-    """vLLM's pre-sharded file name pattern."""
-    return f"model-rank-{rank}-part-{part}.safetensors"
-
-
-def write_presharded(files: list[str], out_dir: str, world: int, config: ReaderConfig | None = None,
-                     max_part_bytes: int = 5 * 1000**3,
-                     dim_of: Callable[[str, tuple[int, ...]], int | None] = default_tp_dim,
-                     on_bytes: Callable[[int], None] | None = None) -> list[str]:
-    """Write each rank's slices of ``files`` to ``out_dir``; return the written paths.
-
-    Tensor names are kept; each rank file holds that rank's slice (or a full copy of a
-    replicated tensor). Raises LoaderError when a split dim does not divide by ``world``.
-    """
-    os.makedirs(out_dir, exist_ok=True)
-    written: list[str] = []
-    with StreamReader(files, config) as reader:
-        for rank in range(world):
-            pick = rank_slices(rank, world, dim_of)
-            parts: list[list[_Spec]] = [[]]
-            size = 0
-            for name, (_, info) in sorted(reader.index.items(), key=lambda kv: (kv[1][0], kv[1][1].start)):
-                spec = pick(info)
-                shape = info.shape if spec is None else (
-                    info.shape[:spec[0]] + (spec[2] - spec[1],) + info.shape[spec[0] + 1:])
-                nbytes = DTYPES[info.dtype][0]
-                for d in shape:
-                    nbytes *= d
-                if parts[-1] and size + nbytes > max_part_bytes:
-                    parts.append([])
-                    size = 0
-                parts[-1].append(_Spec(name, info.dtype, shape, nbytes))
-                size += nbytes
-            meta = {"format": "pt", "kvtier_tp_world": str(world), "kvtier_tp_rank": str(rank)}
-            writers = {}
-            where = {}
-            try:
-                for part, specs in enumerate(parts):
-                    path = os.path.join(out_dir, shard_file_name(rank, part))
-                    writers[part] = SafetensorsWriter(path, specs, meta)
-                    where.update({s.name: part for s in specs})
-                for name, tensor in reader.stream(slices=pick, on_bytes=on_bytes):
-                    writers[where[name]].write(name, tensor)
-                for part, w in writers.items():
-                    w.close()
-                    written.append(w.path)
-            except BaseException:
-                for w in writers.values():
-                    if os.path.exists(w._tmp):
-                        w.abort()
-                raise
-    return written
+    def rank_files(self, tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1,
+                   where: str = "model") -> list[str]:
+        """The base names rank ``(pp_rank, tp_rank)`` reads; LoaderError if cut for another world."""
+        if (self.tp_size, self.pp_size) != (tp_size, pp_size):
+            raise LoaderError(
+                f"{where}: pre-sharded for tensor_parallel_size={self.tp_size}"
+                f"{', pipeline_parallel_size=%d' % self.pp_size if self.pipeline else ''}, but the engine runs "
+                f"tensor_parallel_size={tp_size}, pipeline_parallel_size={pp_size}; "
+                f"re-shard with: kvtier shard MODEL --tp {tp_size} --out DIR")
+        return list(self.files[(pp_rank, tp_rank)])

@@ -1,6 +1,6 @@
 """Run a small model through vLLM with a given load format; print the greedy tokens as JSON.
 
-Usage: python _vllm_greedy.py MODEL_DIR LOAD_FORMAT [EXTRA_CONFIG_JSON]
+Usage: python _vllm_greedy.py MODEL_DIR LOAD_FORMAT [EXTRA_CONFIG_JSON [TP]]
 A subprocess of the vLLM test (the engine is spawned, so it needs the __main__ guard).
 """
 
@@ -18,7 +18,10 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     model, load_format = sys.argv[1], sys.argv[2]
-    extra = {"model_loader_extra_config": json.loads(sys.argv[3])} if len(sys.argv) > 3 else {}
+    extra = {"model_loader_extra_config": json.loads(sys.argv[3])} if len(sys.argv) > 3 and sys.argv[3] else {}
+    tp = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    if tp > 1:
+        extra.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
     llm = LLM(model=model, load_format=load_format, **extra, skip_tokenizer_init=True, gpu_memory_utilization=0.3, num_gpu_blocks_override=16,
               max_model_len=512, enforce_eager=True, dtype="bfloat16")
     prompts = [TokensPrompt(prompt_token_ids=[(i * 37 + j * 11) % 30000 + 5 for j in range(24)]) for i in range(3)]

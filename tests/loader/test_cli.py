@@ -1,4 +1,4 @@
-"""`kvtier probe`, `kvtier shard` and `kvtier load` from the command line (JSON outputs)."""
+"""`kvtier probe`, `kvtier shard` and `kvtier load` from the command line (JSON outputs, one-line errors)."""
 
 from __future__ import annotations
 
@@ -20,15 +20,29 @@ def test_probe_json(tmp_path, capsys):
     assert all(r["gb_per_s"] > 0 for r in rows)
 
 
-def test_shard_and_load(tmp_path, capsys):
+def test_load_json(tmp_path, capsys):
     model = tmp_path / "model.safetensors"
     save_file({"x.q_proj.weight": torch.randn(8, 4), "norm.weight": torch.ones(4)}, str(model))
-    assert main(["shard", str(model), "--tp", "2", "--out", str(tmp_path / "o"), "--json", "--no-progress"]) == 0
-    files = json.loads(capsys.readouterr().out)["files"]
-    assert sorted(os.path.basename(f) for f in files) == ["model-rank-0-part-0.safetensors",
-                                                          "model-rank-1-part-0.safetensors"]
     assert main(["load", str(model), "--json", "--no-progress"]) == 0
     assert json.loads(capsys.readouterr().out)["tensors"] == 2
+
+
+def test_shard_of_a_non_model_is_one_line_error(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    assert main(["shard", str(tmp_path / "m"), "--tp", "2", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a model directory with a config.json" in err and "\n" not in err
+    assert main(["shard", str(tmp_path / "m"), "--tp", "0", "--out", str(tmp_path / "o")]) == 2
+    assert "--tp must be at least 1" in capsys.readouterr().err
+
+
+def test_shard_refuses_an_output_that_holds_shards(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "model-rank-0-part-0.safetensors").write_bytes(b"")
+    assert main(["shard", str(tmp_path / "m"), "--tp", "1", "--out", str(tmp_path / "o")]) == 2
+    assert "already holds pre-sharded files" in capsys.readouterr().err
 
 
 def test_bad_file_is_one_line_error(tmp_path, capsys):

@@ -1,8 +1,6 @@
-"""Per-rank slices equal ``safe_open(...).get_slice``; the pre-sharded writer round-trips."""
+"""Per-rank slices equal ``safe_open(...).get_slice``; a pre-sharded layout gives each rank its own files."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -11,7 +9,7 @@ from safetensors.torch import save_file
 
 from kvtier.errors import LoaderError
 from kvtier.loader.reader import ReaderConfig, StreamReader
-from kvtier.loader.shard import rank_slices, shard_file_name, write_presharded
+from kvtier.loader.shard import ShardedLayout, rank_slices, shard_file_name
 
 
 @pytest.fixture
@@ -64,24 +62,38 @@ def test_uneven_split_is_an_error(model):
             list(r.stream(slices=rank_slices(0, 5)))
 
 
-def test_write_presharded(model, tmp_path):
-    out = str(tmp_path / "tp2")
-    paths = write_presharded([model], out, 2, ReaderConfig(block_size="4KiB", memory_limit="16KiB"),
-                             max_part_bytes=8000)
-    assert all(os.path.basename(p).startswith("model-rank-") for p in paths)
-    assert os.path.join(out, shard_file_name(1, 0)) in paths
-    with safe_open(model, "pt") as src:
-        for rank in range(2):
-            pick = rank_slices(rank, 2)
-            seen = set()
-            for p in [p for p in paths if f"-rank-{rank}-" in p]:
-                with safe_open(p, "pt") as f:
-                    assert f.metadata()["kvtier_tp_rank"] == str(rank)
-                    for name in f.keys():
-                        seen.add(name)
-                        with StreamReader([model]) as r:
-                            spec = pick(r.index[name][1])
-                        want = src.get_tensor(name) if spec is None else \
-                            src.get_slice(name)[tuple([slice(None)] * spec[0] + [slice(spec[1], spec[2])])]
-                        assert torch.equal(f.get_tensor(name), want)
-            assert seen == set(src.keys())
+def test_layout_gives_each_rank_its_own_files():
+    names = [shard_file_name(r, p) for r in range(4) for p in range(2)] + ["config.json", "model.safetensors"]
+    layout = ShardedLayout.find(reversed(names), "d")
+    assert (layout.tp_size, layout.pp_size) == (4, 1)
+    for rank in range(4):
+        assert layout.rank_files(rank, 4) == [shard_file_name(rank, 0), shard_file_name(rank, 1)]
+
+
+def test_pipeline_layout():
+    names = [shard_file_name(t, 0, pp_rank=p) for p in range(2) for t in range(2)]
+    layout = ShardedLayout.find(names, "d")
+    assert (layout.tp_size, layout.pp_size) == (2, 2)
+    assert layout.rank_files(1, 2, pp_rank=1, pp_size=2) == ["model-pp-1-tp-1-part-0.safetensors"]
+
+
+def test_no_layout():
+    assert ShardedLayout.find(["model-00001-of-00002.safetensors", "config.json", "model-rank-x-part-0.safetensors"]) is None
+
+
+def test_layout_for_another_world_size_is_refused():
+    layout = ShardedLayout.find([shard_file_name(r, 0) for r in range(2)], "d")
+    with pytest.raises(LoaderError, match=r"pre-sharded for tensor_parallel_size=2.*kvtier shard MODEL --tp 4"):
+        layout.rank_files(0, 4)
+    with pytest.raises(LoaderError, match="pipeline_parallel_size=2"):
+        layout.rank_files(0, 2, 0, 2)
+
+
+@pytest.mark.parametrize("names, problem", [
+    ([shard_file_name(0, 0), shard_file_name(2, 0)], "lacks the files of tp rank 1"),
+    ([shard_file_name(0, 0), shard_file_name(1, 1)], "part 0 of that rank is not"),
+    ([shard_file_name(0, 0), shard_file_name(0, 0, pp_rank=0)], "both model-rank-"),
+])
+def test_incomplete_layout_is_an_error(names, problem):
+    with pytest.raises(LoaderError, match=problem):
+        ShardedLayout.find(names, "d")

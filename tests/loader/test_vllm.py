@@ -14,9 +14,11 @@ pytestmark = pytest.mark.vllm
 SCRIPT = os.path.join(os.path.dirname(__file__), "_vllm_greedy.py")
 
 
-def _tokens(model: str, load_format: str, extra: dict | None = None) -> list:
-    cmd = [sys.executable, SCRIPT, model, load_format] + ([json.dumps(extra)] if extra else [])
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2"}
+def _tokens(model: str, load_format: str, extra: dict | None = None, tp: int = 1) -> list:
+    cmd = [sys.executable, SCRIPT, model, load_format, json.dumps(extra) if extra else "", str(tp)]
+    cpus = sorted(os.sched_getaffinity(0))
+    bind = "0-1" if tp == 1 else "|".join(str(cpus[r % len(cpus)]) for r in range(tp))
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bind, "OMP_NUM_THREADS": "2" if tp == 1 else "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("TOKENS ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
@@ -69,3 +71,22 @@ def test_weights_from_s3_through_node_cache(qwen2_dir, s3_server, s3_bucket, tmp
     from kvtier.loader.cache import cache_path, is_complete
 
     assert is_complete(cache_path(cache, f"s3://{s3_bucket}/qwen2/"))
+
+
+def test_shard_tp2_each_rank_reads_its_own_files(qwen2_dir, tmp_path):
+    """`kvtier shard --tp 2` output loads in a TP=2 engine through kvtier and vLLM's sharded_state."""
+    out = tmp_path / "tp2"
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "shard", qwen2_dir, "--tp", "2", "--out", str(out),
+                           "--json", "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = json.loads(proc.stdout)
+    assert manifest["files"] == ["model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"]
+    assert manifest["tensor_parallel_size"] == 2 and "config.json" in manifest["config_files"]
+    assert (out / "kvtier-shard.json").exists() and not (out / "kvtier-shard.log").exists()
+    from safetensors import safe_open
+
+    with safe_open(str(out / manifest["files"][1]), "pt") as f:  # the engine's fused parameter names
+        assert "model.layers.0.self_attn.qkv_proj.weight" in f.keys()
+    reference = _tokens(qwen2_dir, "auto", tp=2)
+    assert _tokens(str(out), "kvtier", {"concurrency": 4}, tp=2) == reference
+    assert _tokens(str(out), "sharded_state", tp=2) == reference
