@@ -108,7 +108,8 @@ def _pull(args) -> int:
         emit_json(out)
     else:
         what = f"downloaded {format_bytes(result.bytes_downloaded)}" if result.downloaded else "already cached"
-        print(f"{result.path} ({what}, {result.files} files)")
+        print(f"{what}, {result.files} files", file=sys.stderr)
+        print(result.path)  # alone on stdout: vllm serve "$(kvtier pull s3://...)" works
     return 0
 
 

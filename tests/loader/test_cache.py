@@ -61,3 +61,18 @@ def test_two_processes_one_download(tmp_path):
     assert sorted(o["downloaded"] for o in outs) == [False, True]
     assert os.path.exists(os.path.join(outs[0]["path"], MARKER))
     assert open(os.path.join(outs[0]["path"], "a.safetensors"), "rb").read() == (d / "a.safetensors").read_bytes()
+
+
+def test_pull_prints_the_directory_alone(tmp_path, capsys):
+    """`vllm serve "$(kvtier pull URI)"` needs the cached directory, and nothing else, on stdout."""
+    from kvtier.cli import main
+
+    d = _src(tmp_path)
+    args = ["pull", f"file://{d}", "--cache-dir", str(tmp_path / "c"), "--no-progress"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert out == cache_path(str(tmp_path / "c"), f"file://{d}") + "\n" and is_complete(out.strip())
+    assert "downloaded" in err
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert is_complete(out.strip()) and "already cached" in err
