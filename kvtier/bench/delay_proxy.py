@@ -2,8 +2,12 @@
 
 Each client connection gets its own upstream connection. Client bytes that arrive after the
 upstream has answered (or first on a connection) start a new request: the proxy waits
-``delay_s`` before forwarding them, as a network round trip would. Responses are not delayed.
-Threads: two per connection; ``close()`` stops accepting and shuts every connection.
+``delay_s`` before forwarding them, as a network round trip would. Responses are not delayed,
+unless ``window`` is set: then each connection forwards at most ``window`` response bytes per
+``delay_s``, the bandwidth-delay bound of one TCP connection whose window is ``window`` on a path
+whose round trip is ``delay_s`` (what caps one GET stream on a real network, and why object-store
+clients open many). Threads: two per connection; ``close()`` stops accepting and shuts every
+connection.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ _F_SETPIPE_SZ = 1031  # Linux fcntl: set a pipe's capacity
 class DelayProxy:
     """``with DelayProxy(("127.0.0.1", port), 0.015) as p: p.url`` -> ``http://127.0.0.1:PORT``."""
 
-    def __init__(self, upstream: tuple[str, int], delay_s: float, bufsize: int = 1 << 20):
-        self.upstream, self.delay_s, self.bufsize = upstream, delay_s, bufsize
+    def __init__(self, upstream: tuple[str, int], delay_s: float, bufsize: int = 1 << 20,
+                 window: int | None = None):
+        if window is not None and (window < 1 or delay_s <= 0):
+            raise ValueError("window needs a positive size and a positive delay")
+        self.upstream, self.delay_s, self.bufsize, self.window = upstream, delay_s, bufsize, window
         self._srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._srv.bind(("127.0.0.1", 0))
@@ -64,11 +71,14 @@ class DelayProxy:
             fcntl.fcntl(w, _F_SETPIPE_SZ, self.bufsize)
         except OSError:
             pass  # the default pipe size (64 KiB) still works, only slower
+        pace = None if requests or self.window is None else _Pacer(self.window, self.delay_s)
         try:
             while True:
-                n = os.splice(src.fileno(), w, self.bufsize)
+                n = os.splice(src.fileno(), w, pace.allowance(self.bufsize) if pace else self.bufsize)
                 if not n:
                     break
+                if pace:
+                    pace.sent(n)
                 if requests:
                     if state["answered"]:
                         state["answered"] = False
@@ -102,3 +112,31 @@ class DelayProxy:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Pacer:
+    """At most ``window`` bytes per ``period`` seconds on one connection (one per pump thread).
+
+    A period starts when its first bytes go (not when the connection last went idle), so a
+    response that follows a quiet spell does not get the idle time as free bandwidth.
+    """
+
+    def __init__(self, window: int, period: float):
+        self.window, self.period = window, period
+        self.start = 0.0
+        self.used = 0
+
+    def allowance(self, want: int) -> int:
+        """Bytes that may go now, up to ``want``; sleeps out the period when the window is used."""
+        now = time.monotonic()
+        if self.used and now - self.start >= self.period:
+            self.used = 0
+        elif self.used >= self.window:
+            time.sleep(self.start + self.period - now)
+            self.used = 0
+        return min(want, self.window - self.used)
+
+    def sent(self, n: int) -> None:
+        if not self.used:
+            self.start = time.monotonic()
+        self.used += n

@@ -11,8 +11,9 @@ Every measurement runs in its own child process so ``peak_rss_bytes`` (the child
 RSS) belongs to that method alone; ``baseline_rss_bytes`` is the child's RSS after imports,
 before loading. Modes: ``cold`` (page cache dropped before each method: ``drop_caches`` when
 permitted, else ``posix_fadvise(DONTNEED)`` on the file), ``warm`` (file read once first),
-``s3`` (SeaweedFS on loopback, started here) and ``s3+latency`` (the same through a proxy that
-delays each request). Every loader's tensors are touched, one byte per 4 KiB page (the way
+``s3`` (SeaweedFS on loopback, started here), ``s3+latency`` (the same through a proxy that
+delays each request) and ``s3+wan`` (that proxy also caps each connection at one ``--wan-window``
+per round trip, the bandwidth-delay bound of one TCP stream on a real network). Every loader's tensors are touched, one byte per 4 KiB page (the way
 a lazily mapped safetensors tensor becomes real); ``dd`` and the GET baselines touch nothing.
 """
 
@@ -27,7 +28,8 @@ import tempfile
 import time
 
 MiB = 1024 * 1024
-MODES = ("cold", "warm", "s3", "s3+latency")
+MODES = ("cold", "warm", "s3", "s3+latency", "s3+wan")
+_S3_MODES = MODES[2:]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=16, help="kvtier and Run:ai concurrency")
     parser.add_argument("--block-size", default="16MiB")
     parser.add_argument("--memory-limit", default="256MiB", help="kvtier reader memory_limit")
-    parser.add_argument("--latency-ms", type=float, default=15.0, help="per-request delay in s3+latency")
+    parser.add_argument("--latency-ms", type=float, default=15.0, help="per-request delay in s3+latency and s3+wan")
+    parser.add_argument("--wan-window", default="1MiB",
+                        help="s3+wan: response bytes per connection per round trip (1MiB at 15 ms: 70 MB/s a stream)")
     parser.add_argument("--no-runai", action="store_true", help="skip Run:ai Model Streamer")
     parser.add_argument("--repeat", type=int, default=1,
                         help="measure each method N times, interleaved; report the best (all runs kept)")
@@ -60,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--repeat must be at least 1, got {args.repeat}")
     opts = {"concurrency": args.concurrency, "block_size": parse_size(args.block_size, "block-size"),
             "memory_limit": parse_size(args.memory_limit, "memory-limit")}
+    window = parse_size(args.wan_window, "wan-window")
+    if args.latency_ms <= 0 and any(m in modes for m in _S3_MODES[1:]):
+        raise ConfigError(f"--latency-ms must be positive for s3+latency and s3+wan, got {args.latency_ms}")
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-load-", dir=args.workdir) as work:
         path = args.target or _generate_in_child(os.path.join(work, "bench.safetensors"), parse_size(args.size, "size"))
         if not os.path.isfile(path):
@@ -68,8 +75,9 @@ def run(args: argparse.Namespace) -> int:
         for mode in modes:
             if mode in ("cold", "warm"):
                 results += _local(path, mode, opts, not args.no_runai, notes, args.repeat)
-            elif mode == "s3" or (mode == "s3+latency" and "s3" not in modes):
-                results += _s3(path, work, opts, modes, args.latency_ms, not args.no_runai, notes, args.repeat)
+        s3_modes = [m for m in modes if m in _S3_MODES]
+        if s3_modes:
+            results += _s3(path, work, opts, s3_modes, args.latency_ms, window, not args.no_runai, notes, args.repeat)
         report = {"file": path, "bytes": os.path.getsize(path), **notes, "options": opts,
                   "results": results, "checks": _checks(results, opts, path)}
     if args.json:
@@ -166,8 +174,9 @@ def _runai_env(opts: dict, endpoint: str | None = None) -> dict:
     return env
 
 
-def _s3(path: str, work: str, opts: dict, modes: list[str], latency_ms: float, runai: bool, notes: dict,
-        repeat: int = 1) -> list[dict]:
+def _s3(path: str, work: str, opts: dict, modes: list[str], latency_ms: float, window: int, runai: bool,
+        notes: dict, repeat: int = 1) -> list[dict]:
+    """Every S3 mode of ``modes`` against one SeaweedFS: direct, or through a delay proxy."""
     from kvtier.bench.delay_proxy import DelayProxy
     from kvtier.bench.services import seaweedfs
 
@@ -177,15 +186,12 @@ def _s3(path: str, work: str, opts: dict, modes: list[str], latency_ms: float, r
         s3.client(read_timeout=120).upload_file(path, s3.bucket, key)
         uri = f"s3://{s3.bucket}/{key}"
         env = {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key, "AWS_REGION": "us-east-1"}
-        endpoints = []
-        if "s3" in modes:
-            endpoints.append(("s3", s3.endpoint_url, None))
-        if "s3+latency" in modes:
-            host, port = s3.endpoint_url.rsplit("//", 1)[1].split(":")
-            endpoints.append(("s3+latency", None, (host, int(port))))
-        for mode, endpoint, upstream in endpoints:
-            proxy = DelayProxy(upstream, latency_ms / 1000) if upstream else None
-            ep = proxy.url if proxy else endpoint
+        host, port = s3.endpoint_url.rsplit("//", 1)[1].split(":")
+        for mode in modes:
+            proxy = None
+            if mode != "s3":
+                proxy = DelayProxy((host, int(port)), latency_ms / 1000, window=window if mode == "s3+wan" else None)
+            ep = proxy.url if proxy else s3.endpoint_url
             try:
                 runs = []
                 for _ in range(repeat):
@@ -197,9 +203,11 @@ def _s3(path: str, work: str, opts: dict, modes: list[str], latency_ms: float, r
                 out += _best(runs)
             finally:
                 if proxy:
-                    notes["proxy_requests"] = proxy.requests
+                    notes[f"proxy_requests_{mode}"] = proxy.requests
                     proxy.close()
         notes["latency_ms"] = latency_ms
+        if "s3+wan" in modes:
+            notes["wan_window_bytes"] = window
     return out
 
 
@@ -224,6 +232,9 @@ def _checks(results: list[dict], opts: dict, path: str) -> list[dict]:
         ("cold (direct) vs dd direct", ("kvtier-direct", "cold"), ("dd", "cold"), 0.9),
         ("s3 vs single GET (report)", ("kvtier", "s3"), ("single-stream", "s3"), None),
         ("s3+latency vs runai", ("kvtier", "s3+latency"), ("runai", "s3+latency"), None),
+        ("s3+wan vs single GET", ("kvtier", "s3+wan"), ("single-stream", "s3+wan"), 3.0),
+        ("s3+wan vs sequential GETs", ("kvtier", "s3+wan"), ("sequential", "s3+wan"), 3.0),
+        ("s3+wan vs runai", ("kvtier", "s3+wan"), ("runai", "s3+wan"), 1.0),
     ):
         r = ratio(a, b)
         if r is not None:

@@ -1,0 +1,103 @@
+"""The load benchmark's parts: the delay proxy (latency per request, window per round trip) and
+`kvtier bench load --json`'s interface. Lower time bounds only: the proxy sleeps, so they hold on
+any machine; how fast anything is belongs to the benchmark, not to a test."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from kvtier.bench.delay_proxy import DelayProxy
+
+PAYLOAD = os.urandom(2 << 20)
+
+
+@pytest.fixture
+def upstream():
+    """A server that answers each 1-byte request with PAYLOAD (one connection at a time)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+
+    def serve():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                while conn.recv(1):
+                    conn.sendall(PAYLOAD)
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield srv.getsockname()
+    srv.close()
+
+
+def _fetch(port: int, requests: int) -> tuple[float, bytes]:
+    got = bytearray()
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        for _ in range(requests):
+            s.sendall(b"x")
+            want = len(got) + len(PAYLOAD)
+            while len(got) < want:
+                chunk = s.recv(1 << 20)
+                assert chunk
+                got += chunk
+    return time.monotonic() - start, bytes(got)
+
+
+def test_each_request_waits_the_delay(upstream):
+    with DelayProxy(upstream, 0.05) as proxy:
+        secs, data = _fetch(proxy.port, 3)
+        assert proxy.requests == 3
+    assert data == PAYLOAD * 3
+    assert secs >= 3 * 0.05
+
+
+def test_window_caps_a_connection_per_round_trip(upstream):
+    window = 256 << 10
+    with DelayProxy(upstream, 0.02, window=window) as proxy:
+        secs, data = _fetch(proxy.port, 1)
+    assert data == PAYLOAD
+    # 2 MiB at 256 KiB per 20 ms: the request's own delay plus at least 7 full periods
+    assert secs >= 0.02 + (len(PAYLOAD) // window - 1) * 0.02
+
+
+def test_window_needs_a_delay():
+    with pytest.raises(ValueError, match="window"):
+        DelayProxy(("127.0.0.1", 1), 0.0, window=1024)
+
+
+@pytest.mark.s3
+def test_bench_load_json_interface(tmp_path):
+    cmd = [sys.executable, "-m", "kvtier.cli", "bench", "load", "--size", "24MiB", "--modes", "warm,s3+wan",
+           "--no-runai", "--concurrency", "4", "--block-size", "4MiB", "--memory-limit", "16MiB",
+           "--latency-ms", "10", "--wan-window", "2MiB", "--workdir", str(tmp_path), "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    got = {(r["method"], r["mode"]) for r in report["results"]}
+    assert {("kvtier", "warm"), ("safetensors", "warm"), ("kvtier", "s3+wan"), ("single-stream", "s3+wan"),
+            ("sequential", "s3+wan")} <= got
+    for r in report["results"]:
+        assert isinstance(r["gb_per_s"], float) and r["gb_per_s"] > 0 and r["peak_rss_bytes"] > 0, r
+    assert report["wan_window_bytes"] == 2 << 20 and report["proxy_requests_s3+wan"] > 3
+    names = {c["name"] for c in report["checks"]}
+    assert {"warm vs safetensors", "s3+wan vs single GET"} <= names
+
+
+def test_bench_load_bad_mode_is_one_line(capsys):
+    from kvtier.cli import main
+
+    assert main(["bench", "load", "--modes", "s3+lan"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "unknown mode 's3+lan'" in err and "s3+wan" in err and "\n" not in err
