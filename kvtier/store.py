@@ -310,12 +310,13 @@ class TieredStore:
         found = self.read(key, lambda segs: chunks.extend(bytes(memoryview(s)) for s in segs))
         return b"".join(chunks) if found is not None else None
 
-    def _segments(self, level: _Level, key: Key) -> Segments | None:
-        """Zero-copy views of a top-tier entry (the caller holds the lock)."""
+    def _segments(self, level: _Level, key: Key, count: bool = True) -> Segments | None:
+        """Zero-copy views of a top-tier entry (the caller holds the lock); ``count`` False for
+        the store's internal reads, which must not show as the tier's hits."""
         views = getattr(level.tier, "views", None)
         if views is None:
             return None
-        return views(key)
+        return views(key, count=count)
 
     def _read_level(self, level: _Level, key: Key):
         """Read ``key`` from one tier into this thread's scratch buffer; a view or None."""
@@ -552,7 +553,7 @@ class TieredStore:
             return None
         size = top.sizes[key]
         buf = self._scratch_buffer(size, "snap")
-        segments = self._segments(top, key)
+        segments = self._segments(top, key, count=False)
         if segments is None:
             n = top.tier.get_into(key, buf)
             return None if n is None else buf[:n]

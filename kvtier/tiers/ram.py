@@ -229,20 +229,23 @@ class RamTier(Tier):
 
     # --- zero-copy path ------------------------------------------------------------------------
 
-    def views(self, key: Key) -> list[np.ndarray] | None:
+    def views(self, key: Key, count: bool = True) -> list[np.ndarray] | None:
         """Read-only uint8 views of ``key``'s extents, in order, or None when absent.
 
         Contract: the views alias arena pages and stay valid only until the key is deleted or
         replaced; the caller must make sure that does not happen while it reads them (or use
-        ``borrow``, which guarantees it). Counts a hit or a miss.
+        ``borrow``, which guarantees it). Counts a hit or a miss unless ``count`` is False (the
+        store's own copies of an entry down to a lower tier are not reads by a user).
         """
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                self.stats.add(misses=1)
+                if count:
+                    self.stats.add(misses=1)
                 return None
             views = [self._readonly(start, end) for start, end in entry.extents]
-        self.stats.add(hits=1, bytes_read=entry.length)
+        if count:
+            self.stats.add(hits=1, bytes_read=entry.length)
         return views
 
     @contextmanager
