@@ -141,7 +141,6 @@ class KVTierModelLoader(BaseModelLoader):
         if params:
             raise LoaderError(f"{base}: rank {tp_rank}'s files lack {len(params)} parameters, e.g. {min(params)!r}")
 
-
     def _save_shards(self, model: nn.Module, out: str) -> None:
         """Write this rank's parameters to ``out`` in vLLM's pre-sharded layout."""
         from vllm.distributed import get_tensor_model_parallel_rank

@@ -80,8 +80,7 @@ def shard(job: ShardJob, on_phase: Callable[[str], None] | None = None) -> dict:
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        assert proc.stdout is not None
-        for line in proc.stdout:
+        for line in proc.stdout or ():
             log.write(line)
             if line.startswith(_PHASE) and on_phase:
                 on_phase(line[len(_PHASE):].strip())
