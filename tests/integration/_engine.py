@@ -2,7 +2,8 @@
 
 Usage: python _engine.py SPEC_JSON   (a subprocess of test_cross_engine; the engine is spawned,
 so the __main__ guard is needed). SPEC: model, kv_extra (kv_connector_extra_config), doc (token
-ids), warm (token ids of an unrelated prompt run first so start-up costs are not timed).
+ids), warm (token ids of an unrelated prompt run first so start-up costs are not timed), tp
+(tensor-parallel size, default 1; the caller sets VLLM_CPU_OMP_THREADS_BIND to match).
 Prints one line ``RESULT {"first": {"s", "tokens", "hit_tokens"}, "again": {...}}``: ``first`` is the
 engine's first read of ``doc`` (a kvtier hit when another engine stored it), ``again`` the second
 read (a hit in vLLM's own prefix cache).
@@ -28,9 +29,11 @@ def main() -> None:
                                 kv_connector_extra_config=spec["kv_extra"])
     from kvtier.bench.engine_run import _counter
 
+    tp = spec.get("tp", 1)
+    parallel = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, gpu_memory_utilization=0.3,
               num_gpu_blocks_override=70, max_model_len=4096, enforce_eager=True, dtype="bfloat16",
-              kv_transfer_config=transfer, disable_log_stats=False)
+              kv_transfer_config=transfer, disable_log_stats=False, **parallel)
     params = SamplingParams(temperature=0.0, max_tokens=4, detokenize=False)
 
     def run(tokens):

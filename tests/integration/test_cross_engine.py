@@ -1,6 +1,6 @@
 """Cross-engine KV sharing with real vLLM engines (separate processes) on the small random model.
 
-Four engine launches cover three ways of sharing:
+Four engine launches cover three ways of sharing (and two more cover tensor parallelism):
 
 - A runs through a per-node cache server whose store is ``ram -> fs -> redis`` (write-through).
 - B (server) reads the same document through the same server: a hit from the shared arena.
@@ -34,9 +34,11 @@ DOC_TOKENS = 2049
 ENGINE = Path(__file__).with_name("_engine.py")
 
 
-def _engine(model: Path, kv_extra: dict, doc: list[int], warm: list[int], log: Path) -> dict:
-    spec = json.dumps({"model": str(model), "kv_extra": kv_extra, "doc": doc, "warm": warm})
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2"}
+def _engine(model: Path, kv_extra: dict, doc: list[int], warm: list[int], log: Path, tp: int = 1) -> dict:
+    spec = json.dumps({"model": str(model), "kv_extra": kv_extra, "doc": doc, "warm": warm, "tp": tp})
+    cpus = sorted(os.sched_getaffinity(0))
+    bind = "0-1" if tp == 1 else "|".join(str(cpus[r % len(cpus)]) for r in range(tp))  # a core per rank
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bind, "OMP_NUM_THREADS": "2" if tp == 1 else "1"}
     proc = subprocess.run([sys.executable, str(ENGINE), spec], capture_output=True, text=True, timeout=600, env=env)
     log.write_text(proc.stdout + proc.stderr)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -95,3 +97,23 @@ def test_engines_share_kv_through_server_fs_and_redis(model, tmp_path, redis_url
         # ... and the same computation as A's engine-local prefix hit: the same greedy tokens.
         assert b["first"]["tokens"] == a["again"]["tokens"], name
     # Times are printed above for the record; speed is measured by `kvtier demo`, not asserted here.
+
+
+def test_tensor_parallel_ranks_store_and_load_their_shares(model, tmp_path):
+    """TP=2: each rank stores its share of every chunk in its own disk directory (half the
+    configured capacity each); a second TP=2 engine finds them (the scheduler probes rank 0's
+    directory) and both ranks load their shares, giving the same tokens as a prefix-cache hit."""
+    disk = tmp_path / "disk"
+    kv = {"tiers": [{"type": "ram", "capacity": "64MiB"}, {"type": "disk", "path": str(disk), "capacity": "256MiB"}]}
+    doc = [(i * 7919) % 30000 + 5 for i in range(DOC_TOKENS)]
+    warm = [(i * 104729) % 30000 + 5 for i in range(300)]
+    a = _engine(model, kv, doc, warm, tmp_path / "a.log", tp=2)
+    assert a["first"]["hit_tokens"] == 0
+    chunks = (DOC_TOKENS - 1) // 128 + 2  # the document's whole chunks, and the warm prompt's two
+    for rank in range(2):
+        files = [p for p in (disk / f"tp2-rank{rank}").rglob("*") if p.is_file() and not p.name.startswith(".")]
+        assert len(files) == chunks, (rank, sorted(p.name for p in files))
+    assert not [p for p in disk.iterdir() if p.is_file()]
+    b = _engine(model, kv, doc, warm, tmp_path / "b.log", tp=2)
+    assert b["first"]["hit_tokens"] == DOC_TOKENS - 1
+    assert b["first"]["tokens"] == a["again"]["tokens"]

@@ -14,15 +14,20 @@ Keys (all optional)::
     server             use a per-node kvtier cache server instead of in-process tiers
                        ("unix:///path.sock" or "tcp://host:port")
     server_token       the token a TCP server requires
+
+With tensor parallelism the ``capacity`` of a ``ram`` or ``disk`` tier is the total over all
+ranks, as vLLM's own ``kv_offloading_size`` is: each rank's store gets 1/TP of it, and each
+rank's disk tier its own subdirectory ``tp{TP}-rank{r}`` of ``path`` (see ``for_rank``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kvtier.config import build, load_mapping
+from kvtier.config import build, load_mapping, parse_size
 from kvtier.errors import ConfigError
 from kvtier.store import StoreConfig
 
@@ -79,5 +84,30 @@ class ConnectorConfig:
             if spec.get("type") == "ram":
                 spec.setdefault("page_size", page_bytes)
                 spec.setdefault("prefault", True)
+            tiers.append(spec)
+        return dataclasses.replace(self, store=dataclasses.replace(self.store, tiers=tiers))
+
+    def for_rank(self, rank: int, world: int) -> "ConnectorConfig":
+        """The config of tensor-parallel rank ``rank`` of ``world`` (itself when ``world`` is 1).
+
+        Each rank's worker owns a store of its own, holding its share of every chunk. A ``ram``
+        or ``disk`` tier's ``capacity`` (given, or the tier's default) is split evenly, and a
+        disk tier moves to ``path/tp{world}-rank{rank}``, so no two stores manage one directory.
+        Shared tiers (redis, s3, fs) are shared anyway: ranks use different keys there.
+        """
+        if world == 1:
+            return self
+        from kvtier.tiers.registry import TIERS
+
+        tiers = []
+        for i, spec in enumerate(self.store.tiers):
+            spec = dict(spec)
+            kind = spec.get("type")
+            if kind in ("ram", "disk"):
+                default = {f.name: f.default for f in dataclasses.fields(TIERS.get(kind).Config)}.get("capacity")
+                total = parse_size(spec.get("capacity", default), f"tiers[{i}].capacity")
+                spec["capacity"] = total // world
+            if kind == "disk" and spec.get("path"):
+                spec["path"] = os.path.join(spec["path"], f"tp{world}-rank{rank}")
             tiers.append(spec)
         return dataclasses.replace(self, store=dataclasses.replace(self.store, tiers=tiers))

@@ -186,7 +186,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._stats = KVTierConnectorStats()
         if role == KVConnectorRole.WORKER:
             self._rank = _tp_rank()
-            cfg = self.config.with_page_size(page) if page else self.config
+            cfg = self.config.for_rank(self._rank, self.tp_size)
+            cfg = cfg.with_page_size(page) if page else cfg
             if self.config.server:  # a per-node cache server owns the tiers
                 from kvtier.server.client import ServerStore
 
@@ -201,7 +202,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
             self._server = ServerStore(self.config.server, token=self.config.server_token)
         else:
-            self._probes = _make_probes(self.config.store.tiers)
+            self._probes = _make_probes(self.config.for_rank(0, self.tp_size).store.tiers)  # rank 0 speaks for all
 
     # ------------------------------------------------------------------------- scheduler side
 
