@@ -2,8 +2,11 @@
 
 ``python tests/integration/scenario.py SPEC.json OUT.json``. The spec names the model, the pool
 size, the kv_transfer_config, the documents and the steps: ``{"send": DOC, "tag": NAME}`` sends a
-document and records its result under NAME; ``{"rss": NAME}`` records the summed RSS of this
-process tree (the engine and its worker).
+document and records its result under NAME (``"max_tokens": N`` generates N tokens instead of the
+spec's default); ``{"follow": NAME, "then": DOC, "tag": NAME2}`` sends the next turn of a
+conversation: NAME's prompt, the tokens it generated, then the first 64 tokens of DOC;
+``{"reset_prefix_cache": true}`` empties vLLM's own prefix cache; ``{"rss": NAME}`` records the
+summed RSS of this process tree (the engine and its worker).
 """
 
 from __future__ import annotations
@@ -38,12 +41,22 @@ def main(spec_path: str, out_path: str) -> int:
               num_gpu_blocks_override=spec["pool_blocks"], max_model_len=spec.get("max_model_len", 4096),
               kv_transfer_config=spec.get("kv_transfer_config"), enable_prefix_caching=True,
               disable_log_stats=False, seed=0)
-    sampling = SamplingParams(max_tokens=spec.get("max_tokens", 1), temperature=0.0, logprobs=5)
     docs = spec["docs"]
     out: dict = {"results": {}, "rss": {}}
+    prompts: dict[str, list[int]] = {}
     for step in spec["steps"]:
-        if "send" in step:
-            out["results"][step["tag"]] = _one(llm, docs[step["send"]], sampling)
+        sampling = SamplingParams(max_tokens=step.get("max_tokens", spec.get("max_tokens", 1)), temperature=0.0,
+                                  logprobs=5)
+        if "send" in step or "follow" in step:
+            if "send" in step:
+                prompt = docs[step["send"]]
+            else:
+                prompt = prompts[step["follow"]] + out["results"][step["follow"]]["token_ids"] + docs[step["then"]][:64]
+            prompts[step["tag"]] = prompt
+            out["results"][step["tag"]] = _one(llm, prompt, sampling)
+        elif "reset_prefix_cache" in step:
+            if not llm.reset_prefix_cache():
+                raise RuntimeError("vLLM did not reset its prefix cache")
         elif "rss" in step:
             out["rss"][step["rss"]] = tree_rss()
     with open(out_path, "w") as f:

@@ -184,3 +184,30 @@ def test_bad_extra_config_fails_engine_start_with_the_key(tmp_path):
     rc, _, log = run_scenario(tmp_path, "bad", spec)
     assert rc != 0
     assert "unknown key 'tierz'" in log and "valid keys" in log
+
+
+def test_generated_tokens_are_saved_for_the_next_turn(tmp_path):
+    """Turn 2 of a conversation re-reads turn 1's prompt and its answer. kvtier saved the chunks
+    the answer completed too: with vLLM's own prefix cache emptied, turn 2 loads them all and
+    predicts what plain vLLM predicts from its own prefix-cache hit on the same blocks (another
+    engine, no connector; a turn-2 reference in the kvtier engine would save those chunks itself)."""
+    from kvtier.bench.models import make_random_model
+
+    docs = _docs(2)
+    first = docs[0][:1000]
+    base = {"model": str(make_random_model("small")), "docs": [first, docs[1]], "pool_blocks": 24,
+            "max_model_len": 2560}
+    turn1 = {"send": 0, "tag": "turn1", "max_tokens": 300}
+    rc, ref, log = run_scenario(tmp_path, "plain", {**base, "steps": [turn1, {"follow": "turn1", "then": 1, "tag": "local"}]})
+    assert rc == 0, log[-3000:]
+    steps = [turn1, {"reset_prefix_cache": True}, {"follow": "turn1", "then": 1, "tag": "kv"}]
+    tiers = [{"type": "ram", "capacity": "64MiB"}]
+    rc, out, log = run_scenario(tmp_path, "turns", {**base, "kv_transfer_config": _connector(tiers), "steps": steps})
+    assert rc == 0, log[-3000:]
+    local, kv = ref["results"]["local"], out["results"]["kv"]
+    assert out["results"]["turn1"]["token_ids"] == ref["results"]["turn1"]["token_ids"]
+    computed = len(first) + 300 - 1  # the last generated token has no KV yet
+    assert computed // CHUNK > len(first) // CHUNK  # the answer completes chunks of its own
+    assert local["local_hit_tokens"] == computed // CHUNK * CHUNK
+    assert kv["local_hit_tokens"] == 0 and kv["hit_tokens"] == computed // CHUNK * CHUNK
+    assert kv["token_ids"] == local["token_ids"]

@@ -8,7 +8,8 @@ Enable it with::
                            "kv_connector_extra_config": {"tiers": [{"type": "ram", "capacity": "8GiB"}]}}'
 
 Scheduler side (bookkeeping, no data): looks a request's chunk keys up in the store, plans which
-chunks to load into which blocks and which newly computed full chunks to save, and hands both
+chunks to load into which blocks and which newly computed full chunks to save (generated tokens
+included: the next turn of a conversation re-reads the answer as its prompt), and hands both
 plans to the worker in the step's metadata. Worker side (data): loads whole (layer, block) pages
 from the store into the engine's KV tensors before the forward pass, and after it copies the
 pages of newly computed chunks into the store's top tier (a memcpy; lower tiers are written in
@@ -33,7 +34,7 @@ import logging
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
@@ -48,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.pages import PageLayout
-from kvtier.keys import Namespace, chunk_keys
+from kvtier.keys import ROOT, Namespace, chunk_keys
 from kvtier.store import TieredStore
 
 if TYPE_CHECKING:
@@ -140,9 +141,10 @@ class KVTierConnectorStats(KVConnectorStats):
 class _Request:
     """Scheduler-side state of one request."""
 
-    keys: list[bytes]  # keys of the prompt's full chunks
+    keys: list[bytes]  # keys of the full chunks known so far (the prompt's, then generated ones)
     prompt_len: int
-    token_ids: list[int]
+    token_ids: Sequence[int]  # the prompt, then the generated tokens (vLLM's growing all_token_ids)
+    namespace: bytes = b""
     block_ids: list[int] = field(default_factory=list)
     hit_chunks: int = 0  # chunks found in the store at lookup
     local_tokens: int = 0  # tokens vLLM's own prefix cache had
@@ -264,7 +266,13 @@ class KVTierConnector(KVConnectorBase_V1):
             meta.loads.append(LoadSpec(req_id, state.keys[first:end], first, state.block_ids, skip))
             state.saved_chunks = max(state.saved_chunks, end)
             state.load = None
-        full = min(tokens_done, state.prompt_len) // self.chunk_tokens
+        # chunks whose KV this step completes, generated tokens included (a later turn of a
+        # conversation re-reads them as its prompt); a token not yet known is never keyed
+        full = min(tokens_done, len(state.token_ids)) // self.chunk_tokens
+        if full > len(state.keys):
+            prev = state.keys[-1] if state.keys else ROOT
+            state.keys += chunk_keys(state.token_ids[: full * self.chunk_tokens], state.namespace, self.chunk_tokens,
+                                     start=len(state.keys), prev=prev)
         bpc = self.blocks_per_chunk
         for c in range(state.saved_chunks, full):
             blocks = state.block_ids[c * bpc : (c + 1) * bpc]
@@ -338,10 +346,13 @@ class KVTierConnector(KVConnectorBase_V1):
     def _request_state(self, request: "Request") -> _Request:
         state = self._requests.get(request.request_id)
         if state is None:
-            tokens = list(request.prompt_token_ids or [])
+            # all_token_ids grows as tokens are generated; without prompt token ids (embeddings)
+            # nothing is keyed at all
+            tokens = request.all_token_ids if request.prompt_token_ids is not None else []
+            prompt = list(request.prompt_token_ids or [])
             lora = request.lora_request.lora_name if request.lora_request else None
-            ns = self.namespace.with_lora(lora).with_salt(request.cache_salt)
-            state = _Request(chunk_keys(tokens, ns, self.chunk_tokens), len(tokens), tokens)
+            ns = self.namespace.with_lora(lora).with_salt(request.cache_salt).digest()
+            state = _Request(chunk_keys(prompt, ns, self.chunk_tokens), len(prompt), tokens, ns)
             self._requests[request.request_id] = state
         return state
 
