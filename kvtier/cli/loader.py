@@ -14,12 +14,17 @@ from kvtier.config import format_bytes, parse_size
 from kvtier.errors import ConfigError
 
 
+def _default_cache() -> str:
+    """The node cache directory: $KVTIER_CACHE_DIR, else ~/.cache/kvtier/models."""
+    return os.environ.get("KVTIER_CACHE_DIR", os.path.expanduser("~/.cache/kvtier/models"))
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``pull``, ``shard``, ``probe`` and ``load``."""
     p = sub.add_parser("pull", help="download a remote model once per node into a local cache",
                        description=_pull.__doc__)
     p.add_argument("uri", help="s3://bucket/prefix/ of a model directory")
-    p.add_argument("--cache-dir", default=os.environ.get("KVTIER_CACHE_DIR", os.path.expanduser("~/.cache/kvtier/models")))
+    p.add_argument("--cache-dir", default=_default_cache())
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--block-size", default="16MiB")
     _common(p)
@@ -27,8 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("shard", help="write vLLM's pre-sharded layout model-rank-R-part-P.safetensors",
                        description=_shard.__doc__)
-    p.add_argument("model", help="local model directory (pull an s3:// model first with kvtier pull)")
+    p.add_argument("model", help="model directory, or s3:// URI (pulled into the node cache first)")
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel world size to cut the model for")
+    p.add_argument("--cache-dir", default=_default_cache(), help="node cache for an s3:// model")
     p.add_argument("--out", required=True, help="output directory (new or empty)")
     p.add_argument("--max-part-size", default="5GB", help="largest file per rank (default 5GB)")
     _common(p)
@@ -120,8 +126,10 @@ def _shard(args) -> int:
     with tensor_parallel_size=TP is started (on this host's GPUs, or its CPUs) and each rank saves
     its parameters. The config and tokenizer files are copied along, so --out is a model directory."""
     from kvtier.integrations.vllm.shard import PHASES, ShardJob, shard
+    from kvtier.loader.cache import resolve
 
-    job = ShardJob(args.model, args.out, args.tp, parse_size(args.max_part_size, "max-part-size"))
+    model = resolve(args.model, args.cache_dir)  # an s3:// model: pulled once per node
+    job = ShardJob(model, args.out, args.tp, parse_size(args.max_part_size, "max-part-size"))
     job.check()
     with _progress(args, "shard", len(PHASES), unit="step") as bar:
         def on_phase(name: str) -> None:

@@ -146,3 +146,16 @@ def test_cli_load_through_cache(model, tmp_path, s3_env):
 
     assert main(["load", model[1], "--cache-dir", str(tmp_path / "c"), "--json", "--no-progress"]) == 0
     assert os.path.exists(os.path.join(cache_path(str(tmp_path / "c"), model[1]), MARKER))
+
+
+def test_shard_pulls_an_s3_model_into_the_node_cache_first(model, tmp_path, capsys):
+    """`kvtier shard s3://...` shards the node cache's copy (this model has no config.json, so the
+    check after the pull stops it, naming the cached directory, before any engine starts)."""
+    from kvtier.cli import main
+
+    _, uri = model
+    cache = str(tmp_path / "cache")
+    assert main(["shard", uri, "--tp", "1", "--out", str(tmp_path / "o"), "--cache-dir", cache]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{cache_path(cache, uri)}: not a model directory with a config.json" in err
+    assert os.path.exists(os.path.join(cache_path(cache, uri), MARKER))

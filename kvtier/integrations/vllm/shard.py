@@ -50,8 +50,7 @@ class ShardJob:
         if self.max_part_bytes < 1:
             raise ConfigError(f"--max-part-size must be positive, got {self.max_part_bytes}")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
-            raise ConfigError(f"{self.model}: not a model directory with a config.json "
-                              "(for an s3:// model, run kvtier pull first and shard the directory it prints)")
+            raise ConfigError(f"{self.model}: not a model directory with a config.json")
         if os.path.abspath(self.model) == os.path.abspath(self.out):
             raise ConfigError("--out must differ from the model directory")
         if os.path.isdir(self.out) and ShardedLayout.find(os.listdir(self.out), self.out) is not None:
