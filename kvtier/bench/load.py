@@ -13,8 +13,9 @@ before loading. Modes: ``cold`` (page cache dropped before each method: ``drop_c
 permitted, else ``posix_fadvise(DONTNEED)`` on the file), ``warm`` (file read once first),
 ``s3`` (SeaweedFS on loopback, started here), ``s3+latency`` (the same through a proxy that
 delays each request) and ``s3+wan`` (that proxy also caps each connection at one ``--wan-window``
-per round trip, the bandwidth-delay bound of one TCP stream on a real network). Every loader's tensors are touched, one byte per 4 KiB page (the way
-a lazily mapped safetensors tensor becomes real); ``dd`` and the GET baselines touch nothing.
+per round trip, the bandwidth-delay bound of one TCP stream on a real network). Every loader's
+tensors are touched, one byte per 4 KiB page (the way a lazily mapped safetensors tensor becomes
+real); ``dd`` and the GET baselines touch nothing.
 """
 
 from __future__ import annotations

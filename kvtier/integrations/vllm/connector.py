@@ -346,10 +346,11 @@ class KVTierConnector(KVConnectorBase_V1):
     def _request_state(self, request: "Request") -> _Request:
         state = self._requests.get(request.request_id)
         if state is None:
-            # all_token_ids grows as tokens are generated; without prompt token ids (embeddings)
-            # nothing is keyed at all
-            tokens = request.all_token_ids if request.prompt_token_ids is not None else []
-            prompt = list(request.prompt_token_ids or [])
+            # all_token_ids grows as tokens are generated. A prompt given (even partly) as
+            # embeddings is not keyed at all: its token ids are placeholders, not its content
+            keyed = request.prompt_token_ids is not None and getattr(request, "prompt_embeds", None) is None
+            tokens = request.all_token_ids if keyed else []
+            prompt = list(request.prompt_token_ids) if keyed else []
             lora = request.lora_request.lora_name if request.lora_request else None
             ns = self.namespace.with_lora(lora).with_salt(request.cache_salt).digest()
             state = _Request(chunk_keys(prompt, ns, self.chunk_tokens), len(prompt), tokens, ns)
