@@ -73,13 +73,19 @@ def test_weights_from_s3_through_node_cache(qwen2_dir, s3_server, s3_bucket, tmp
     assert is_complete(cache_path(cache, f"s3://{s3_bucket}/qwen2/"))
 
 
-def test_shard_tp2_each_rank_reads_its_own_files(qwen2_dir, tmp_path):
-    """`kvtier shard --tp 2` output loads in a TP=2 engine through kvtier and vLLM's sharded_state."""
-    out = tmp_path / "tp2"
+@pytest.fixture(scope="module")
+def tp2(qwen2_dir, tmp_path_factory) -> dict:
+    """The test model cut by `kvtier shard --tp 2`, its manifest, and a TP=2 engine's reference tokens."""
+    out = tmp_path_factory.mktemp("shard") / "tp2"
     proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "shard", qwen2_dir, "--tp", "2", "--out", str(out),
                            "--json", "--no-progress"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    manifest = json.loads(proc.stdout)
+    return {"dir": out, "manifest": json.loads(proc.stdout), "reference": _tokens(qwen2_dir, "auto", tp=2)}
+
+
+def test_shard_tp2_each_rank_reads_its_own_files(tp2):
+    """`kvtier shard --tp 2` output loads in a TP=2 engine through kvtier and vLLM's sharded_state."""
+    out, manifest = tp2["dir"], tp2["manifest"]
     assert manifest["files"] == ["model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"]
     assert manifest["tensor_parallel_size"] == 2 and "config.json" in manifest["config_files"]
     assert (out / "kvtier-shard.json").exists() and not (out / "kvtier-shard.log").exists()
@@ -87,6 +93,23 @@ def test_shard_tp2_each_rank_reads_its_own_files(qwen2_dir, tmp_path):
 
     with safe_open(str(out / manifest["files"][1]), "pt") as f:  # the engine's fused parameter names
         assert "model.layers.0.self_attn.qkv_proj.weight" in f.keys()
-    reference = _tokens(qwen2_dir, "auto", tp=2)
-    assert _tokens(str(out), "kvtier", {"concurrency": 4}, tp=2) == reference
-    assert _tokens(str(out), "sharded_state", tp=2) == reference
+    assert _tokens(str(out), "kvtier", {"concurrency": 4}, tp=2) == tp2["reference"]
+    assert _tokens(str(out), "sharded_state", tp=2) == tp2["reference"]
+
+
+@pytest.mark.s3
+def test_sharded_weights_streamed_from_s3(tp2, s3_server, s3_bucket, tmp_path, monkeypatch):
+    """The pre-sharded layout found by listing an s3:// prefix; each rank streams its own objects."""
+    import shutil
+
+    client = s3_server.client()
+    for name in tp2["manifest"]["files"]:
+        client.upload_file(str(tp2["dir"] / name), s3_bucket, f"tp2/{name}")
+    cfg_dir = tmp_path / "cfg"
+    cfg_dir.mkdir()
+    shutil.copy(tp2["dir"] / "config.json", cfg_dir)
+    for k, v in {"AWS_ENDPOINT_URL": s3_server.endpoint_url, "AWS_ACCESS_KEY_ID": s3_server.access_key,
+                 "AWS_SECRET_ACCESS_KEY": s3_server.secret_key, "AWS_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    got = _tokens(str(cfg_dir), "kvtier", {"weights_uri": f"s3://{s3_bucket}/tp2/", "concurrency": 4}, tp=2)
+    assert got == tp2["reference"]
