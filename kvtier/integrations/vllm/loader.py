@@ -129,7 +129,9 @@ class KVTierModelLoader(BaseModelLoader):
         names = layout.rank_files(tp_rank, get_tensor_model_parallel_world_size(), pp.rank_in_group, pp.world_size,
                                   where=base)
         files = [join_uri(base, n) for n in names]
-        params = ShardedStateLoader._filter_subtensors(model.state_dict())
+        # the tensors vLLM's save_model writes: one of each group sharing storage (tied weights)
+        dedup = getattr(ShardedStateLoader, "_filter_subtensors", lambda tensors: tensors)
+        params = dedup(model.state_dict())
         with StreamReader(files, self.reader_config) as reader:
             logger.info("kvtier: rank %d streaming its %d pre-sharded files (%.2f GB), concurrency %d",
                         tp_rank, len(files), reader.total_bytes() / 1e9, reader.concurrency)
