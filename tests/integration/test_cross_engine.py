@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.integrations.vllm.shard import cpu_bind
 from kvtier.server import ServerStore
 from tests.server.conftest import ServerProcess, free_port
 
@@ -36,8 +37,7 @@ ENGINE = Path(__file__).with_name("_engine.py")
 
 def _engine(model: Path, kv_extra: dict, doc: list[int], warm: list[int], log: Path, tp: int = 1) -> dict:
     spec = json.dumps({"model": str(model), "kv_extra": kv_extra, "doc": doc, "warm": warm, "tp": tp})
-    cpus = sorted(os.sched_getaffinity(0))
-    bind = "0-1" if tp == 1 else "|".join(str(cpus[r % len(cpus)]) for r in range(tp))  # a core per rank
+    bind = "0-1" if tp == 1 else cpu_bind(tp, sorted(os.sched_getaffinity(0)))  # a share of the CPUs per rank
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bind, "OMP_NUM_THREADS": "2" if tp == 1 else "1"}
     proc = subprocess.run([sys.executable, str(ENGINE), spec], capture_output=True, text=True, timeout=600, env=env)
     log.write_text(proc.stdout + proc.stderr)

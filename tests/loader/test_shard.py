@@ -97,3 +97,14 @@ def test_layout_for_another_world_size_is_refused():
 def test_incomplete_layout_is_an_error(names, problem):
     with pytest.raises(LoaderError, match=problem):
         ShardedLayout.find(names, "d")
+
+
+def test_cpu_bind_gives_each_rank_its_own_cpus():
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.vllm.shard import cpu_bind
+
+    assert cpu_bind(2, [0, 1]) == "0|1"
+    assert cpu_bind(2, [0, 1, 2, 3, 4]) == "0,1|2,3"
+    assert cpu_bind(1, [3, 5]) == "3,5"
+    with pytest.raises(ConfigError, match="needs at least 4 CPUs"):
+        cpu_bind(4, [0, 1])
