@@ -70,6 +70,15 @@ def shard_file_name(rank: int, part: int, pp_rank: int | None = None) -> str:
     return f"model-pp-{pp_rank}-tp-{rank}-part-{part}.safetensors"
 
 
+def rank_file(name: str) -> tuple[int, int, int, bool] | None:
+    """``(pp_rank, tp_rank, part, pipeline_form)`` of a pre-sharded file name, else None."""
+    if m := _TP_ONLY.fullmatch(name):
+        return 0, int(m[1]), int(m[2]), False
+    if m := _PP_AND_TP.fullmatch(name):
+        return int(m[1]), int(m[2]), int(m[3]), True
+    return None
+
+
 @dataclass(frozen=True)
 class ShardedLayout:
     """The pre-sharded files of one directory: ``files[(pp_rank, tp_rank)]`` in part order."""
@@ -95,13 +104,11 @@ class ShardedLayout:
         parts: dict[tuple[int, int], dict[int, str]] = {}
         forms = set()
         for name in names:
-            if m := _TP_ONLY.fullmatch(name):
-                pp, tp, part = 0, int(m[1]), int(m[2])
-            elif m := _PP_AND_TP.fullmatch(name):
-                pp, tp, part = int(m[1]), int(m[2]), int(m[3])
-            else:
+            where_in = rank_file(name)
+            if where_in is None:
                 continue
-            forms.add(m.re is _PP_AND_TP)
+            pp, tp, part, pipeline = where_in
+            forms.add(pipeline)
             parts.setdefault((pp, tp), {})[part] = name
         if not parts:
             return None

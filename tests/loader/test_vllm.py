@@ -90,6 +90,10 @@ def test_shard_tp2_each_rank_reads_its_own_files(tp2):
     assert manifest["files"] == ["model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors"]
     assert manifest["tensor_parallel_size"] == 2 and "config.json" in manifest["config_files"]
     assert (out / "kvtier-shard.json").exists() and not (out / "kvtier-shard.log").exists()
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for name in manifest["files"]:  # readable by whoever serves it, as the umask allows (not 0600)
+        assert (out / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
     from safetensors import safe_open
 
     with safe_open(str(out / manifest["files"][1]), "pt") as f:  # the engine's fused parameter names

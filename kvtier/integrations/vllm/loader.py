@@ -35,7 +35,7 @@ from kvtier.config import Size, build
 from kvtier.errors import LoaderError
 from kvtier.loader.cache import resolve
 from kvtier.loader.reader import ReaderConfig, StreamReader, join_uri, list_dir, model_files
-from kvtier.loader.shard import ShardedLayout
+from kvtier.loader.shard import ShardedLayout, rank_file
 from kvtier.loader.sources import scheme_of
 
 logger = init_logger("vllm.kvtier.loader")  # under "vllm", so vLLM's log handlers show our INFO lines
@@ -144,13 +144,28 @@ class KVTierModelLoader(BaseModelLoader):
             raise LoaderError(f"{base}: rank {tp_rank}'s files lack {len(params)} parameters, e.g. {min(params)!r}")
 
     def _save_shards(self, model: nn.Module, out: str) -> None:
-        """Write this rank's parameters to ``out`` in vLLM's pre-sharded layout."""
-        from vllm.distributed import get_tensor_model_parallel_rank
+        """Write this rank's parameters to ``out`` in vLLM's pre-sharded layout, readable by all
+        as the umask allows (safetensors creates its files 0600, which other users and pods
+        serving the directory could not read)."""
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
         from vllm.model_executor.model_loader import ShardedStateLoader
 
         os.makedirs(out, exist_ok=True)
         ShardedStateLoader.save_model(model, out, max_size=self.options.max_part_size)
-        logger.info("kvtier: rank %d saved its shards to %s", get_tensor_model_parallel_rank(), out)
+        rank = (get_pp_group().rank_in_group, get_tensor_model_parallel_rank())
+        mode = 0o666 & ~_umask()
+        for name in os.listdir(out):
+            found = rank_file(name)
+            if found is not None and found[:2] == rank:
+                os.chmod(os.path.join(out, name), mode)
+        logger.info("kvtier: rank %d saved its shards to %s", rank[1], out)
+
+
+def _umask() -> int:
+    """This process's umask (reading it means setting it: it is put back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _copy_into(param, tensor, name: str) -> None:
