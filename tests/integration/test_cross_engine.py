@@ -1,6 +1,7 @@
 """Cross-engine KV sharing with real vLLM engines (separate processes) on the small random model.
 
-Four engine launches cover three ways of sharing (and two more cover tensor parallelism):
+Four engine launches cover three ways of sharing through a server (two more per shared tier
+cover two machines without one, and two more tensor parallelism):
 
 - A runs through a per-node cache server whose store is ``ram -> fs -> redis`` (write-through).
 - B (server) reads the same document through the same server: a hit from the shared arena.
@@ -97,6 +98,23 @@ def test_engines_share_kv_through_server_fs_and_redis(model, tmp_path, redis_url
         # ... and the same computation as A's engine-local prefix hit: the same greedy tokens.
         assert b["first"]["tokens"] == a["again"]["tokens"], name
     # Times are printed above for the record; speed is measured by `kvtier demo`, not asserted here.
+
+
+@pytest.mark.parametrize("shared", ["fs", "redis"])
+def test_engines_on_two_machines_share_only_a_shared_tier(model, tmp_path, redis_url, shared):
+    """No server: A and B each have a private RAM tier over one shared tier, as two machines would.
+    B's first read is a hit of everything A stored, with A's prefix-hit tokens."""
+    tier = {"fs": {"type": "fs", "path": str(tmp_path / "shared-fs"), "capacity": "2GiB"},
+            "redis": {"type": "redis", "url": redis_url, "capacity": "2GiB"}}[shared]
+    kv = {"tiers": [{"type": "ram", "capacity": "512MiB"}, tier]}
+    salt = 1000 + (shared == "redis") * 17  # a document of its own: no entry of another test can hit
+    doc = [(i * 7919 + salt) % 31000 + 500 for i in range(DOC_TOKENS)]
+    warm = lambda n: [(i * 104729 + n * 31 + salt) % 31000 + 500 for i in range(300)]  # noqa: E731
+    a = _engine(model, kv, doc, warm(1), tmp_path / "a.log")
+    b = _engine(model, kv, doc, warm(2), tmp_path / "b.log")
+    assert a["first"]["hit_tokens"] == 0
+    assert b["first"]["hit_tokens"] == (DOC_TOKENS - 1) // 128 * 128, b
+    assert b["first"]["tokens"] == a["again"]["tokens"]
 
 
 def test_tensor_parallel_ranks_store_and_load_their_shares(model, tmp_path):
