@@ -1,7 +1,7 @@
 """Cross-engine KV sharing with real vLLM engines (separate processes) on the small random model.
 
 Four engine launches cover three ways of sharing through a server (two more per shared tier
-cover two machines without one, and two more tensor parallelism):
+cover two machines without one, and four more tensor parallelism, with and without a server):
 
 - A runs through a per-node cache server whose store is ``ram -> fs -> redis`` (write-through).
 - B (server) reads the same document through the same server: a hit from the shared arena.
@@ -134,4 +134,29 @@ def test_tensor_parallel_ranks_store_and_load_their_shares(model, tmp_path):
     assert not [p for p in disk.iterdir() if p.is_file()]
     b = _engine(model, kv, doc, warm, tmp_path / "b.log", tp=2)
     assert b["first"]["hit_tokens"] == DOC_TOKENS - 1
+    assert b["first"]["tokens"] == a["again"]["tokens"]
+
+
+def test_tensor_parallel_engines_share_through_a_server(model, tmp_path):
+    """TP=2 with a per-node server: both ranks of A store their shares in the one shared arena
+    (rank-derived keys), and a second TP=2 engine loads both shares from it."""
+    server = ServerProcess(tmp_path, {
+        "listen": f"unix://{tmp_path}/kvtier.sock", "metrics": f"127.0.0.1:{free_port()}", "staging": "64MiB",
+        "store": {"tiers": [{"type": "ram", "capacity": "256MiB", "page_size": "64KiB"}]},
+    })
+    server.start()
+    doc = [(i * 7919 + 77) % 31000 + 500 for i in range(DOC_TOKENS)]
+    warm = lambda n: [(i * 104729 + n * 31 + 77) % 31000 + 500 for i in range(300)]  # noqa: E731
+    try:
+        via_server = {"server": server.address}
+        a = _engine(model, via_server, doc, warm(1), tmp_path / "a.log", tp=2)
+        with ServerStore(server.address) as probe:
+            entries = probe.stats()["tiers"][0]["entries"]
+        b = _engine(model, via_server, doc, warm(2), tmp_path / "b.log", tp=2)
+    finally:
+        server.stop()
+    chunks = (DOC_TOKENS - 1) // 128 + 2  # the document's whole chunks and the warm prompt's two
+    assert entries == 2 * chunks  # one share per rank
+    assert a["first"]["hit_tokens"] == 0
+    assert b["first"]["hit_tokens"] == (DOC_TOKENS - 1) // 128 * 128
     assert b["first"]["tokens"] == a["again"]["tokens"]
