@@ -31,6 +31,7 @@ import time
 MiB = 1024 * 1024
 MODES = ("cold", "warm", "s3", "s3+latency", "s3+wan")
 _S3_MODES = MODES[2:]
+_PROXIED = ("s3+latency", "s3+wan")  # through the delay proxy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     opts = {"concurrency": args.concurrency, "block_size": parse_size(args.block_size, "block-size"),
             "memory_limit": parse_size(args.memory_limit, "memory-limit")}
     window = parse_size(args.wan_window, "wan-window")
-    if args.latency_ms <= 0 and any(m in modes for m in _S3_MODES[1:]):
+    if args.latency_ms <= 0 and any(m in modes for m in _PROXIED):
         raise ConfigError(f"--latency-ms must be positive for s3+latency and s3+wan, got {args.latency_ms}")
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-load-", dir=args.workdir) as work:
         path = args.target or _generate_in_child(os.path.join(work, "bench.safetensors"), parse_size(args.size, "size"))

@@ -475,9 +475,10 @@ def model_files(uri: str, endpoint_url: str | None = None) -> list[str]:
     listing = list_dir(uri, endpoint_url)
     base = uri.rstrip("/")
     if INDEX_NAME in listing:
-        with _open(f"{base}/{INDEX_NAME}", ReaderConfig(endpoint_url=endpoint_url)) as src:
+        index = join_uri(uri, INDEX_NAME)
+        with _open(index, ReaderConfig(endpoint_url=endpoint_url)) as src:
             text = src.read(0, src.size()).decode("utf-8", errors="replace")
-        names = index_files(text, f"{base}/{INDEX_NAME}")
+        names = index_files(text, index)
         missing = [n for n in names if n not in listing]
         if missing:
             raise LoaderError(f"{base}: index names {missing[0]!r}, which is not there")

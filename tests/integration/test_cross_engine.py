@@ -47,6 +47,16 @@ def _engine(model: Path, kv_extra: dict, doc: list[int], warm: list[int], log: P
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def _doc(salt: int) -> list[int]:
+    """A document of DOC_TOKENS token ids of its own (a different ``salt``, different keys)."""
+    return [(i * 7919 + salt) % 31000 + 500 for i in range(DOC_TOKENS)]
+
+
+def _warm(n: int, salt: int = 0) -> list[int]:
+    """The n-th unrelated 300-token warm-up prompt."""
+    return [(i * 104729 + n * 31 + salt) % 31000 + 500 for i in range(300)]
+
+
 @pytest.fixture(scope="module")
 def model():
     pytest.importorskip("vllm")
@@ -64,25 +74,24 @@ def test_engines_share_kv_through_server_fs_and_redis(model, tmp_path, redis_url
         "store": {"tiers": [{"type": "ram", "capacity": "512MiB", "page_size": "64KiB"}, fs_tier, redis_tier]},
     })
     server.start()
-    doc = [(i * 7919 + 13) % 31000 + 500 for i in range(DOC_TOKENS)]
-    warm = lambda n: [(i * 104729 + n * 31) % 31000 + 500 for i in range(300)]  # noqa: E731
+    doc = _doc(13)
     try:
         via_server = {"server": server.address}
-        a = _engine(model, via_server, doc, warm(1), tmp_path / "a.log")
+        a = _engine(model, via_server, doc, _warm(1), tmp_path / "a.log")
         with ServerStore(server.address) as probe:
             assert probe.flush(timeout=60)  # write-through to fs and redis is done
             after_a = probe.stats()
         assert after_a["server"]["put_stored"] >= DOC_TOKENS // 256
-        b_server = _engine(model, via_server, doc, warm(2), tmp_path / "b-server.log")
+        b_server = _engine(model, via_server, doc, _warm(2), tmp_path / "b-server.log")
         with ServerStore(server.address) as probe:
             after_b = probe.stats()
     finally:
         server.stop()
     # the server's arena served B's chunks (hits went up by at least the document's chunks)
     assert after_b["server"]["get_hits"] - after_a["server"]["get_hits"] >= DOC_TOKENS // 256
-    b_fs = _engine(model, {"tiers": [{"type": "ram", "capacity": "512MiB"}, fs_tier]}, doc, warm(3),
+    b_fs = _engine(model, {"tiers": [{"type": "ram", "capacity": "512MiB"}, fs_tier]}, doc, _warm(3),
                    tmp_path / "b-fs.log")
-    b_redis = _engine(model, {"tiers": [{"type": "ram", "capacity": "512MiB"}, redis_tier]}, doc, warm(4),
+    b_redis = _engine(model, {"tiers": [{"type": "ram", "capacity": "512MiB"}, redis_tier]}, doc, _warm(4),
                       tmp_path / "b-redis.log")
 
     report = {"a": a, "b_server": b_server, "b_fs": b_fs, "b_redis": b_redis}
@@ -108,10 +117,9 @@ def test_engines_on_two_machines_share_only_a_shared_tier(model, tmp_path, redis
             "redis": {"type": "redis", "url": redis_url, "capacity": "2GiB"}}[shared]
     kv = {"tiers": [{"type": "ram", "capacity": "512MiB"}, tier]}
     salt = 1000 + (shared == "redis") * 17  # a document of its own: no entry of another test can hit
-    doc = [(i * 7919 + salt) % 31000 + 500 for i in range(DOC_TOKENS)]
-    warm = lambda n: [(i * 104729 + n * 31 + salt) % 31000 + 500 for i in range(300)]  # noqa: E731
-    a = _engine(model, kv, doc, warm(1), tmp_path / "a.log")
-    b = _engine(model, kv, doc, warm(2), tmp_path / "b.log")
+    doc = _doc(salt)
+    a = _engine(model, kv, doc, _warm(1, salt), tmp_path / "a.log")
+    b = _engine(model, kv, doc, _warm(2, salt), tmp_path / "b.log")
     assert a["first"]["hit_tokens"] == 0
     assert b["first"]["hit_tokens"] == (DOC_TOKENS - 1) // 128 * 128, b
     assert b["first"]["tokens"] == a["again"]["tokens"]
@@ -123,8 +131,7 @@ def test_tensor_parallel_ranks_store_and_load_their_shares(model, tmp_path):
     directory) and both ranks load their shares, giving the same tokens as a prefix-cache hit."""
     disk = tmp_path / "disk"
     kv = {"tiers": [{"type": "ram", "capacity": "64MiB"}, {"type": "disk", "path": str(disk), "capacity": "256MiB"}]}
-    doc = [(i * 7919) % 30000 + 5 for i in range(DOC_TOKENS)]
-    warm = [(i * 104729) % 30000 + 5 for i in range(300)]
+    doc, warm = _doc(0), _warm(0)
     a = _engine(model, kv, doc, warm, tmp_path / "a.log", tp=2)
     assert a["first"]["hit_tokens"] == 0
     chunks = (DOC_TOKENS - 1) // 128 + 2  # the document's whole chunks, and the warm prompt's two
@@ -145,14 +152,13 @@ def test_tensor_parallel_engines_share_through_a_server(model, tmp_path):
         "store": {"tiers": [{"type": "ram", "capacity": "256MiB", "page_size": "64KiB"}]},
     })
     server.start()
-    doc = [(i * 7919 + 77) % 31000 + 500 for i in range(DOC_TOKENS)]
-    warm = lambda n: [(i * 104729 + n * 31 + 77) % 31000 + 500 for i in range(300)]  # noqa: E731
+    doc = _doc(77)
     try:
         via_server = {"server": server.address}
-        a = _engine(model, via_server, doc, warm(1), tmp_path / "a.log", tp=2)
+        a = _engine(model, via_server, doc, _warm(1, 77), tmp_path / "a.log", tp=2)
         with ServerStore(server.address) as probe:
             entries = probe.stats()["tiers"][0]["entries"]
-        b = _engine(model, via_server, doc, warm(2), tmp_path / "b.log", tp=2)
+        b = _engine(model, via_server, doc, _warm(2, 77), tmp_path / "b.log", tp=2)
     finally:
         server.stop()
     chunks = (DOC_TOKENS - 1) // 128 + 2  # the document's whole chunks and the warm prompt's two

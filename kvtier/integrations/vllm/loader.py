@@ -162,7 +162,15 @@ class KVTierModelLoader(BaseModelLoader):
 
 
 def _umask() -> int:
-    """This process's umask (reading it means setting it: it is put back at once)."""
+    """This process's umask, read from /proc without changing it (other threads of the worker
+    may be creating files); where /proc lacks it, set and put back at once."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
