@@ -16,6 +16,14 @@ class ConfigError(KVTierError, ValueError):
     """
 
 
+class OutOfSpace(ConfigError):
+    """Storage a configuration asks for cannot be reserved at start (e.g. shared memory too small).
+
+    Raised before any byte of it is used, so a full tmpfs refuses to start instead of killing the
+    process with SIGBUS later. The message is one line: the size asked, the directory, its free space.
+    """
+
+
 class TierUnavailable(KVTierError):
     """A tier cannot be reached or used right now (server down, directory unwritable)."""
 
