@@ -1,7 +1,14 @@
-"""``vllm.general_plugins`` entry point: registers the ``kvtier`` load format.
+"""``vllm.general_plugins`` entry point: registers the ``kvtier`` load format and the
+``KVTierConnector`` KV connector with vLLM.
 
-``register()`` is called in every vLLM process. It must stay cheap and must never break vLLM:
-if vLLM's loader API is missing or changed, it logs one warning and returns.
+vLLM calls ``register()`` in every process it starts (API server, engine core, workers), so it
+must stay cheap, be idempotent and never break vLLM: if a vLLM API is missing or changed, it
+logs one warning per registration and returns. After it ran:
+
+- ``--load-format kvtier`` selects :class:`kvtier.integrations.vllm.loader.KVTierModelLoader`;
+- ``{"kv_connector": "KVTierConnector"}`` resolves through vLLM's ``KVConnectorFactory`` to
+  :class:`kvtier.integrations.vllm.connector.KVTierConnector` without
+  ``kv_connector_module_path`` (the connector module is imported only when an engine builds it).
 """
 
 from __future__ import annotations
@@ -9,11 +16,19 @@ from __future__ import annotations
 import logging
 
 LOAD_FORMAT = "kvtier"
+CONNECTOR_NAME = "KVTierConnector"
+CONNECTOR_MODULE = "kvtier.integrations.vllm.connector"
 _log = logging.getLogger("kvtier.integrations.vllm")
 
 
 def register() -> None:
-    """Register ``--load-format kvtier`` with vLLM (idempotent, never raises)."""
+    """Register the load format and the KV connector with vLLM (idempotent, never raises)."""
+    register_load_format()
+    register_connector()
+
+
+def register_load_format() -> None:
+    """Register ``--load-format kvtier`` unless it already is (never raises)."""
     try:
         from vllm.model_executor import model_loader as ml
 
@@ -24,3 +39,20 @@ def register() -> None:
         ml.register_model_loader(LOAD_FORMAT)(KVTierModelLoader)
     except Exception as exc:  # a plugin must not take vLLM down; say why and carry on
         _log.warning("kvtier: load format %r not registered (%s: %s)", LOAD_FORMAT, type(exc).__name__, exc)
+
+
+def register_connector() -> None:
+    """Register ``KVTierConnector`` with vLLM's ``KVConnectorFactory`` unless a connector of that
+    name already is (vLLM raises on a second registration; never raises here).
+
+    The factory stores a lazy loader (module path + class name), so registering imports neither
+    the connector nor torch-heavy code.
+    """
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        if CONNECTOR_NAME in getattr(KVConnectorFactory, "_registry", {}):
+            return
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)
+    except Exception as exc:  # a plugin must not take vLLM down; say why and carry on
+        _log.warning("kvtier: KV connector %r not registered (%s: %s)", CONNECTOR_NAME, type(exc).__name__, exc)
