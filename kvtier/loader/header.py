@@ -73,12 +73,16 @@ class Header:
 def parse_header(read: Callable[[int, int], bytes], file_size: int, label: str) -> Header:
     """Read and validate a header through ``read(offset, length)`` of a file of ``file_size`` bytes.
 
-    Raises LoaderError("<label>: <problem>") for every malformed input; reads at most
-    8 + min(N, MAX_HEADER_BYTES, file_size) bytes.
+    Raises LoaderError("<label>: <problem>") for every malformed input, never another exception
+    (``read`` itself may raise); reads at most 8 + min(N, MAX_HEADER_BYTES, file_size) bytes and
+    allocates nothing in proportion to any size the header announces.
     """
     if file_size < 8:
         raise LoaderError(f"{label}: not a safetensors file ({file_size} bytes, shorter than the 8-byte length)")
-    (n,) = struct.unpack("<Q", read(0, 8))
+    prefix = read(0, 8)
+    if len(prefix) != 8:
+        raise LoaderError(f"{label}: short read of the header length ({len(prefix)} of 8 bytes)")
+    (n,) = struct.unpack("<Q", prefix)
     if n > MAX_HEADER_BYTES:
         raise LoaderError(f"{label}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
     if 8 + n > file_size:
@@ -89,52 +93,153 @@ def parse_header(read: Callable[[int, int], bytes], file_size: int, label: str) 
     return validate_header(raw, file_size, label)
 
 
-def validate_header(raw: bytes, file_size: int, label: str) -> Header:
-    """Validate the JSON header bytes ``raw`` of a file of ``file_size`` bytes."""
+class _Object(dict):
+    """A decoded JSON object that remembers the first key it held twice (json keeps the last)."""
+
+    duplicate: str | None = None
+
+
+def _object(pairs: list[tuple[str, object]]) -> _Object:
+    """``object_pairs_hook`` for ``json.loads``: a dict that records a repeated key."""
+    obj = _Object(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                obj.duplicate = key
+                break
+            seen.add(key)
+    return obj
+
+
+def _decode(raw: bytes, label: str) -> dict:
+    """The header's top-level JSON object; LoaderError on bad UTF-8, bad JSON, a non-object or a
+    tensor name given twice."""
     try:
-        doc = json.loads(raw.decode("utf-8"))
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_object)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise LoaderError(f"{label}: header is not valid JSON ({_one_line(exc)})") from None
     if not isinstance(doc, dict):
         raise LoaderError(f"{label}: header is not a JSON object")
+    if isinstance(doc, _Object) and doc.duplicate is not None:
+        what = "__metadata__" if doc.duplicate == "__metadata__" else f"tensor {_name(doc.duplicate)}"
+        raise LoaderError(f"{label}: {what} appears more than once in the header")
+    return doc
+
+
+def validate_header(raw: bytes, file_size: int, label: str) -> Header:
+    """Validate the JSON header bytes ``raw`` of a file of ``file_size`` bytes.
+
+    A valid header has unique tensor names, each with exactly ``dtype`` (a known one), ``shape``
+    (non-negative int64 dims whose product fits int64) and ``data_offsets`` ``[begin, end]``
+    spanning exactly elements x dtype size inside the data section, no two tensors' bytes
+    overlapping, and ``__metadata__`` (optional) mapping strings to strings. Gaps between tensors
+    are allowed (never read into a tensor). Anything else: one LoaderError line naming the file
+    and, where there is one, the tensor.
+    """
+    doc = _decode(raw, label)
     data_start = 8 + len(raw)
     data_size = file_size - data_start
-    metadata = doc.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
-        raise LoaderError(f"{label}: __metadata__ must map strings to strings")
+    metadata = _metadata(doc.pop("__metadata__", None), label)
     infos = [_tensor_info(name, entry, data_start, data_size, label) for name, entry in doc.items()]
     infos.sort(key=lambda t: (t.start, t.end))
     for prev, cur in zip(infos, infos[1:]):
         if cur.start < prev.end:
-            raise LoaderError(f"{label}: tensors {prev.name!r} and {cur.name!r} overlap")
-    return Header(label, {t.name: t for t in infos}, dict(metadata), data_start, file_size)
+            raise LoaderError(f"{label}: tensors {_name(prev.name)} and {_name(cur.name)} overlap "
+                              f"(bytes [{prev.start}, {prev.end}) and [{cur.start}, {cur.end}) of the file)")
+    return Header(label, {t.name: t for t in infos}, metadata, data_start, file_size)
+
+
+def _metadata(value: object, label: str) -> dict[str, str]:
+    """``__metadata__``: absent/null, or an object of string -> string without repeated keys."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise LoaderError(f"{label}: __metadata__ must be an object of strings, got {_kind(value)}")
+    if isinstance(value, _Object) and value.duplicate is not None:
+        raise LoaderError(f"{label}: __metadata__ key {_name(value.duplicate)} appears more than once")
+    for key, item in value.items():
+        if not isinstance(item, str):
+            raise LoaderError(f"{label}: __metadata__ key {_name(key)} must map to a string, got {_kind(item)}")
+    return dict(value)
 
 
 def _tensor_info(name: str, entry: object, data_start: int, data_size: int, label: str) -> TensorInfo:
-    where = f"{label}: tensor {name!r}"
+    where = f"{label}: tensor {_name(name)}"
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
         raise LoaderError(f"{where}: entry must have exactly dtype, shape and data_offsets")
+    if isinstance(entry, _Object) and entry.duplicate is not None:
+        raise LoaderError(f"{where}: field {_name(entry.duplicate)} appears more than once")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise LoaderError(f"{where}: unknown dtype {str(dtype)[:20]!r}; known: {', '.join(DTYPES)}")
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise LoaderError(f"{where}: shape must be a list of non-negative integers")
+    elements = _elements(shape, where)
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)
             or offsets[0] > offsets[1]):
-        raise LoaderError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end")
+        raise LoaderError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, "
+                          f"got {_short(offsets)}")
     begin, end = offsets
     if end > data_size:
         raise LoaderError(f"{where}: data_offsets [{begin}, {end}] run past the end of the data ({data_size} bytes)")
-    expected = math.prod(shape) * DTYPES[dtype][0]
+    expected = elements * DTYPES[dtype][0]
     if expected != end - begin:
-        raise LoaderError(f"{where}: shape {shape} x {dtype} is {expected} bytes but data_offsets span {end - begin}")
+        raise LoaderError(f"{where}: shape {_short(shape)} x {dtype} is {expected} bytes "
+                          f"but data_offsets span {end - begin}")
     return TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+INT64_MAX = 2**63 - 1
+
+
+def _elements(shape: object, where: str) -> int:
+    """The element count of a header ``shape``; LoaderError unless it is a list of non-negative
+    ints (not bools) each within int64, whose non-zero dims multiply to at most int64 (what torch
+    accepts). Linear in the number of dims: the product stops growing once it is too large."""
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise LoaderError(f"{where}: shape must be a list of non-negative integers, got {_short(shape)}")
+    product, zero = 1, False
+    for d in shape:
+        if d > INT64_MAX:
+            raise LoaderError(f"{where}: shape {_short(shape)} has dim {_short(d)}, beyond int64")
+        if d == 0:
+            zero = True
+            continue
+        product *= d
+        if product > INT64_MAX:
+            raise LoaderError(f"{where}: shape {_short(shape)} has more elements than int64 can count")
+    return 0 if zero else product
 
 
 def _is_count(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _name(name: str) -> str:
+    """A tensor name or key for a one-line message: quoted, escaped, at most ~80 characters."""
+    return repr(name if len(name) <= 80 else name[:77] + "...")
+
+
+def _short(value: object) -> str:
+    """A decoded JSON value for a one-line message: bounded length, no recursion, no huge ints."""
+    if isinstance(value, list):
+        if len(value) > 16 or any(isinstance(v, (list, dict)) for v in value):
+            return f"<array of {len(value)} items>"
+        text = "[" + ", ".join(_short(v) for v in value) + "]"
+    elif isinstance(value, dict):
+        return f"<object of {len(value)} keys>"
+    elif isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"<{value.bit_length()}-bit integer>"
+    elif isinstance(value, str):
+        text = repr(value[:40] + ("..." if len(value) > 40 else ""))
+    else:
+        text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _kind(value: object) -> str:
+    """The JSON type name of a decoded value, for messages."""
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
+            type(None): "null"}.get(type(value), "an object")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -48,11 +49,74 @@ def test_valid_header_parses():
     ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, 4, "non-negative"),
     ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, 4, "begin <= end"),
     ({"a": [1, 2]}, 0, "exactly dtype"),
+    # issue 9, item 15: every case below passed validation or raised a non-LoaderError before
+    ({"a": {"dtype": "F32", "shape": [2**64, 0], "data_offsets": [0, 0]}}, 0, "beyond int64"),
+    ({"a": {"dtype": "F32", "shape": [2**63, 0], "data_offsets": [0, 0]}}, 0, "beyond int64"),
+    ({"a": {"dtype": "F32", "shape": [2**62, 4, 0], "data_offsets": [0, 0]}}, 0, "more elements than int64"),
+    ({"a": {"dtype": "U8", "shape": [2**62] * 300, "data_offsets": [0, 1]}}, 1, "more elements than int64"),
+    ({"a": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, 4, "non-negative integers"),
+    ({"a": {"dtype": "F32", "shape": [1.0], "data_offsets": [0, 4]}}, 4, "non-negative integers"),
+    ({"a": {"dtype": "F32", "shape": "1", "data_offsets": [0, 4]}}, 4, "non-negative integers"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [False, 4]}}, 4, "data_offsets must be"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 8]}}, 8, "data_offsets must be"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "__metadata__": []}, 4, "__metadata__ must be"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "__metadata__": 0}, 4, "__metadata__ must be"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "__metadata__": ""}, 4, "__metadata__ must be"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "__metadata__": {"k": 1}}, 4, "key 'k' must map"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+      "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, 8, "overlap"),
 ])
 def test_bad_headers_get_one_line_errors(header, data, needle):
     err, _ = _parse(_file(header, bytes(data)), "m.safetensors")
     assert isinstance(err, LoaderError)
     assert needle in str(err) and str(err).startswith("m.safetensors: ") and "\n" not in str(err)
+    assert len(str(err)) < 400
+    if ": tensor" in str(err):
+        assert "'a'" in str(err) or "'b'" in str(err)
+
+
+def _raw_file(text: str, data: int = 0) -> bytes:
+    raw = text.encode()
+    return struct.pack("<Q", len(raw)) + raw + bytes(data)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},'
+     ' "w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}', "tensor 'w' appears more than once"),
+    ('{"w": {"dtype": "F32", "dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}', "field 'dtype' appears"),
+    ('{"__metadata__": {"k": "a", "k": "b"}}', "__metadata__ key 'k' appears more than once"),
+    ('{"__metadata__": {}, "__metadata__": {}}', ": __metadata__ appears more than once"),
+])
+def test_duplicate_names_are_one_line_errors(text, needle):
+    """json.loads keeps the last of two equal keys: the header must be refused instead (item 15)."""
+    err, _ = _parse(_raw_file(text, 8), "dup.safetensors")
+    assert isinstance(err, LoaderError), err
+    assert str(err).startswith("dup.safetensors: ") and needle in str(err) and "\n" not in str(err)
+
+
+def test_many_huge_dims_are_rejected_in_linear_time():
+    """50,000 dims of 2**62: once a ValueError (int too large to print) after seconds of bigint products."""
+    h = {"a": {"dtype": "U8", "shape": [2**62] * 50000, "data_offsets": [0, 1]}}
+    start = time.perf_counter()
+    err, _ = _parse(_file(h, bytes(1)))
+    assert isinstance(err, LoaderError) and "more elements than int64" in str(err)
+    assert time.perf_counter() - start < 1.0 and len(str(err)) < 300
+
+
+def test_short_read_of_the_length_is_an_error():
+    """A source that returns fewer bytes than its size promised (a file truncated under us)."""
+    with pytest.raises(LoaderError, match="short read of the header length"):
+        parse_header(lambda off, n: b"\x10\x00", 64, "t.safetensors")
+
+
+def test_non_utf8_header_is_an_error():
+    err, _ = _parse(struct.pack("<Q", 4) + b'{"\xff"' + bytes(4))
+    assert isinstance(err, LoaderError) and "not valid JSON" in str(err)
+
+
+def test_unknown_dtype_is_named():
+    err, _ = _parse(_file({"a": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}, bytes(1)))
+    assert "tensor 'a': unknown dtype 'F4'" in str(err)
 
 
 def test_lying_length_is_not_allocated():

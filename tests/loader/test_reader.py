@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 
 import pytest
 import torch
@@ -110,6 +112,27 @@ def test_truncated_file_is_an_error(tmp_path):
         f.truncate(os.path.getsize(path) - 10)
     with pytest.raises(LoaderError, match="past the end"):
         load_tensors(path)
+
+
+@pytest.mark.parametrize("shape", [[2**64, 0], [2**62, 4, 0]])
+def test_shape_beyond_int64_is_refused_before_reading(tmp_path, shape):
+    """Issue 9, item 15: such a shape passed validation and ended in a TypeError/RuntimeError in reshape."""
+    raw = json.dumps({"z": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
+    path = tmp_path / "huge.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(LoaderError) as info:
+        load_tensors(str(path))
+    assert str(info.value).startswith(f"{path}: tensor 'z': shape ") and "\n" not in str(info.value)
+
+
+def test_duplicate_tensor_names_are_refused(tmp_path):
+    """Issue 9, item 15: json.loads kept the last of two entries of one name, silently."""
+    entry = '{"dtype": "F32", "shape": [1], "data_offsets": [%d, %d]}'
+    raw = ('{"w": %s, "w": %s}' % (entry % (0, 4), entry % (4, 8))).encode()
+    path = tmp_path / "dup.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
+    with pytest.raises(LoaderError, match=r"dup\.safetensors: tensor 'w' appears more than once"):
+        load_tensors(str(path))
 
 
 def test_file_shrinking_during_read_is_a_short_read(tmp_path):
