@@ -112,8 +112,12 @@ class CacheServer:
             raise ConfigError("serve: the shared RAM tier could not start; see the warnings above")
         self.store.enable_events()
         page = int(self.arena.config.page_size)
-        self.staging = RamTier(RamConfig(capacity=config.staging, page_size=page, pin_memory=False,
-                                         shm_path=self.staging_path), name="staging")
+        try:  # both files are reserved in full at start (OutOfSpace: one line, no SIGBUS later)
+            self.staging = RamTier(RamConfig(capacity=config.staging, page_size=page, pin_memory=False,
+                                             shm_path=self.staging_path), name="staging")
+        except BaseException:
+            self.store.close()  # removes the arena file too
+            raise
         self._lock = threading.Lock()
         self._counters = _ServerCounters()
         self._lease_ids = itertools.count(1)

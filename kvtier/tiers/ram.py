@@ -15,6 +15,7 @@ store makes room first.
 
 from __future__ import annotations
 
+import errno
 import heapq
 import logging
 import mmap
@@ -28,6 +29,7 @@ import numpy as np
 
 from kvtier.config import Size
 from kvtier.entry import DTYPES, MAX_NDIM
+from kvtier.errors import OutOfSpace
 from kvtier.tiers.base import Key, Tier
 
 log = logging.getLogger(__name__)
@@ -94,7 +96,7 @@ class RamTier(Tier):
         self._npages = int(config.capacity) // self._page
         self._capacity = self._npages * self._page
         if config.shm_path:
-            self._tensor, self._arena = None, _map_shared(config.shm_path, self._capacity)
+            self._tensor, self._arena = None, _map_shared(config.shm_path, self._capacity, name)
         else:
             self._tensor, self._arena = _allocate(self._capacity, config.pin_memory, name)
         if config.prefault and self._capacity:
@@ -402,20 +404,93 @@ def _check_meta(length: int, dtype: str, shape: tuple[int, ...] | None) -> tuple
     return dtype, shape
 
 
-def _map_shared(path: str, capacity: int) -> np.ndarray:
+def _map_shared(path: str, capacity: int, name: str) -> np.ndarray:
     """A uint8 array over a new shared-memory file of ``capacity`` bytes (mode 0600).
 
-    The mapping lives as long as the array (numpy holds the mmap); the file is unlinked by
-    ``RamTier.close``.
+    Every byte of the file is backed by storage before it is mapped (``reserve_file``), so a full
+    tmpfs raises ``OutOfSpace`` here instead of a SIGBUS at the first touch of a page; on that
+    error the file is removed again. The mapping lives as long as the array (numpy holds the
+    mmap); the file is unlinked by ``RamTier.close``.
     """
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, capacity)
         if not capacity:
             return np.empty(0, dtype=np.uint8)
+        reserve_file(fd, capacity, path, f"ram tier {name}")
         return np.frombuffer(mmap.mmap(fd, capacity), dtype=np.uint8)
-    finally:
+    except BaseException:
         os.close(fd)
+        fd = -1
+        _unlink_quietly(path)
+        raise
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+_NOT_SUPPORTED = (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)
+_TOUCH_CHUNK = 1 << 20
+
+
+def reserve_file(fd: int, size: int, path: str, what: str) -> None:
+    """Back bytes ``[0, size)`` of the open file ``fd`` with storage now, or raise ``OutOfSpace``.
+
+    Contract: on return every page of the range is allocated, so a shared mapping of it cannot
+    SIGBUS for lack of space; on ``OutOfSpace`` nothing was mapped and the caller removes the
+    file. ``posix_fallocate`` does it in one call (tmpfs, ext4, xfs: fast, no data written); on a
+    file system without it, zeros are written with ``pwrite`` (a full file system then fails
+    that write with ENOSPC; no page is ever touched through a mapping). The error message is one
+    line naming ``what``, the size asked, the directory and its free space.
+    """
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return
+    except OSError as exc:
+        if exc.errno not in _NOT_SUPPORTED:
+            raise _out_of_space(what, size, path, exc) from None
+    zeros = bytes(min(_TOUCH_CHUNK, size))
+    offset = 0
+    while offset < size:
+        try:
+            written = os.pwrite(fd, zeros[: min(len(zeros), size - offset)], offset)
+        except OSError as exc:
+            raise _out_of_space(what, size, path, exc) from None
+        if written <= 0:
+            raise _out_of_space(what, size, path, OSError(errno.ENOSPC, "short write"))
+        offset += written
+
+
+def _out_of_space(what: str, size: int, path: str, exc: OSError) -> OutOfSpace:
+    """The one-line error for a reservation of ``size`` bytes at ``path`` that failed."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        st = os.statvfs(directory)
+        room = f"{_human(st.f_bavail * st.f_frsize)} free of {_human(st.f_blocks * st.f_frsize)}"
+    except OSError:
+        room = "free space unknown"
+    return OutOfSpace(
+        f"{what}: cannot reserve {_human(size)} ({size} bytes) for {path}: {directory} has {room} "
+        f"({exc.strerror or exc}); give it more room (e.g. docker run --shm-size, a larger tmpfs) "
+        f"or lower the capacity"
+    )
+
+
+def _human(n: int) -> str:
+    """``n`` bytes as a short binary-unit string (``64.0 MiB``)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{n} B"
+        value /= 1024
+    return f"{n} B"
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _allocate(capacity: int, pin: Literal["auto"] | bool, name: str):
