@@ -24,9 +24,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pull", help="download a remote model once per node into a local cache",
                        description=_pull.__doc__)
     p.add_argument("uri", help="s3://bucket/prefix/ of a model directory")
-    p.add_argument("--cache-dir", default=_default_cache())
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--block-size", default="16MiB")
+    p.add_argument("--cache-dir", default=_default_cache(),
+                   help="node cache directory (default: $KVTIER_CACHE_DIR, else ~/.cache/kvtier/models)")
+    p.add_argument("--concurrency", type=int, default=16, help="parallel ranged GETs (default 16)")
+    p.add_argument("--block-size", default="16MiB", help="bytes per ranged GET (default 16MiB)")
+    p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL, else AWS)")
     _common(p)
     p.set_defaults(func=_pull)
 
@@ -42,8 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("probe", help="read throughput of a file per block size and concurrency (read-only)",
                        description=_probe.__doc__)
-    p.add_argument("path")
-    p.add_argument("--block-sizes", default="128k,1m,16m", help="comma-separated sizes (k/m = KiB/MiB)")
+    p.add_argument("path", help="an existing file to read (never written)")
+    p.add_argument("--block-sizes", default="128KiB,1MiB,16MiB",
+                   help="comma-separated read sizes, units as everywhere in kvtier: KB/MB = powers of 1000, "
+                        "KiB/MiB = powers of 1024 (default 128KiB,1MiB,16MiB)")
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated thread counts")
     p.add_argument("--max-bytes", default=None, help="read at most this much per run")
     p.add_argument("--cold", action="store_true", help="O_DIRECT reads (bypass the page cache)")
@@ -65,8 +69,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _reader_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=0, help="parallel reads (0: source default)")
-    p.add_argument("--block-size", default="16MiB")
-    p.add_argument("--memory-limit", default="1GiB")
+    p.add_argument("--block-size", default="16MiB", help="bytes per read (default 16MiB; KB = 1000, KiB = 1024)")
+    p.add_argument("--memory-limit", default="1GiB", help="bytes of tensors read ahead at most (default 1GiB)")
     p.add_argument("--check-values", action="store_true", help="reject NaN/Inf")
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL)")
     _common(p)
@@ -101,11 +105,11 @@ def _pull(args) -> int:
     from kvtier.loader.sources.s3 import S3Config
 
     start = time.perf_counter()
-    with _progress(args, "pull") as bar:
-        result = pull(args.uri, args.cache_dir, args.concurrency, parse_size(args.block_size, "block-size"),
-                      {"config": S3Config(max_pool_connections=args.concurrency + 4)},
-                      on_bytes=bar.update if bar else None,
-                      on_total=(lambda n: setattr(bar, "total", n)) if bar else None)
+    s3 = S3Config(max_pool_connections=args.concurrency + 4, endpoint_url=args.endpoint_url)
+    with _progress(args, "pull") as bar:  # a tqdm without a total has no truth value: test for None
+        result = pull(args.uri, args.cache_dir, args.concurrency, parse_size(args.block_size, "--block-size"),
+                      {"config": s3}, on_bytes=bar.update if bar is not None else None,
+                      on_total=(lambda n: _set_total(bar, n)) if bar is not None else None)
     secs = time.perf_counter() - start
     out = {"path": result.path, "downloaded": result.downloaded, "bytes": result.bytes_downloaded,
            "files": result.files, "seconds": secs,
@@ -119,15 +123,26 @@ def _pull(args) -> int:
     return 0
 
 
+def _set_total(bar, total: int) -> None:
+    """Give a running progress bar its total once the listing is known."""
+    bar.total = total
+    bar.refresh()
+
+
 def _shard(args) -> int:
     """Cut a model for tensor parallelism into vLLM's pre-sharded layout, each rank's parameters
     in model-rank-{rank}-part-{part}.safetensors, so each rank of a later engine reads only its own
     files (--load-format kvtier, or vLLM's sharded_state). vLLM itself decides the cut: an engine
     with tensor_parallel_size=TP is started (on this host's GPUs, or its CPUs) and each rank saves
-    its parameters. The config and tokenizer files are copied along, so --out is a model directory."""
-    from kvtier.integrations.vllm.shard import PHASES, ShardJob, shard
+    its parameters. The config and tokenizer files are copied along, so --out is a model directory.
+    Every safetensors header is validated first: a malformed checkpoint fails in one line, before
+    any pull or engine start."""
+    from kvtier.integrations.vllm.shard import PHASES, ShardJob, check_checkpoint, shard
     from kvtier.loader.cache import resolve
+    from kvtier.loader.sources import scheme_of
 
+    if scheme_of(args.model) != "file":
+        check_checkpoint(args.model)  # every header of the remote model, before pulling it
     model = resolve(args.model, args.cache_dir)  # an s3:// model: pulled once per node
     job = ShardJob(model, args.out, args.tp, parse_size(args.max_part_size, "max-part-size"))
     job.check()
@@ -147,25 +162,38 @@ def _shard(args) -> int:
     return 0
 
 
-def _sizes(text: str, what: str) -> list[int]:
+def _sizes(text: str, what: str, align: int = 1) -> list[int]:
+    """Positive byte sizes from ``A,B,...`` (``parse_size`` units), each a multiple of ``align``."""
     out = []
     for item in text.split(","):
-        item = item.strip().lower()
-        if item.endswith(("k", "m", "g")):
-            item += "ib"
-        out.append(parse_size(item, what))
+        size = parse_size(item.strip(), what)
+        if size <= 0:
+            raise ConfigError(f"{what}: sizes must be positive, got {item.strip()!r} (e.g. 128KiB,1MiB,16MiB)")
+        if size % align:
+            raise ConfigError(f"{what}: {item.strip()!r} is {size:,} bytes, not a multiple of {align:,} "
+                              "(O_DIRECT reads); use KiB/MiB sizes")
+        out.append(size)
     return out
+
+
+def _counts(text: str, what: str) -> list[int]:
+    """Positive integers from ``A,B,...``."""
+    try:
+        values = [int(c) for c in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise ConfigError(f"{what}: expected comma-separated integers >= 1 (e.g. 1,4,16), got {text!r}")
+    return values
 
 
 def _probe(args) -> int:
     """Measure read throughput of an existing file for each block size x concurrency (read-only)."""
     from kvtier.loader.probe import probe
 
-    blocks = _sizes(args.block_sizes, "block-sizes")
-    concs = [int(c) for c in args.concurrency.split(",")]
-    if any(c < 1 for c in concs):
-        raise ConfigError("--concurrency values must be >= 1")
-    max_bytes = parse_size(args.max_bytes, "max-bytes") if args.max_bytes else None
+    blocks = _sizes(args.block_sizes, "--block-sizes", 4096 if args.cold else 1)
+    concs = _counts(args.concurrency, "--concurrency")
+    max_bytes = parse_size(args.max_bytes, "--max-bytes") if args.max_bytes else None
     results = [probe(args.path, b, c, max_bytes, args.cold) for b in blocks for c in concs]
     rows = [{"block_size": r.block_size, "concurrency": r.concurrency, "gb_per_s": r.gb_per_s} for r in results]
     if args.json:
@@ -192,7 +220,7 @@ def _load(args) -> int:
     with StreamReader(files, config) as reader:
         total = reader.total_bytes()
         with _progress(args, "load", total) as bar:
-            for _name, _tensor in reader.stream(on_bytes=bar.update if bar else None):
+            for _name, _tensor in reader.stream(on_bytes=bar.update if bar is not None else None):
                 count += 1
     secs = time.perf_counter() - start
     out = {"files": len(files), "tensors": count, "bytes": total, "seconds": secs,

@@ -183,12 +183,11 @@ class StreamReader:
             self.close()
             raise
         self._cold: dict[str, bool] = {}  # auto mode: uri -> not in the page cache
-        self.index: dict[str, tuple[str, TensorInfo]] = {}
-        for uri, header in self.headers.items():
-            for name, info in header.tensors.items():
-                if name in self.index:
-                    raise LoaderError(f"{uri}: tensor {name!r} also appears in {self.index[name][0]}")
-                self.index[name] = (uri, info)
+        try:
+            self.index = tensor_index(self.headers)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def concurrency(self) -> int:
@@ -448,6 +447,36 @@ def _thread_stream(device):
     if stream is None:
         stream = _streams.stream = torch.cuda.Stream(device=device)
     return stream
+
+
+def tensor_index(headers: Mapping[str, Header]) -> dict[str, tuple[str, TensorInfo]]:
+    """``{tensor name: (uri, info)}`` over the files of one checkpoint; LoaderError naming both
+    files when a tensor name appears in two of them."""
+    index: dict[str, tuple[str, TensorInfo]] = {}
+    for uri, header in headers.items():
+        for name, info in header.tensors.items():
+            if name in index:
+                raise LoaderError(f"{uri}: tensor {name!r} also appears in {index[name][0]}")
+            index[name] = (uri, info)
+    return index
+
+
+def check_model(uri: str, endpoint_url: str | None = None, unique_names: bool = True) -> dict[str, Header]:
+    """Validate every safetensors header of a model (a file, a directory or an ``s3://`` prefix,
+    as ``model_files`` finds them) without reading any tensor data and without importing torch.
+
+    Returns ``{file uri: Header}``. Raises LoaderError("<file>: <problem>") for the first file
+    that is missing, unreadable or malformed, and, when ``unique_names``, for a tensor name found
+    in two files. Reads only headers: at most 8 + ``MAX_HEADER_BYTES`` bytes per file.
+    """
+    config = ReaderConfig(endpoint_url=endpoint_url)
+    headers: dict[str, Header] = {}
+    for file_uri in model_files(uri, endpoint_url):
+        with _open(file_uri, config) as src:
+            headers[file_uri] = parse_header(src.read, src.size(), file_uri)
+    if unique_names:
+        tensor_index(headers)
+    return headers
 
 
 def _slice_for(slices, info: TensorInfo) -> SliceSpec | None:

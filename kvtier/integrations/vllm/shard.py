@@ -57,6 +57,21 @@ class ShardJob:
             raise ConfigError(f"{self.out}: already holds pre-sharded files; choose an empty directory")
 
 
+def check_checkpoint(model: str, endpoint_url: str | None = None) -> int:
+    """Validate every safetensors header of ``model`` (a local directory or an ``s3://`` prefix)
+    before an engine is started or a byte of weights is pulled; return the number of files.
+
+    Raises LoaderError("<file>: <problem>") on the first missing, unreadable or malformed file, as
+    ``kvtier load`` does, so a broken checkpoint fails in seconds instead of after an engine start.
+    A tensor name in two files is an error too, unless the model is itself a pre-sharded layout
+    (whose ranks repeat names by design).
+    """
+    from kvtier.loader.reader import check_model, list_dir
+
+    sharded = ShardedLayout.find(list_dir(model, endpoint_url), where=model) is not None
+    return len(check_model(model, endpoint_url, unique_names=not sharded))
+
+
 def cpu_bind(tp: int, cpus: list[int]) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``tp`` ranks its own contiguous share of ``cpus``."""
     if len(cpus) < tp:
@@ -69,10 +84,12 @@ def cpu_bind(tp: int, cpus: list[int]) -> str:
 def shard(job: ShardJob, on_phase: Callable[[str], None] | None = None) -> dict:
     """Run the sharding engine in a child process; return the manifest written to ``job.out``.
 
-    ``on_phase`` is called with each phase name of ``PHASES`` as it starts. Raises LoaderError
+    ``on_phase`` is called with each phase name of ``PHASES`` as it starts. Every header of the
+    checkpoint is validated first (``check_checkpoint``). Raises LoaderError
     with the engine's last error line (its whole log is left in ``job.out``) when it fails.
     """
     job.check()
+    check_checkpoint(job.model)  # a malformed header fails here, not in the engine
     os.makedirs(job.out, exist_ok=True)
     log_path = os.path.join(job.out, "kvtier-shard.log")
     cmd = [sys.executable, "-m", "kvtier.integrations.vllm.shard", json.dumps(asdict(job))]
