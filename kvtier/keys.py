@@ -1,15 +1,20 @@
-"""Chunking of token ids and prefix-chained chunk keys.
+"""Chunking of token ids, prefix-chained chunk keys, and the identity of what produced the KV.
 
-Chunk ``i``'s key is ``sha256(key[i-1] || namespace digest || token ids of chunk i)`` with the
-token ids as little-endian uint32. It depends on nothing but its inputs: two processes or two
-machines that see the same prefix under the same namespace compute the same keys (unlike
-Python's ``hash``, which PYTHONHASHSEED changes per process). A trailing partial chunk has no key.
+Chunk ``i``'s key is ``sha256(key[i-1] || namespace digest || token ids of chunk i || mm)``
+with the token ids as little-endian uint32 and ``mm`` the canonical bytes of the multimodal
+items whose placeholder span overlaps chunk ``i`` (empty for a text-only chunk, so text-only
+keys are unchanged by the multimodal support). Because keys chain, an item changes the key of
+the first chunk that holds any of it and of every chunk after it; chunks before it keep their
+keys. The key depends on nothing but its inputs: two processes or two machines that see the same
+prefix under the same namespace compute the same keys (unlike Python's ``hash``, which
+PYTHONHASHSEED changes per process). A trailing partial chunk has no key.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NewType, Sequence
@@ -28,16 +33,24 @@ DEFAULT_CHUNK_TOKENS = 256
 class Namespace:
     """Everything that makes the KV bytes of the same tokens differ.
 
-    Same namespace -> entries are shared; any field different -> never a hit.
+    Same namespace -> entries are shared; any field different -> never a hit. String fields
+    are empty when unknown; an unknown field never makes two different engines share, only
+    the fields that are known can tell them apart (see ``weights_digest`` for the weights).
     """
 
     model: str
-    config_digest: str = ""
+    revision: str = ""  # the model's revision (hub branch/tag/commit) as the engine was given it
+    config_digest: str = ""  # sha256 of the model's config (config.json / hf_config)
+    weights_digest: str = ""  # see weights_digest(), or an operator-given weights id
+    quantization: str = ""  # e.g. "fp8": weights quantized at load time change every KV byte
+    dtype: str = ""  # the model's compute dtype
     kv_dtype: str = ""
     kv_layout: str = ""
     tp_world_size: int = 1
     tp_rank: int = 0
-    lora: str = ""
+    pp_world_size: int = 1
+    pp_partition: str = ""  # the layer split over pipeline stages, when set explicitly
+    lora: str = ""  # the adapter's identity: name, path and weights digest (lora_identity())
     cache_salt: str = ""
 
     def digest(self) -> bytes:
@@ -50,8 +63,40 @@ class Namespace:
         return replace(self, cache_salt=cache_salt or "")
 
     def with_lora(self, lora: str | None) -> "Namespace":
-        """The same namespace for a LoRA adapter (``None`` is the base model)."""
+        """The same namespace for a LoRA adapter identity (``None`` is the base model)."""
         return replace(self, lora=lora or "")
+
+
+@dataclass(frozen=True)
+class MMItem:
+    """One multimodal input (an image, an audio clip) of a prompt.
+
+    ``identifier`` is a content hash of the item (vLLM's ``MultiModalFeatureSpec.identifier``);
+    ``offset``/``length`` its placeholder span in the prompt's token ids.
+    """
+
+    identifier: str
+    offset: int
+    length: int
+
+    def __post_init__(self):
+        if not self.identifier:
+            raise ValueError("a multimodal item needs a non-empty identifier")
+        if self.offset < 0 or self.length <= 0:
+            raise ValueError(f"bad multimodal placeholder span offset={self.offset} length={self.length}")
+
+    def overlaps(self, start: int, end: int) -> bool:
+        """Whether any of the item's placeholder tokens lies in ``[start, end)``."""
+        return self.offset < end and start < self.offset + self.length
+
+    def key_bytes(self, chunk_start: int) -> bytes:
+        """Canonical bytes of the item as seen from a chunk starting at token ``chunk_start``:
+        a tag, the identifier (length-prefixed), its offset relative to the chunk (signed: an
+        item may start in an earlier chunk) and its length."""
+        ident = self.identifier.encode()
+        return (b"mm" + len(ident).to_bytes(4, "little") + ident
+                + (self.offset - chunk_start).to_bytes(8, "little", signed=True)
+                + self.length.to_bytes(8, "little"))
 
 
 def config_digest(config: str | Path | dict) -> str:
@@ -84,11 +129,15 @@ def chunk_keys(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     start: int = 0,
     prev: ChunkKey = ROOT,
+    mm: Sequence[MMItem] = (),
 ) -> list[ChunkKey]:
     """Keys of the full chunks of ``tokens``; the trailing partial chunk is not keyed.
 
     ``start``/``prev`` resume a chain: keys for chunks ``start, start+1, ...`` given the key of
-    chunk ``start-1`` (ROOT when ``start == 0``), so a growing sequence is hashed once.
+    chunk ``start-1`` (ROOT when ``start == 0``), so a growing sequence is hashed once. ``mm``
+    lists the multimodal items of the prompt (any order, any number, spans may cross chunk
+    boundaries): each is folded into every chunk its span overlaps, in (offset, identifier)
+    order, and through the chain into every later chunk.
     """
     if chunk_tokens <= 0:
         raise ConfigError(f"chunk_tokens must be positive, got {chunk_tokens}")
@@ -96,13 +145,145 @@ def chunk_keys(
     arr = np.asarray(tokens)
     if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
         raise ConfigError("token ids must be in [0, 2**32)")
+    items = sorted(mm, key=lambda m: (m.offset, m.identifier, m.length))
     data = arr.astype("<u4", copy=False).tobytes()
     width = chunk_tokens * 4
     keys: list[ChunkKey] = []
     for i in range(start, len(arr) // chunk_tokens):
+        lo, hi = i * chunk_tokens, (i + 1) * chunk_tokens
         h = hashlib.sha256(prev)
         h.update(ns)
         h.update(data[i * width : (i + 1) * width])
+        for item in items:
+            if item.overlaps(lo, hi):
+                h.update(item.key_bytes(lo))
         prev = ChunkKey(h.digest())
         keys.append(prev)
     return keys
+
+
+def worker_key(key: bytes, tp_rank: int = 0, tp_size: int = 1, pp_stage: int = 0, pp_size: int = 1) -> bytes:
+    """The key of one worker's share of a chunk: tensor-parallel rank ``tp_rank`` of pipeline
+    stage ``pp_stage``.
+
+    The chunk key itself with one worker (TP=PP=1); ``sha256(key || "rank" || tp_rank)`` with
+    tensor parallelism only (as before pipeline stages were keyed); and with ``"stage" ||
+    pp_stage`` appended when there are several stages, since a stage holds other layers.
+    Ranks and stages are little-endian uint32.
+    """
+    if tp_size == 1 and pp_size == 1:
+        return key
+    blob = key + b"rank" + tp_rank.to_bytes(4, "little")
+    if pp_size > 1:
+        blob += b"stage" + pp_stage.to_bytes(4, "little")
+    return hashlib.sha256(blob).digest()
+
+
+# ------------------------------------------------------------------------------- weights identity
+
+WEIGHTS_WINDOW = 256  # bytes hashed at the start and at the end of each sampled tensor
+WEIGHTS_MAX_TENSORS = 1024  # tensors sampled per file (evenly spread), bounding the cost
+_MAX_HEADER = 100 << 20
+
+
+def weights_digest(model_dir: str | Path) -> str:
+    """A cheap hex sha256 that tells apart different weights in a local model directory.
+
+    Contract: the same files (by content) give the same digest in any process or machine;
+    file times, owners and the directory's path play no part, so a copy of a model (a node
+    cache, another machine) shares entries with the original. Cost: for each weight file, its
+    name, its size, its safetensors header (names, dtypes, shapes, offsets) and the first and
+    last ``WEIGHTS_WINDOW`` bytes of up to ``WEIGHTS_MAX_TENSORS`` tensors (a few hundred KiB
+    of small reads per file), not the whole file: a full fine-tune, a merged adapter, a
+    re-quantized or replaced file all change those bytes; an edit confined to unsampled bytes
+    is not seen (give the connector an explicit ``weights_id`` then).
+
+    Weight files are those named in ``model.safetensors.index.json`` if present, else every
+    ``*.safetensors``, else ``*.bin``/``*.pt``/``*.pth`` (sampled evenly). Returns "" when
+    ``model_dir`` is not a local directory or holds no weight files (e.g. a hub id not yet
+    downloaded): the weights are then known only by name, revision and config.
+    """
+    root = Path(model_dir)
+    if not root.is_dir():
+        return ""
+    files = _weight_files(root)
+    if not files:
+        return ""
+    h = hashlib.sha256(b"kvtier-weights-v1")
+    for path in files:
+        name = path.relative_to(root).as_posix().encode()
+        h.update(len(name).to_bytes(4, "little") + name)
+        try:
+            with open(path, "rb") as f:
+                _sample_file(f.fileno(), os.fstat(f.fileno()).st_size, h, safetensors=path.suffix == ".safetensors")
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read model weights ({exc.strerror})") from None
+    return h.hexdigest()
+
+
+def _weight_files(root: Path) -> list[Path]:
+    """The weight files vLLM would load from ``root``, in a canonical order."""
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+            return [root / name for name in sorted(set(weight_map.values()))]
+        except (OSError, ValueError, AttributeError):
+            pass  # a broken index: fall back to the files present
+    for pattern in ("*.safetensors", "*.bin", "*.pt", "*.pth"):
+        files = sorted(p for p in root.glob(pattern) if p.is_file())
+        if files:
+            return files
+    return []
+
+
+def _sample_file(fd: int, size: int, h: "hashlib._Hash", safetensors: bool) -> None:
+    """Fold ``size`` and sampled bytes of one open weight file into ``h``."""
+    h.update(size.to_bytes(8, "little"))
+    spans = _tensor_spans(fd, size, h) if safetensors else None
+    if spans is None:  # not safetensors (or not parseable as such): 64 evenly spaced windows
+        step = max(size // 64, 1)
+        spans = [(off, min(off + step, size)) for off in range(0, size, step)]
+    if len(spans) > WEIGHTS_MAX_TENSORS:
+        stride = len(spans) / WEIGHTS_MAX_TENSORS
+        spans = [spans[int(i * stride)] for i in range(WEIGHTS_MAX_TENSORS - 1)] + [spans[-1]]
+    for lo, hi in spans:
+        head = os.pread(fd, min(WEIGHTS_WINDOW, hi - lo), lo)
+        tail_at = max(lo, hi - WEIGHTS_WINDOW)
+        tail = os.pread(fd, hi - tail_at, tail_at)
+        h.update(head)
+        h.update(tail)
+
+
+def _tensor_spans(fd: int, size: int, h: "hashlib._Hash") -> list[tuple[int, int]] | None:
+    """Fold a safetensors header into ``h``; the tensors' absolute byte spans in data order.
+
+    None when the file does not parse as safetensors (the caller samples it evenly instead).
+    """
+    raw = os.pread(fd, 8, 0)
+    if len(raw) < 8:
+        return None
+    n = int.from_bytes(raw, "little")
+    if n > min(_MAX_HEADER, size - 8):
+        return None
+    header = os.pread(fd, n, 8)
+    try:
+        meta = json.loads(header)
+        spans = sorted((8 + n + int(v["data_offsets"][0]), 8 + n + int(v["data_offsets"][1]))
+                       for k, v in meta.items() if k != "__metadata__")
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    if any(lo < 8 + n or hi > size or hi < lo for lo, hi in spans):
+        return None
+    h.update(header)
+    return [(lo, hi) for lo, hi in spans if hi > lo]
+
+
+def lora_identity(name: str, path: str, digest: str = "") -> str:
+    """A LoRA adapter's identity for ``Namespace.lora``: its name, path and weights digest.
+
+    vLLM keys its own prefix cache by name and path (a name re-pointed at another adapter must
+    not reuse KV); the digest (``weights_digest`` of the adapter directory) also separates
+    different adapter files placed at one path.
+    """
+    return json.dumps([name, path, digest], separators=(",", ":"))
