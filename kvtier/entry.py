@@ -17,6 +17,12 @@ Layout (little-endian)::
 Parsing never trusts the header: the magic, version, dtype and ndim are checked, the header's own
 crc32 must match, shape x itemsize must equal the length, and the payload's checksum must match.
 Every failure raises CorruptEntry, which readers turn into a counted miss. No pickle.
+
+A header's length is never trusted for an allocation: readers pass ``max_length`` (what the tier
+can hold, what the store expects a chunk to weigh) and a larger length is a corrupt entry.
+
+Keys are fixed-length digests (``KEY_BYTES``, as ``kvtier.keys`` makes them); ``check_key`` is the
+one validation every entry point (store, tiers, server protocol) uses.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvtier.errors import CorruptEntry
+from kvtier.errors import CorruptEntry, InvalidKey
 
+KEY_BYTES = 32  # a chunk key is a sha256/blake3 digest (kvtier.keys.KEY_BYTES)
 MAGIC = b"KVTE"
 VERSION = 1
 MAX_NDIM = 8
@@ -74,6 +81,28 @@ class EntryHeader:
         return FIXED_BYTES + 8 * len(self.shape)
 
 
+def is_valid_key(key) -> bool:
+    """Whether ``key`` is a chunk key: a bytes-like object of exactly ``KEY_BYTES`` bytes."""
+    if isinstance(key, (bytes, bytearray)):
+        return len(key) == KEY_BYTES
+    if isinstance(key, memoryview):
+        return key.nbytes == KEY_BYTES
+    return False
+
+
+def check_key(key) -> bytes:
+    """``key`` as bytes if it is a chunk key (``KEY_BYTES`` bytes); InvalidKey (a ValueError) with
+    one line saying what is wrong otherwise. Bytes are returned as they are (no copy)."""
+    if isinstance(key, bytes) and len(key) == KEY_BYTES:
+        return key
+    if is_valid_key(key):
+        return bytes(key)
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        n = key.nbytes if isinstance(key, memoryview) else len(key)
+        raise InvalidKey(f"a chunk key is {KEY_BYTES} bytes (a digest), got {n} bytes")
+    raise InvalidKey(f"a chunk key is {KEY_BYTES} bytes (a digest), got {type(key).__name__}")
+
+
 def checksum(payload) -> int:
     """xxh3-64 of a bytes-like payload (about 10+ GB/s, so it never dominates I/O)."""
     return xxhash.xxh3_64_intdigest(payload)
@@ -91,8 +120,7 @@ def encode_header(key: bytes, payload, dtype: str = "uint8", shape: tuple[int, .
         raise ValueError(f"at most {MAX_NDIM} dimensions, got {len(shape)}")
     if _prod(shape) * itemsize != length:
         raise ValueError(f"shape {shape} x {dtype} does not match {length} payload bytes")
-    if len(key) != 32:
-        raise ValueError("key must be 32 bytes")
+    check_key(key)
     fixed = _FIXED.pack(MAGIC, VERSION, code, len(shape), 0, key, length, checksum(view))
     dims = struct.pack(f"<{len(shape)}Q", *shape)
     crc = zlib.crc32(fixed + dims)
@@ -104,8 +132,12 @@ def encode(key: bytes, payload, dtype: str = "uint8", shape: tuple[int, ...] | N
     return encode_header(key, payload, dtype, shape) + bytes(memoryview(payload).cast("B"))
 
 
-def decode_header(buf) -> EntryHeader:
-    """Parse and check a header at the start of ``buf``; CorruptEntry if anything is off."""
+def decode_header(buf, max_length: int | None = None) -> EntryHeader:
+    """Parse and check a header at the start of ``buf``; CorruptEntry if anything is off.
+
+    ``max_length``: the largest payload the caller can accept (what its tier can hold); a header
+    announcing more is corrupt, so no reader ever sizes a buffer from a forged length.
+    """
     view = memoryview(buf).cast("B")
     if view.nbytes < FIXED_BYTES:
         raise CorruptEntry(f"short header ({view.nbytes} bytes)")
@@ -129,6 +161,8 @@ def decode_header(buf) -> EntryHeader:
     dtype = _BY_CODE[code]
     if _prod(shape) * DTYPES[dtype][1] != length:
         raise CorruptEntry("shape does not match length")
+    if max_length is not None and length > max_length:
+        raise CorruptEntry(f"length {length} exceeds the {max_length} bytes an entry may have here")
     return EntryHeader(bytes(key), dtype, tuple(shape), length, csum)
 
 
@@ -143,9 +177,9 @@ def verify(header: EntryHeader, payload, expected_key: bytes | None = None) -> N
         raise CorruptEntry("payload checksum mismatch")
 
 
-def decode(buf, expected_key: bytes | None = None) -> tuple[EntryHeader, memoryview]:
+def decode(buf, expected_key: bytes | None = None, max_length: int | None = None) -> tuple[EntryHeader, memoryview]:
     """Parse a whole entry (header + payload); returns the header and a view of the payload."""
-    header = decode_header(buf)
+    header = decode_header(buf, max_length)
     view = memoryview(buf).cast("B")
     payload = view[header.header_bytes :]
     verify(header, payload, expected_key)

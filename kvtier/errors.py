@@ -36,6 +36,10 @@ class CorruptEntry(KVTierError):
     """Stored bytes do not parse or do not match their checksum."""
 
 
+class InvalidKey(KVTierError, ValueError):
+    """A chunk key is not a ``KEY_BYTES``-byte digest (a caller's mistake, never a miss)."""
+
+
 class EntryTooLarge(KVTierError):
     """An entry is larger than a tier can ever hold."""
 
