@@ -21,8 +21,9 @@ import time
 class CircuitBreaker:
     """Skips calls for a growing window after faults; one probe at a time when half-open.
 
-    Contract: a caller that got True from ``allow`` must report the outcome with ``success`` or
-    ``failure`` (a call that reached the server and got any answer is a success). Thread-safe.
+    Contract: a caller that got True from ``allow`` must report the outcome with ``success``,
+    ``failure`` or ``abandon`` (a call that reached the server and got any answer, even an error
+    reply, is a success). Thread-safe.
     """
 
     def __init__(self, base_s: float, max_s: float, probe_timeout_s: float = 30.0):
@@ -65,6 +66,13 @@ class CircuitBreaker:
             self._window = min(self._max, self._window * 2 if self._window else self._base)
             self._open_until = time.monotonic() + self._window
             self._probe_since = None
+
+    def abandon(self) -> None:
+        """The admitted call ended with neither an answer nor a fault (the caller's own error
+        before it reached the server): the next caller may probe."""
+        if self._window:
+            with self._lock:
+                self._probe_since = None
 
     def success(self) -> None:
         """Record a success: close the breaker."""

@@ -15,16 +15,23 @@ must bound memory (configure the server so). Entries that expire by ``ttl_s`` st
 the budget pops them, which it does first since they are the oldest.
 
 Faults: connection refused, timeouts and server errors are counted in ``stats.errors`` and turn
-into misses / False, never into exceptions. After a connection fault a circuit breaker skips
-calls (counted as errors) for ``backoff_ms``, doubling up to ``max_backoff_ms`` while faults
-persist, so a dead server does not slow every call; the first call after the window reconnects.
+into misses / False, never into exceptions. Every call has a deadline: ``lookup_timeout_s`` for
+the existence checks the engine's scheduler waits on (``contains``, ``contains_many``,
+``size_of``, ``used_bytes``), ``timeout_s`` for data operations; a hung server (SIGSTOPped,
+accepting and never answering) costs a caller at most that, never a timeout plus retries. The
+two kinds run on separate connection pools, so a slow bulk transfer never holds up a lookup.
+Only a connection the server dropped is re-dialled once (that fails fast); a timeout is not
+retried. After a connection fault a circuit breaker (``kvtier.tiers.breaker``) skips calls
+(counted as errors) for ``backoff_ms``, doubling up to ``max_backoff_ms`` while faults persist;
+after the window one caller probes the server while the others keep failing fast, and its
+success closes the breaker (reconnecting once the server is back).
 
 Data path: a put hashes the payload once (xxh3) and sends ``header`` and the caller's buffer as
 separate socket writes of one hand-packed RESP command (no concatenated copy); a get receives
 the value from hiredis, verifies it, then copies the payload into the caller's buffer.
 
-Thread-safety: all methods are thread-safe (a bounded connection pool; ``max_connections``
-concurrent calls, further callers wait up to ``socket_timeout_s``).
+Thread-safety: all methods are thread-safe (two bounded connection pools, one for lookups and one
+for data, ``max_connections`` each; further callers wait within their deadline).
 """
 
 from __future__ import annotations
@@ -98,6 +105,10 @@ class RedisConfig:
     ``redis+cluster://host:port`` (same as ``cluster: true``). ``capacity``: payload bytes kvtier
     keeps under ``prefix`` across all nodes (0: rely on Redis maxmemory-policy allkeys-lru).
     ``ttl_s``: expire entries after this many seconds (0: never). ``password`` overrides the URL's.
+    ``lookup_timeout_s``: deadline of one existence check or size query (the scheduler's path);
+    ``timeout_s``: deadline of one data operation (get, put, delete, eviction, scan);
+    ``connect_timeout_s``: the most a new connection may take (never more than the deadline).
+    ``backoff_ms``/``max_backoff_ms``: the circuit breaker's first and longest window.
     """
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -107,7 +118,8 @@ class RedisConfig:
     ttl_s: float = 0.0
     max_connections: int = 8
     connect_timeout_s: float = 1.0
-    socket_timeout_s: float = 5.0
+    lookup_timeout_s: float = 0.5
+    timeout_s: float = 2.0
     backoff_ms: int = 250
     max_backoff_ms: int = 2000
     password: str | None = None
@@ -116,6 +128,7 @@ class RedisConfig:
         return (
             f"RedisConfig(url={_redact(self.url)!r}, cluster={self.cluster}, prefix={self.prefix!r}, "
             f"capacity={self.capacity}, ttl_s={self.ttl_s}, max_connections={self.max_connections}, "
+            f"lookup_timeout_s={self.lookup_timeout_s}, timeout_s={self.timeout_s}, "
             f"password={'***' if self.password else None})"
         )
 
@@ -137,18 +150,28 @@ class RedisTier(Tier):
             raise ConfigError(f"{name}.max_connections: must be at least 1, got {config.max_connections}")
         if config.capacity < 0 or config.ttl_s < 0:
             raise ConfigError(f"{name}: capacity and ttl_s must not be negative")
+        _check_deadlines(config, name)
         self._prefix = config.prefix.encode()
         tag = b"{" + self._prefix + b"}"  # one hash slot for the bookkeeping keys
         self._acct = (tag + b"#sizes", tag + b"#order", tag + b"#total", tag + b"#seq")
         self._ttl_ms = int(config.ttl_s * 1000)
-        self._breaker = CircuitBreaker(config.backoff_ms / 1000, config.max_backoff_ms / 1000)
-        self._client, self._pool = self._connect(config)
+        # a probe that never reports is given up after the longest any call can take
+        probe_timeout = config.connect_timeout_s + max(config.timeout_s, config.lookup_timeout_s) + 1.0
+        self._breaker = CircuitBreaker(config.backoff_ms / 1000, config.max_backoff_ms / 1000, probe_timeout)
+        self._client, self._pool = self._connect(config, config.timeout_s)
+        self._lookup, self._lookup_pool = self._connect(config, config.lookup_timeout_s)
         self._closed = False
         self._known_total = 0
 
     # -- connection -------------------------------------------------------------------------
 
-    def _connect(self, config: RedisConfig):
+    def _connect(self, config: RedisConfig, deadline: float):
+        """A client (and its pool; None for a cluster) whose calls end within ``deadline``.
+
+        The socket timeout is the deadline, a new connection may take at most the deadline, a
+        caller waits for a free pooled connection at most the deadline, and only a dropped
+        connection (ConnectionError, which fails fast) is retried once, never a timeout.
+        """
         redis = self._redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -157,9 +180,10 @@ class RedisTier(Tier):
         cluster = config.cluster or url.startswith("redis+cluster://") or url.startswith("rediss+cluster://")
         url = url.replace("+cluster://", "://", 1)
         options = dict(
-            socket_connect_timeout=config.connect_timeout_s,
-            socket_timeout=config.socket_timeout_s,
-            retry=Retry(NoBackoff(), 1),  # one silent retry re-dials a connection the server dropped
+            socket_connect_timeout=min(config.connect_timeout_s, deadline),
+            socket_timeout=deadline,
+            # one silent retry re-dials a connection the server dropped; a timeout is not retried
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
         )
         if config.password is not None:
             options["password"] = config.password
@@ -168,7 +192,7 @@ class RedisTier(Tier):
 
             return RedisCluster.from_url(url, max_connections=config.max_connections, **options), None
         pool = redis.BlockingConnectionPool.from_url(
-            url, max_connections=config.max_connections, timeout=config.socket_timeout_s, **options
+            url, max_connections=config.max_connections, timeout=deadline, **options
         )
         return redis.Redis(connection_pool=pool), pool
 
@@ -189,14 +213,26 @@ class RedisTier(Tier):
         return False
 
     def _call(self, fn, default):
-        """Run ``fn()`` with fault handling; ``default`` when skipped or failed."""
+        """Run ``fn()`` with fault handling; ``default`` when skipped or failed.
+
+        Every admitted call reports to the breaker: a connection fault or timeout opens it, any
+        answer from the server (an error reply too) closes it, and a caller's own error raised
+        before the server was asked (an invalid key) releases a half-open probe.
+        """
         if self._skip():
             return default
         try:
             result = fn()
-        except (self._redis.RedisError, OSError) as exc:
+        except (self._redis.ConnectionError, self._redis.TimeoutError, OSError) as exc:
             self._fault(exc)
             return default
+        except self._redis.RedisError as exc:  # the server answered, with an error
+            self._breaker.success()
+            self._fault(exc)
+            return default
+        except BaseException:
+            self._breaker.abandon()
+            raise
         self._breaker.success()
         return result
 
@@ -210,22 +246,23 @@ class RedisTier(Tier):
         """Payload bytes counted under ``prefix`` by all nodes (last known value on a fault)."""
         if not self.config.capacity:
             return 0
-        value = self._call(lambda: self._client.get(self._acct[2]), None)
+        value = self._call(lambda: self._lookup.get(self._acct[2]), None)
         if value is not None:
             self._known_total = max(0, int(value))
         return self._known_total
 
     def contains(self, key: Key) -> bool:
-        return bool(self._call(lambda: self._client.exists(self._key(key)), 0))
+        return bool(self._call(lambda: self._lookup.exists(self._key(key)), 0))
 
     def contains_many(self, keys: Iterable[Key]) -> list[bool]:
-        """Existence of each key in one pipelined round trip (all False on a fault)."""
+        """Existence of each key in one pipelined round trip, within ``lookup_timeout_s`` (all
+        False on a fault or when the breaker is open)."""
         keys = list(keys)
         if not keys:
             return []
 
         def run():
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._lookup.pipeline(transaction=False)
             for k in keys:
                 pipe.exists(self._key(k))
             return [bool(n) for n in pipe.execute()]
@@ -233,7 +270,7 @@ class RedisTier(Tier):
         return self._call(run, [False] * len(keys))
 
     def size_of(self, key: Key) -> int | None:
-        raw = self._call(lambda: self._client.getrange(self._key(key), 0, entry.MAX_HEADER_BYTES - 1), None)
+        raw = self._call(lambda: self._lookup.getrange(self._key(key), 0, entry.MAX_HEADER_BYTES - 1), None)
         if not raw:
             return None
         try:
@@ -383,10 +420,11 @@ class RedisTier(Tier):
         if self._closed:
             return
         self._closed = True
-        try:
-            self._client.close()
-        except Exception:  # closing a dead connection must not raise into the caller
-            pass
+        for client in (self._client, self._lookup):
+            try:
+                client.close()
+            except Exception:  # closing a dead connection must not raise into the caller
+                pass
 
     def __repr__(self) -> str:
         return f"RedisTier(name={self.name!r}, url={_redact(self.config.url)!r}, prefix={self.config.prefix!r})"
@@ -394,6 +432,18 @@ class RedisTier(Tier):
 
 _PUT_SHA = hashlib.sha1(_ACCOUNT_PUT.encode()).hexdigest().encode()
 _FAULT = object()  # marks "the call failed" apart from "the key is absent"
+
+
+def _check_deadlines(config: RedisConfig, name: str) -> None:
+    """ConfigError (one line: key and valid range) for a deadline or window out of range."""
+    for key, value, hi in (("connect_timeout_s", config.connect_timeout_s, 60.0),
+                           ("lookup_timeout_s", config.lookup_timeout_s, 60.0),
+                           ("timeout_s", config.timeout_s, 600.0)):
+        if not 0 < value <= hi:  # also rejects NaN
+            raise ConfigError(f"{name}.{key}: must be in (0, {hi:g}] seconds, got {value!r}")
+    if not 1 <= config.backoff_ms <= config.max_backoff_ms <= 3_600_000:
+        raise ConfigError(f"{name}.backoff_ms, max_backoff_ms: need 1 <= backoff_ms <= max_backoff_ms "
+                          f"<= 3600000, got {config.backoff_ms}, {config.max_backoff_ms}")
 
 
 def _bulk(*args: bytes) -> bytes:

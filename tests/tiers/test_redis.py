@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
 redis = pytest.importorskip("redis", reason="redis-py not installed (pip install kvtier[redis])")
 
 from kvtier.bench.services import ServiceUnavailable, redis_server  # noqa: E402
+from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.tiers.redis import RedisTier  # noqa: E402
 
 pytestmark = pytest.mark.redis
@@ -101,3 +105,94 @@ def test_password_stays_out_of_repr():
     tier = RedisTier(config, name="r")
     assert "hunter" not in repr(tier)
     tier.close()
+
+
+# --- a hung server (SIGSTOP): deadlines, one probe at a time, recovery ------------------------
+
+LOOKUP_S, DATA_S, SLACK_S = 0.2, 0.5, 0.4
+
+
+@contextmanager
+def hung(server):
+    """SIGSTOP the redis-server process for the block (it accepts connections, never answers)."""
+    pid = getattr(server, "pid", None) or server._proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _timed(fn, *args):
+    started = time.monotonic()
+    result = fn(*args)
+    return result, time.monotonic() - started
+
+
+def test_hung_server_every_call_ends_within_its_deadline_then_recovers(own_server):
+    data = os.urandom(200_000)
+    with make(own_server.url, lookup_timeout_s=LOOKUP_S, timeout_s=DATA_S,
+              backoff_ms=200, max_backoff_ms=400) as tier:
+        assert tier.put(key(1), data)
+        with hung(own_server):
+            for i in range(10):
+                found, took = _timed(tier.contains_many, [key(1), key(2)])
+                assert found == [False, False] and took < LOOKUP_S + SLACK_S
+                got, took = _timed(tier.get_into, key(1), bytearray(len(data)))
+                assert got is None and took < DATA_S + SLACK_S
+                stored, took = _timed(tier.put, key(100 + i), data)
+                assert stored is False and took < DATA_S + SLACK_S
+                assert tier.contains(key(1)) is False and tier.size_of(key(1)) is None
+            assert tier.stats.errors >= 40 and tier.stats.dropped >= 10
+        resumed = time.monotonic()
+        while tier.get(key(1)) != data:  # the acknowledged put survived the hang
+            assert time.monotonic() - resumed < 0.4 + DATA_S + 2.0, "no recovery after SIGCONT"
+            time.sleep(0.02)
+        recovered = time.monotonic() - resumed
+        assert tier.contains(key(1)) and tier.put(key(2), data) and tier.get(key(2)) == data
+        print(f"redis recovered {recovered:.2f} s after SIGCONT")
+
+
+def test_hung_server_concurrent_callers_probe_one_at_a_time(own_server):
+    callers, run_s = 8, 2.5
+    with make(own_server.url, lookup_timeout_s=LOOKUP_S, timeout_s=DATA_S, max_connections=callers,
+              backoff_ms=200, max_backoff_ms=400) as tier:
+        assert tier.contains_many([key(1)]) == [False]  # connections are up
+        durations: list[float] = []
+        lock = threading.Lock()
+
+        def caller():
+            end = time.monotonic() + run_s
+            while time.monotonic() < end:
+                found, took = _timed(tier.contains_many, [key(1), key(2), key(3)])
+                assert found == [False] * 3
+                with lock:
+                    durations.append(took)
+                time.sleep(0.005)
+
+        with hung(own_server):
+            threads = [threading.Thread(target=caller) for _ in range(callers)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        waited = [d for d in durations if d > LOOKUP_S / 2]  # calls that reached the hung server
+        assert max(durations) < LOOKUP_S + SLACK_S
+        # the callers in flight when it hung, then one probe per window: not every caller each time
+        assert len(waited) <= callers + tier._breaker.probes, (len(waited), tier._breaker.probes)
+        assert tier._breaker.probes <= run_s / 0.2 + 1
+        assert len(durations) > 10 * len(waited)  # everyone else failed fast
+        print(f"redis hung {run_s} s, {callers} callers: {len(durations)} calls, "
+              f"{len(waited)} waited for the server, {tier._breaker.probes} probes")
+        resumed = time.monotonic()
+        while not tier.put(key(1), b"x" * 100):
+            assert time.monotonic() - resumed < 0.4 + DATA_S + 2.0, "no recovery after SIGCONT"
+            time.sleep(0.02)
+        assert tier.contains_many([key(1)]) == [True]
+
+
+def test_deadlines_are_validated():
+    for bad in ({"lookup_timeout_s": 0}, {"timeout_s": -1.0}, {"timeout_s": float("nan")},
+                {"connect_timeout_s": 1e9}, {"backoff_ms": 500, "max_backoff_ms": 100}):
+        with pytest.raises(ConfigError, match="lookup_timeout_s|timeout_s|backoff_ms"):
+            make("redis://127.0.0.1:1/0", **bad)
