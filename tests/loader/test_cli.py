@@ -19,7 +19,7 @@ from kvtier.cli import main
 def test_probe_json(tmp_path, capsys):
     path = tmp_path / "f.bin"
     path.write_bytes(os.urandom(3 << 20))
-    assert main(["probe", str(path), "--block-sizes", "128k,1m", "--concurrency", "1,4", "--json"]) == 0
+    assert main(["probe", str(path), "--block-sizes", "128KiB,1MiB", "--concurrency", "1,4", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["results"]
     assert [(r["block_size"], r["concurrency"]) for r in rows] == [(131072, 1), (131072, 4), (1 << 20, 1), (1 << 20, 4)]
     assert all(r["gb_per_s"] > 0 for r in rows)
@@ -58,7 +58,7 @@ def test_bad_file_is_one_line_error(tmp_path, capsys):
     assert "bad.safetensors" in err and "\n" not in err
 
 
-def _broken_checkpoint(root, bad_header: bytes, good_first: bool = True):
+def _broken_checkpoint(root, bad_header: bytes):
     """A model directory (config.json + index) whose second file has the header ``bad_header``."""
     model = root / "broken"
     model.mkdir()
