@@ -5,8 +5,8 @@ connector uses instead of an in-process TieredStore. Payloads travel through sha
 control messages through a unix (or token-protected TCP) socket; see ``protocol``.
 """
 
-from kvtier.server.client import ServerStore
+from kvtier.server.client import ServerStore, UntrustedServer
 from kvtier.server.protocol import VERSION, ServerRejected
 from kvtier.server.server import CacheServer, ServeConfig
 
-__all__ = ["CacheServer", "ServeConfig", "ServerStore", "ServerRejected", "VERSION"]
+__all__ = ["CacheServer", "ServeConfig", "ServerStore", "ServerRejected", "UntrustedServer", "VERSION"]

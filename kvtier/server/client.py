@@ -4,14 +4,32 @@ It offers the methods the vLLM connector uses on a TieredStore (``lookup``, ``re
 ``take_events``, ``stats``, ``flush``, ``close``) plus ``get_into``/``get``/``put``/``delete``.
 Payloads are never sent over the socket: ``read`` hands ``consume`` read-only uint8 views of the
 server's shared arena (valid during the call only; the pages are leased meanwhile), and
-``write`` hands ``fill`` writable views of the shared staging area.
+``write`` hands ``fill`` writable views of the shared staging area. The arena is mapped
+read-only: a stray write of this process cannot corrupt what another engine reads.
 
-Faults degrade, they do not raise: while the server is down or restarting, ``read`` returns
-None, ``write`` False and ``lookup`` 0, and each is counted (``stats()["client"]``). The client
-reconnects by itself on a later call once a short backoff has passed, and maps the new arena
-(a restarted server has new shared-memory files). A server that refuses the client (wrong
-token, protocol version mismatch) raises ``ServerRejected`` from the constructor, a configuration
-mistake the operator must see; the same refusal on a later reconnect is logged and counted.
+Trust: before saying hello (and sending its token) on a unix socket, the client checks the
+server's peer credentials (``SO_PEERCRED``): its uid must be this process's effective uid or one
+of ``allowed_uids``. Before mapping a shared-memory file it checks, on the opened descriptor,
+that the file is a regular file owned by a trusted uid (on a unix socket: the server's own),
+writable by nobody else, and as large as announced. A failed check raises ``UntrustedServer``
+from the constructor; on a later reconnect it is logged and counted (``untrusted``), and the
+client keeps serving misses.
+
+Deadlines: every call has a total deadline, lock wait included: ``lookup_timeout`` for the calls
+on the engine's scheduling path (``lookup``, ``take_events``), ``timeout`` for data transfer and
+the rest (the time spent in the caller's own ``consume``/``fill`` is not counted). A call past its
+deadline is answered as a miss (counted under ``timeouts``), the connection is dropped, and a
+circuit breaker (``kvtier.tiers.breaker``) skips the server for a growing window; when it is
+half-open, one call at a time probes the server again. So a hung (e.g. SIGSTOPped) server costs
+each lookup at most ``lookup_timeout``, and the client recovers on its own once it answers.
+
+Faults degrade, they do not raise: while the server is down, hung or restarting, ``read`` returns
+None, ``write`` False and ``lookup`` 0, and each is counted (``stats()["client"]``). A restarted
+server has new shared-memory files; the client maps them on reconnect. A server that refuses the
+client (wrong token, protocol version mismatch) raises ``ServerRejected`` from the constructor, a
+configuration mistake the operator must see; the same refusal on a later reconnect is logged and
+counted. A read whose copy outlasted the server's lease timeout is a miss (``lease_expired``):
+its pages may have been reused meanwhile.
 
 Thread-safety: every method may be called from any thread; requests are serialised on one
 connection.
@@ -20,21 +38,31 @@ connection.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import socket
+import stat
+import struct
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from kvtier.errors import KVTierError
 from kvtier.server import protocol as P
+from kvtier.tiers.breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
 
 Key = bytes
+
+
+class UntrustedServer(KVTierError):
+    """The peer on the server address, or a file it named, is not one this client may trust."""
 
 
 @dataclass(frozen=True)
@@ -49,10 +77,13 @@ class _ClientCounters:
     requests: int = 0
     errors: int = 0  # requests that failed on the connection
     unavailable: int = 0  # calls answered as a miss because the server was not reachable
+    timeouts: int = 0  # calls that ran past their deadline (lock wait or server)
     reconnects: int = 0
     rejected: int = 0
+    untrusted: int = 0  # connections refused by the peer-credential or file checks
     hits: int = 0
     misses: int = 0
+    lease_expired: int = 0  # reads whose copy outlasted the server's lease (answered as a miss)
     writes: int = 0
     write_failures: int = 0
 
@@ -62,37 +93,51 @@ class _Mapping:
     """The server's shared files as this process sees them."""
 
     server_id: str
-    arena: np.ndarray
+    arena: np.ndarray  # read-only
     staging: np.ndarray
     tiers: list = field(default_factory=list)
+    lease_timeout_s: float = math.inf
 
 
 class ServerStore:
-    """Client of a ``kvtier serve`` process (see the module docstring)."""
+    """Client of a ``kvtier serve`` process (see the module docstring).
 
-    def __init__(self, address: str, token: str | None = None, timeout: float = 10.0,
-                 backoff: float = 0.2, max_backoff: float = 2.0, connect_timeout: float = 1.0):
+    address: ``unix:///path.sock`` or ``tcp://host:port``.
+    token: the server's shared secret, if it has one.
+    timeout: total deadline (s) of a data call (get/reserve/commit/delete/stats, and connecting).
+    lookup_timeout: total deadline (s) of ``lookup`` and ``take_events`` (the scheduler's path).
+    backoff, max_backoff: the circuit breaker's first and largest window (s) after a fault.
+    connect_timeout: bound (s) of the connect itself, within the call's deadline.
+    allowed_uids: uids besides this process's own that the server may run as.
+    """
+
+    def __init__(self, address: str, token: str | None = None, timeout: float = 5.0,
+                 backoff: float = 0.2, max_backoff: float = 2.0, connect_timeout: float = 1.0,
+                 lookup_timeout: float = 0.2, allowed_uids: Sequence[int] = ()):
+        for name, value in (("timeout", timeout), ("lookup_timeout", lookup_timeout),
+                            ("connect_timeout", connect_timeout), ("backoff", backoff)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"ServerStore {name}: {value!r} must be a positive number of seconds")
         self.address = address
         self._family, self._where = P.parse_address(address)
         self._token = token
-        self._timeout = timeout
-        self._connect_timeout = connect_timeout
-        self._backoff0 = backoff
-        self._max_backoff = max_backoff
-        self._backoff = backoff
-        self._next_try = 0.0
+        self._timeout = float(timeout)
+        self._lookup_timeout = float(lookup_timeout)
+        self._connect_timeout = float(connect_timeout)
+        self._trusted = frozenset({os.geteuid(), *(int(u) for u in allowed_uids)})
+        self._breaker = CircuitBreaker(backoff, max_backoff)
         self._lock = threading.RLock()
         self._sock: socket.socket | None = None
         self._map: _Mapping | None = None
         self._counters = _ClientCounters()
         self._closed = False
         try:
-            self._connect()
-        except P.ServerRejected:
+            self._connect(time.monotonic() + self._timeout)
+        except (P.ServerRejected, UntrustedServer):
             raise
-        except OSError as exc:
+        except (OSError, P.ProtocolError, KeyError, TypeError) as exc:
             log.warning("kvtier: cache server %s not reachable yet (%s); serving misses until it is", address, exc)
-            self._schedule_retry()
+            self._breaker.failure()
 
     def __repr__(self) -> str:  # the token stays out
         return f"ServerStore({self.address!r}, connected={self.connected})"
@@ -109,61 +154,77 @@ class ServerStore:
         m = self._map
         return list(m.tiers) if m is not None else []
 
-    def _connect(self) -> None:
-        """Connect, say hello, map the shared files. Raises OSError or ServerRejected."""
+    def _connect(self, deadline: float) -> None:
+        """Connect, check the peer, say hello, map the shared files, all by ``deadline``.
+
+        Raises OSError (TimeoutError past the deadline, ConnectionError when the server is busy),
+        ProtocolError, ServerRejected or UntrustedServer.
+        """
         sock = socket.socket(self._family, socket.SOCK_STREAM)
         try:
-            sock.settimeout(self._connect_timeout)
+            sock.settimeout(max(0.001, min(self._connect_timeout, deadline - time.monotonic())))
             sock.connect(self._where)
-            sock.settimeout(self._timeout)
-            if self._family != socket.AF_UNIX:
+            peer_uid = None
+            if self._family == socket.AF_UNIX:
+                peer_uid = _peer_uid(sock)
+                if peer_uid not in self._trusted:
+                    raise UntrustedServer(
+                        f"kvtier: the server on {self._where} runs as uid {peer_uid}, not as this process's uid "
+                        f"{os.geteuid()} or an allowed uid ({sorted(self._trusted)}); not connecting")
+            else:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            P.send(sock, {"op": "hello", "version": P.VERSION, "token": self._token})
-            reply = P.recv(sock)
+            P.send_by(sock, {"op": "hello", "version": P.VERSION, "token": self._token}, deadline)
+            reply = P.recv(sock, deadline=deadline)
             if reply is None:
                 raise ConnectionError("server closed the connection during hello")
             if not reply.get("ok"):
+                if reply.get("error") == P.BUSY:
+                    raise ConnectionError(f"server busy: {reply.get('message')}")
                 raise P.ServerRejected(str(reply.get("error")), str(reply.get("message")))
             if self._map is None or self._map.server_id != reply["server_id"]:
+                owners = {peer_uid} if peer_uid is not None else self._trusted
                 self._map = _Mapping(
                     reply["server_id"],
-                    _map_file(reply["arena"]["path"], reply["arena"]["size"]),
-                    _map_file(reply["staging"]["path"], reply["staging"]["size"]),
+                    _map_file(reply["arena"]["path"], reply["arena"]["size"], owners, writable=False),
+                    _map_file(reply["staging"]["path"], reply["staging"]["size"], owners, writable=True),
                     [RemoteTier(n) for n in reply.get("tiers", [])],
+                    float(reply.get("lease_timeout_s", math.inf)),
                 )
         except BaseException:
             sock.close()
             raise
         self._sock = sock
-        self._backoff = self._backoff0
 
-    def _schedule_retry(self) -> None:
-        self._next_try = time.monotonic() + self._backoff
-        self._backoff = min(self._backoff * 2, self._max_backoff)
-
-    def _ensure(self) -> bool:
-        """Connected, reconnecting when the backoff allows; False (counted) if not."""
+    def _ensure(self, deadline: float) -> bool:
+        """Connected, reconnecting when the breaker allows; False (counted) if not."""
         if self._sock is not None:
             return True
-        if self._closed or time.monotonic() < self._next_try:
+        if self._closed or not self._breaker.allow():
             self._counters.unavailable += 1
             return False
         try:
-            self._connect()
-            self._counters.reconnects += 1
-            log.info("kvtier: reconnected to cache server %s", self.address)
-            return True
+            self._connect(deadline)
         except P.ServerRejected as exc:
             self._counters.rejected += 1
             log.warning("kvtier: %s", exc)
+        except UntrustedServer as exc:
+            self._counters.untrusted += 1
+            log.warning("%s", exc)
+        except TimeoutError:
+            self._counters.timeouts += 1
         except (OSError, P.ProtocolError, KeyError, TypeError):
             pass
+        else:
+            self._breaker.success()
+            self._counters.reconnects += 1
+            log.info("kvtier: reconnected to cache server %s", self.address)
+            return True
         self._counters.unavailable += 1
-        self._schedule_retry()
+        self._breaker.failure()
         return False
 
     def _drop(self) -> None:
-        """Forget a broken connection (the mapping stays until a new server id is seen)."""
+        """Forget a broken or late connection (the mapping stays until a new server id is seen)."""
         if self._sock is not None:
             try:
                 self._sock.close()
@@ -171,20 +232,39 @@ class ServerStore:
                 pass
             self._sock = None
         self._counters.errors += 1
-        self._schedule_retry()
+        self._breaker.failure()
 
-    def _call(self, message: dict[str, Any], reply: bool = True) -> dict[str, Any] | None:
-        """One request (lock held by the caller); None when the server is unavailable."""
-        if not self._ensure():
+    @contextmanager
+    def _session(self, budget: float) -> Iterator[float | None]:
+        """Hold the connection for one call: yields its deadline, or None (a counted timeout)
+        when the lock could not be had within ``budget`` seconds."""
+        deadline = time.monotonic() + budget
+        if not self._lock.acquire(timeout=budget):
+            self._counters.timeouts += 1
+            yield None
+            return
+        try:
+            yield deadline
+        finally:
+            self._lock.release()
+
+    def _call(self, message: dict[str, Any], deadline: float, reply: bool = True) -> dict[str, Any] | None:
+        """One request by ``deadline`` (lock held by the caller); None when the server is
+        unavailable, late (the connection is then dropped) or answers an error."""
+        if not self._ensure(deadline):
             return None
         self._counters.requests += 1
         try:
-            P.send(self._sock, message)
+            P.send_by(self._sock, message, deadline)
             if not reply:
                 return {"ok": True}
-            answer = P.recv(self._sock)
+            answer = P.recv(self._sock, deadline=deadline)
             if answer is None:
                 raise ConnectionError("server closed the connection")
+        except TimeoutError:
+            self._counters.timeouts += 1
+            self._drop()
+            return None
         except (OSError, P.ProtocolError):
             self._drop()
             return None
@@ -197,69 +277,120 @@ class ServerStore:
     # ----------------------------------------------------------------------------- store API
 
     def lookup(self, keys: Sequence[Key]) -> int:
-        """How many leading ``keys`` the server holds in some tier (0 while unreachable)."""
+        """How many leading ``keys`` the server holds in some tier (0 while unreachable or past
+        ``lookup_timeout``)."""
         keys = [bytes(k) for k in keys]
         if not keys:
             return 0
-        with self._lock:
-            answer = self._call({"op": "lookup", "keys": keys})
+        with self._session(self._lookup_timeout) as deadline:
+            answer = self._call({"op": "lookup", "keys": keys}, deadline) if deadline else None
         return int(answer["n"]) if answer is not None else 0
 
     def read(self, key: Key, consume: Callable[[list], None]) -> str | None:
         """Hand ``key``'s payload to ``consume`` as read-only views of the shared arena.
 
-        Returns the name of the server tier it came from, or None on a miss or a fault. The
-        views are valid only during the call. An exception from ``consume`` propagates (after
-        the lease is released).
+        Returns the name of the server tier it came from, or None on a miss or a fault (also when
+        ``consume`` finished after the server's lease timeout: the pages may have changed under
+        it, so what it copied must not be used). The views are valid only during the call. An
+        exception from ``consume`` propagates (after the lease is released).
         """
-        with self._lock:
-            answer = self._call({"op": "get", "key": bytes(key)})
-            if answer is None or answer.get("tier") is None:
+        with self._session(self._timeout) as deadline:
+            if deadline is None:
                 self._counters.misses += 1
                 return None
-            arena = self._map.arena
+            started = time.monotonic()
+            answer = self._call({"op": "get", "key": bytes(key)}, deadline)
+            views = self._arena_views(answer) if answer is not None and answer.get("tier") is not None else None
+            if views is None:
+                self._counters.misses += 1
+                if answer is not None and answer.get("lease") is not None:
+                    self._call({"op": "release", "lease": answer["lease"]}, deadline, reply=False)
+                return None
+            lease_timeout = self._map.lease_timeout_s
+            copy_start = time.monotonic()
             try:
-                views = []
-                for off, length in answer["extents"]:
-                    view = arena[off : off + length]
-                    view.flags.writeable = False
-                    views.append(view)
                 consume(views)
             finally:
-                self._call({"op": "release", "lease": answer["lease"]}, reply=False)
+                copied = time.monotonic()
+                self._call({"op": "release", "lease": answer["lease"]}, deadline + (copied - copy_start), reply=False)
+            if copied - started >= lease_timeout:
+                self._counters.lease_expired += 1
+                self._counters.misses += 1
+                log.warning("kvtier: a read took %.1f s, past the server's %.1f s lease; treated as a miss",
+                            copied - started, lease_timeout)
+                return None
             self._counters.hits += 1
             return answer["tier"]
+
+    def _arena_views(self, answer: dict) -> list[np.ndarray] | None:
+        """Read-only views of the extents a ``get`` answered; None (an error) when one lies
+        outside the arena."""
+        arena = self._map.arena
+        views = []
+        try:
+            for off, length in answer["extents"]:
+                if not (isinstance(off, int) and isinstance(length, int) and 0 <= off and 0 <= length
+                        and off + length <= arena.size):
+                    raise ValueError("extent outside the arena")
+                views.append(arena[off : off + length])
+        except (ValueError, TypeError, KeyError):
+            self._counters.errors += 1
+            return None
+        return views
 
     def write(self, key: Key, nbytes: int, fill: Callable[[list], None], parent: Key | None = None,
               chunk_index: int = 0) -> bool:
         """Store a chunk: ``fill(segments)`` copies its ``nbytes`` into shared staging pages.
 
         Returns True if the server holds the entry afterwards (also when it already did), False
-        when it could not take it or is unreachable (counted). An exception from ``fill``
-        propagates after the reservation is given back.
+        when it could not take it (staging full, this client's staging share used up, a fault, the
+        deadline; counted). An exception from ``fill`` propagates after the reservation is given
+        back.
         """
-        with self._lock:
+        with self._session(self._timeout) as deadline:
             self._counters.writes += 1
-            answer = self._call({"op": "reserve", "key": bytes(key), "nbytes": int(nbytes),
-                                 "parent": bytes(parent) if parent is not None else None,
-                                 "chunk_index": int(chunk_index)})
-            if answer is None or answer["status"] == "full":
+            if deadline is None:
                 self._counters.write_failures += 1
                 return False
-            if answer["status"] == "exists":
+            answer = self._call({"op": "reserve", "key": bytes(key), "nbytes": int(nbytes),
+                                 "parent": bytes(parent) if parent is not None else None,
+                                 "chunk_index": int(chunk_index)}, deadline)
+            if answer is not None and answer.get("status") == "exists":
                 return True
-            staging = self._map.staging
+            segments = self._staging_views(answer) if answer is not None and answer.get("status") == "ok" else None
+            if segments is None:
+                self._counters.write_failures += 1
+                if answer is not None and answer.get("lease") is not None:
+                    self._call({"op": "abort", "lease": answer["lease"]}, deadline, reply=False)
+                return False
             lease = answer["lease"]
+            fill_start = time.monotonic()
             try:
-                fill([staging[off : off + length] for off, length in answer["extents"]])
+                fill(segments)
             except BaseException:
-                self._call({"op": "abort", "lease": lease}, reply=False)
+                self._call({"op": "abort", "lease": lease}, deadline + (time.monotonic() - fill_start), reply=False)
                 raise
-            done = self._call({"op": "commit", "lease": lease})
-            if done is None or not done["stored"]:
+            done = self._call({"op": "commit", "lease": lease}, deadline + (time.monotonic() - fill_start))
+            if done is None or not done.get("stored"):
                 self._counters.write_failures += 1
                 return False
             return True
+
+    def _staging_views(self, answer: dict) -> list[np.ndarray] | None:
+        """Writable views of the staging extents a ``reserve`` answered; None when one lies
+        outside the staging area."""
+        staging = self._map.staging
+        views = []
+        try:
+            for off, length in answer["extents"]:
+                if not (isinstance(off, int) and isinstance(length, int) and 0 <= off and 0 <= length
+                        and off + length <= staging.size):
+                    raise ValueError("extent outside the staging area")
+                views.append(staging[off : off + length])
+        except (ValueError, TypeError, KeyError):
+            self._counters.errors += 1
+            return None
+        return views
 
     def get_into(self, key: Key, out) -> int | None:
         """Copy ``key``'s payload into the writable buffer ``out``; the byte count or None."""
@@ -297,33 +428,39 @@ class ServerStore:
 
     def delete(self, key: Key) -> bool:
         """Remove ``key`` from every server tier; False when unreachable."""
-        with self._lock:
-            return self._call({"op": "delete", "key": bytes(key)}) is not None
+        with self._session(self._timeout) as deadline:
+            return deadline is not None and self._call({"op": "delete", "key": bytes(key)}, deadline) is not None
 
     def enable_events(self, maxlen: int = 100_000) -> None:
         """Nothing to do: the server always records events (bounded) for whoever asks."""
 
     def take_events(self) -> list[tuple[str, Key, str]]:
-        """The server's ("stored"|"removed", key, medium) events since anyone last asked."""
-        with self._lock:
-            answer = self._call({"op": "events"})
+        """The server's ("stored"|"removed", key, medium) events since anyone last asked
+        (``[]`` while unreachable or past ``lookup_timeout``: this runs on every engine step)."""
+        with self._session(self._lookup_timeout) as deadline:
+            answer = self._call({"op": "events"}, deadline) if deadline else None
         if answer is None:
             return []
         return [(kind, bytes(key), medium) for kind, key, medium in answer["events"]]
 
     def stats(self) -> dict:
         """The server's stats (``{}`` while unreachable) plus this client's counters under "client"."""
-        with self._lock:
-            answer = self._call({"op": "stats"})
-            client = dict(self._counters.__dict__)
+        with self._session(self._timeout) as deadline:
+            answer = self._call({"op": "stats"}, deadline) if deadline else None
+        client = dict(self._counters.__dict__)
         stats = dict(answer["stats"]) if answer is not None else {}
         stats["client"] = client
         return stats
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until the server's queued lower-tier writes are done; False on timeout or fault."""
-        with self._lock:
-            answer = self._call({"op": "flush", "timeout": float(timeout)})
+        """Wait until the server's queued lower-tier writes are done; False on timeout or fault.
+
+        The server waits at most ``protocol.MAX_FLUSH_S``; the call's deadline is that wait plus
+        ``timeout`` of this client.
+        """
+        wait = min(max(float(timeout), 0.0), P.MAX_FLUSH_S)
+        with self._session(wait + self._timeout) as deadline:
+            answer = self._call({"op": "flush", "timeout": wait}, deadline) if deadline else None
         return bool(answer and answer["done"])
 
     def close(self) -> None:
@@ -342,12 +479,46 @@ class ServerStore:
         self.close()
 
 
-def _map_file(path: str, size: int) -> np.ndarray:
-    """Map a server's shared-memory file read/write as a uint8 array."""
+def _peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a connected unix socket (``SO_PEERCRED``)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
+
+
+def _map_file(path: str, size: int, owners: set | frozenset, writable: bool) -> np.ndarray:
+    """Map a server's shared-memory file as a uint8 array (read-only unless ``writable``).
+
+    Checked on the opened descriptor before mapping (no window for a swap): a regular file (no
+    symlink followed), owned by one of ``owners``, not writable by group or others, at least
+    ``size`` bytes. UntrustedServer otherwise (one line naming the file and the problem).
+    """
+    if not isinstance(path, str) or not isinstance(size, int) or size < 0:
+        raise UntrustedServer(f"kvtier: the server named an invalid shared-memory file {path!r} ({size!r} bytes)")
     if not size:
         return np.empty(0, dtype=np.uint8)
-    fd = os.open(path, os.O_RDWR)
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        return np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8)
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise  # a server that went away meanwhile: transient, retried later
+    except OSError as exc:
+        raise UntrustedServer(f"kvtier: cannot open the server's shared-memory file {path}: "
+                              f"{exc.strerror or exc}; not mapping it") from None
+    try:
+        st = os.fstat(fd)
+        problem = None
+        if not stat.S_ISREG(st.st_mode):
+            problem = "is not a regular file"
+        elif st.st_uid not in owners:
+            problem = f"belongs to uid {st.st_uid}, not the server's ({sorted(owners)})"
+        elif st.st_mode & 0o022:
+            problem = f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+        elif st.st_size < size:
+            problem = f"holds {st.st_size} bytes, fewer than the {size} announced"
+        if problem:
+            raise UntrustedServer(f"kvtier: shared-memory file {path} {problem}; not mapping it")
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return np.frombuffer(mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot), dtype=np.uint8)
     finally:
         os.close(fd)

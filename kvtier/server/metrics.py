@@ -6,8 +6,14 @@ Metric names (all prefixed ``kvtier_``): store counters (``store_hits_total``,
 ``tier_bytes_written_total``, ``tier_errors_total``, ``tier_corrupt_total``,
 ``tier_dropped_total``, ``tier_evictions_total``, gauges ``tier_used_bytes``,
 ``tier_capacity_bytes``, ``tier_queue_depth``) and the server's own counters
-(``server_connections_total``, ``server_rejected_total``, ``server_malformed_total``, ...).
-No secret is ever part of the output.
+(``server_connections_total``, ``server_rejected_total``, ``server_malformed_total``,
+``server_refused_busy_total``, ``server_hello_timeouts_total``, ``server_leases_expired_total``,
+``server_lease_quota_total``, ``server_put_quota_total``, ...) and gauges
+(``server_connections_open``, ``server_unauthenticated_open``, ``server_leases_open``,
+``server_staging_used_bytes``). No secret is ever part of the output.
+
+The HTTP server binds ``host:port`` as given (port 0: a free port; the caller reads the bound one
+from ``server_address``) and gives each scrape connection 5 s to send its request.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ if TYPE_CHECKING:
 _TIER_COUNTERS = ("hits", "misses", "puts", "deletes", "bytes_read", "bytes_written", "corrupt",
                   "errors", "dropped", "evictions")
 _TIER_GAUGES = ("used_bytes", "capacity_bytes", "queue_depth", "entries")
-_SERVER_GAUGES = ("staging_used_bytes",)
+_SERVER_GAUGES = ("staging_used_bytes", "connections_open", "unauthenticated_open", "leases_open")
+_REQUEST_TIMEOUT_S = 5.0
 
 
 def render(stats: dict) -> str:
@@ -57,6 +64,8 @@ def start_metrics(server: "CacheServer", host: str, port: int) -> ThreadingHTTPS
     """Serve ``/metrics`` and ``/healthz`` for ``server`` in a daemon thread; returns the HTTP server."""
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = _REQUEST_TIMEOUT_S  # a silent scraper costs one thread for at most this long
+
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             if self.path == "/metrics":
                 body = render(server.stats()).encode()

@@ -9,7 +9,14 @@ A request is ``{"op": NAME, ...fields}``; a reply is ``{"ok": True, ...}`` or
 order; ``release`` and ``abort`` have no reply (they only give something back).
 
 The first request on a connection must be ``hello`` with the client's ``version`` and, where the
-server has one, its ``token``; anything else closes the connection with an error reply.
+server has one, its ``token``; anything else closes the connection with an error reply. Before
+``hello`` is accepted the server reads at most ``MAX_HELLO_FRAME`` bytes and waits at most its
+hello deadline: an unauthenticated peer can make it allocate nothing larger and hold nothing
+longer. A server at its connection cap answers ``busy`` and closes.
+
+Every key field (``lookup.keys[i]``, ``get.key``, ``reserve.key``, ``reserve.parent``,
+``delete.key``) is a chunk key of exactly ``KEY_BYTES`` bytes; any other length is a
+``malformed`` error reply and the connection goes on.
 
 ======== ======================================== ===============================================
 op       request fields                           reply fields
@@ -18,8 +25,10 @@ hello    version:int, token:str|None              version, server_id, arena{path
                                                   staging{path,size}, page_size, tiers[str]
 lookup   keys:[bytes]                             n (leading keys present in some tier)
 get      key:bytes                                tier (str|None), lease:int, extents[[off,len]]
+                                                  (a lease is released by the server after
+                                                  ``lease_timeout_s`` from hello's reply)
 release  lease:int                                (none)
-reserve  key, nbytes:int, parent:bytes|None,      status ("ok"|"exists"|"full"), lease, extents
+reserve  key, nbytes:int, parent:bytes|None,      status ("ok"|"exists"|"full"|"quota"), lease, extents
          chunk_index:int                          (offsets in the staging area)
 commit   lease:int                                stored:bool
 abort    lease:int                                (none)
@@ -27,23 +36,29 @@ delete   key:bytes                                (empty)
 stats    -                                        stats (the store's stats dict + server counters)
 events   -                                        events[[kind, key, medium]] (taken: each event
                                                   goes to one asker)
-flush    timeout:float                            done:bool
+flush    timeout:float (0..60 s)                  done:bool
 ======== ======================================== ===============================================
 """
 
 from __future__ import annotations
 
+import math
 import socket
 import struct
+import time
 from typing import Any
 
 import msgpack
 
 from kvtier.errors import KVTierError
+from kvtier.keys import KEY_BYTES
 
 VERSION = 1
 MAX_FRAME = 8 * 1024 * 1024  # a lookup of 200k keys fits; anything larger is malformed
+MAX_HELLO_FRAME = 4096  # a hello (version + token) is tiny; more before authentication is hostile
+MAX_FLUSH_S = 60.0
 _LEN = struct.Struct(">I")
+_RECV_CHUNK = 256 * 1024  # a frame's buffer grows with the bytes that arrive, never ahead of them
 
 # op -> {field: accepted types}; every listed field is required
 SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
@@ -66,6 +81,10 @@ BAD_TOKEN = "bad_token"
 BAD_VERSION = "version_mismatch"
 MALFORMED = "malformed"
 HELLO_FIRST = "hello_first"
+BUSY = "busy"  # the server is at its connection cap: try again later
+
+# fields that carry a chunk key (a list of keys for lookup); ``None`` allowed where listed
+_KEY_FIELDS: dict[str, tuple[str, ...]] = {"get": ("key",), "reserve": ("key", "parent"), "delete": ("key",)}
 
 
 class ProtocolError(KVTierError):
@@ -95,19 +114,22 @@ def send(sock: socket.socket, message: dict[str, Any]) -> None:
     sock.sendall(encode(message))
 
 
-def recv(sock: socket.socket) -> dict[str, Any] | None:
+def recv(sock: socket.socket, max_frame: int = MAX_FRAME, deadline: float | None = None) -> dict[str, Any] | None:
     """Read one message; None on a clean end of stream before a frame starts.
 
-    Raises ProtocolError for an oversized frame or a body that is not a msgpack map, and
-    ConnectionError when the stream ends inside a frame.
+    ``max_frame`` bounds the announced length (checked before any body byte is read or any
+    buffer allocated); ``deadline`` (a ``time.monotonic()`` instant) bounds the whole read, however
+    slowly the bytes trickle in: past it, TimeoutError. Without a deadline the socket's own
+    timeout applies per receive. Raises ProtocolError for an oversized frame or a body that is not
+    a msgpack map, and ConnectionError when the stream ends inside a frame.
     """
-    head = _recv_exact(sock, _LEN.size, allow_eof=True)
+    head = _recv_exact(sock, _LEN.size, allow_eof=True, deadline=deadline)
     if head is None:
         return None
     (length,) = _LEN.unpack(head)
-    if length > MAX_FRAME:
-        raise ProtocolError(MALFORMED, f"frame of {length} bytes exceeds the {MAX_FRAME}-byte limit")
-    body = _recv_exact(sock, length, allow_eof=False)
+    if length > max_frame:
+        raise ProtocolError(MALFORMED, f"frame of {length} bytes exceeds the {max_frame}-byte limit")
+    body = _recv_exact(sock, length, allow_eof=False, deadline=deadline)
     try:
         message = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises several types for garbage
@@ -128,11 +150,30 @@ def validate(message: dict[str, Any]) -> str:
         if name not in message or not isinstance(value, types) or isinstance(value, bool):
             want = "|".join(t.__name__ for t in types)
             raise ProtocolError(MALFORMED, f"{op}: field {name!r} must be {want}")
-    if op == "lookup" and not all(isinstance(k, bytes) for k in message["keys"]):
-        raise ProtocolError(MALFORMED, "lookup: keys must be a list of bytes")
+    if op == "lookup":
+        for i, key in enumerate(message["keys"]):
+            _check_key(key, f"lookup: keys[{i}]")
+    for name in _KEY_FIELDS.get(op, ()):
+        if message[name] is not None:
+            _check_key(message[name], f"{op}: field {name!r}")
     if op == "reserve" and message["nbytes"] < 0:
         raise ProtocolError(MALFORMED, "reserve: nbytes must not be negative")
+    if op == "reserve" and message["chunk_index"] < 0:
+        raise ProtocolError(MALFORMED, "reserve: chunk_index must not be negative")
+    if op == "flush" and not (math.isfinite(message["timeout"]) and 0 <= message["timeout"] <= MAX_FLUSH_S):
+        raise ProtocolError(MALFORMED, f"flush: timeout must be a number of seconds in [0, {MAX_FLUSH_S:g}]")
     return op
+
+
+def is_key(key: Any) -> bool:
+    """Whether ``key`` is a chunk key as the protocol carries it: bytes of exactly ``KEY_BYTES``."""
+    return isinstance(key, bytes) and len(key) == KEY_BYTES
+
+
+def _check_key(key: Any, what: str) -> None:
+    if not is_key(key):
+        got = f"{len(key)} bytes" if isinstance(key, bytes) else type(key).__name__
+        raise ProtocolError(MALFORMED, f"{what} must be a {KEY_BYTES}-byte chunk key, got {got}")
 
 
 def error(code: str, message: str) -> dict[str, Any]:
@@ -140,18 +181,35 @@ def error(code: str, message: str) -> dict[str, Any]:
     return {"ok": False, "error": code, "message": message}
 
 
-def _recv_exact(sock: socket.socket, n: int, allow_eof: bool) -> bytes | None:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            if got == 0 and allow_eof:
+def _recv_exact(sock: socket.socket, n: int, allow_eof: bool, deadline: float | None = None) -> bytes | None:
+    """Exactly ``n`` bytes; the buffer grows only as bytes arrive (a peer that announces much and
+    sends little costs little). None on EOF before the first byte when ``allow_eof``."""
+    buf = bytearray()
+    while len(buf) < n:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("deadline passed while reading a frame")
+            sock.settimeout(remaining)
+        chunk = sock.recv(min(n - len(buf), _RECV_CHUNK))
+        if not chunk:
+            if not buf and allow_eof:
                 return None
             raise ConnectionError("connection closed inside a frame")
-        got += k
+        buf += chunk
     return bytes(buf)
+
+
+def send_by(sock: socket.socket, message: dict[str, Any], deadline: float) -> None:
+    """Send one message, giving up (TimeoutError) once ``deadline`` (``time.monotonic()``) passes."""
+    data = memoryview(encode(message))
+    while data:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("deadline passed while sending a frame")
+        sock.settimeout(remaining)
+        sent = sock.send(data)
+        data = data[sent:]
 
 
 def parse_address(address: str) -> tuple[int, Any]:

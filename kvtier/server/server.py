@@ -6,12 +6,32 @@ area: the client copies a chunk there, the server copies it into the store on ``
 store decides placement, eviction and write-through). The socket carries only control messages
 (``kvtier.server.protocol``).
 
-Leases: ``get`` pins the entry's arena pages until the client sends ``release`` (or its
-connection ends); the store may evict the entry meanwhile, but its pages are not reused until
-the lease is gone, so a client never reads bytes that changed under it.
+Leases: ``get`` pins the entry's arena pages until the client sends ``release``, its connection
+ends, or ``lease_timeout_s`` passes (then the server releases it; the hello reply names the
+timeout, and a client whose copy took longer than that treats the read as a miss). The store may
+evict the entry meanwhile, but its pages are not reused while the lease is held, so a client
+never reads bytes that changed under it. A connection holds at most ``max_leases_per_client``
+leases and at most ``client_staging_fraction`` of the staging area in open reservations, so one
+client cannot starve the others. A staging reservation never expires while its connection is
+open: its pages are reused only after ``commit``/``abort`` or the connection's end, because a
+slow writer may still be copying into them (reusing them would store its bytes under another
+client's key).
 
-Threading: one thread per connection; the store is thread-safe. ``close`` stops accepting,
-closes every connection and the store, and removes the socket and shared-memory files.
+Admission: before ``hello`` a connection may send one frame of at most ``MAX_HELLO_FRAME`` bytes
+within ``hello_timeout_s``; at most ``max_unauthenticated`` connections may be in that state and
+at most ``max_connections`` open in all. Over a cap, a new connection gets a ``busy`` reply and
+is closed without a thread.
+
+The listen path (unix): its parent directory is created 0700 if missing, and refused when it is
+not owned by the server's user (or root) or is writable by group or others. An existing socket
+on the path is replaced only when nobody answers on it (a stale one); a live server there, or
+anything that is not a socket, refuses the start with one line. ``close`` removes the socket only
+if it is still the one this process bound (same inode).
+
+Threading: one thread per admitted connection plus a lease reaper; the store is thread-safe.
+``start`` returns once every listener (control socket, metrics) accepts connections. ``close``
+stops accepting, shuts every connection down and closes the store, and removes the socket and
+shared-memory files.
 """
 
 from __future__ import annotations
@@ -20,23 +40,43 @@ import dataclasses
 import hmac
 import itertools
 import logging
+import math
 import os
 import socket
 import socketserver
+import stat
+import struct
 import threading
+import time
+import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.config import Size, build
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, KVTierError
 from kvtier.server import protocol as P
 from kvtier.store import StoreConfig, TieredStore
 from kvtier.tiers.ram import RamConfig, RamTier
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LISTEN = "unix:///tmp/kvtier.sock"
+SYSTEM_SOCKET = "/run/kvtier/kvtier.sock"
+
+
+def default_listen() -> str:
+    """The default control socket: ``/run/kvtier/kvtier.sock`` for root (a system service, the
+    path a systemd ``RuntimeDirectory=kvtier`` gives), else ``$XDG_RUNTIME_DIR/kvtier/kvtier.sock``
+    (a per-user 0700 directory), else ``/run/kvtier/kvtier.sock``. Never a world-writable
+    directory such as /tmp, where any user could bind the path first."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if os.geteuid() != 0 and os.path.isabs(runtime):
+        return f"unix://{os.path.join(runtime, 'kvtier', 'kvtier.sock')}"
+    return f"unix://{SYSTEM_SOCKET}"
+
+
+class ServeError(KVTierError):
+    """The server cannot start as configured (listen path taken, unsafe directory, ...)."""
 
 
 @dataclass(frozen=True)
@@ -44,24 +84,47 @@ class ServeConfig:
     """Configuration of ``kvtier serve``.
 
     store: the StoreConfig dict; its first tier must be ``ram`` (the shared arena).
-    listen: ``unix:///path.sock`` (mode 0600) or ``tcp://host:port`` (needs ``token``).
+    listen: ``unix:///path.sock`` (mode 0600, parent directory 0700) or ``tcp://host:port``
+        (needs ``token``; port 0 binds a free port, reported in the ready line). Default:
+        ``default_listen()``.
     token: shared secret clients present in ``hello``; required for TCP, optional for unix.
-    metrics: ``host:port`` of the HTTP endpoint (``/metrics``, ``/healthz``); off when unset.
+    metrics: ``host:port`` of the HTTP endpoint (``/metrics``, ``/healthz``); off when unset;
+        port 0 binds a free port, reported in the ready line.
     staging: bytes of the shared write staging area (concurrent puts in flight).
     shm_dir: directory of the shared-memory files (a tmpfs such as /dev/shm).
+    max_connections: connections open at once (authenticated or not); more are refused (busy).
+    max_unauthenticated: connections at once that have not yet completed hello.
+    hello_timeout_s: a new connection must complete hello within this many seconds.
+    lease_timeout_s: a ``get`` lease not released within this many seconds is released by the
+        server (the pinned pages, maybe of a deleted entry, return to the arena).
+    max_leases_per_client: leases one connection may hold; a ``get`` beyond it is a miss.
+    client_staging_fraction: share (0, 1] of the staging area one connection may hold in open
+        reservations; a ``reserve`` beyond it answers ``quota``.
     """
 
     store: StoreConfig = field(default_factory=StoreConfig)
-    listen: str = DEFAULT_LISTEN
+    listen: str = field(default_factory=default_listen)
     token: str | None = field(default=None, repr=False)
     metrics: str | None = None
     staging: Size = Size(256 * 1024**2)
     shm_dir: str = "/dev/shm"
+    max_connections: int = 256
+    max_unauthenticated: int = 32
+    hello_timeout_s: float = 5.0
+    lease_timeout_s: float = 30.0
+    max_leases_per_client: int = 64
+    client_staging_fraction: float = 0.25
 
     def __post_init__(self):
         family, _ = P.parse_address(self.listen)
         if family == socket.AF_INET and not self.token:
             raise ConfigError("serve.token: a TCP listener requires a token")
+        _check_range("serve.max_connections", self.max_connections, 1, 65536)
+        _check_range("serve.max_unauthenticated", self.max_unauthenticated, 1, self.max_connections)
+        _check_range("serve.hello_timeout_s", self.hello_timeout_s, 0.01, 300.0)
+        _check_range("serve.lease_timeout_s", self.lease_timeout_s, 0.01, 86400.0)
+        _check_range("serve.max_leases_per_client", self.max_leases_per_client, 1, 1 << 20)
+        _check_range("serve.client_staging_fraction", self.client_staging_fraction, 1e-6, 1.0)
         first = self.store.tiers[0]
         if first.get("type") != "ram":
             raise ConfigError("serve.store.tiers[0]: the server's top tier must be 'ram' (the shared arena)")
@@ -76,6 +139,12 @@ class ServeConfig:
         return build(cls, mapping, "serve")
 
 
+def _check_range(what: str, value: float, low: float, high: float) -> None:
+    """ConfigError naming ``what`` and the valid range unless ``low <= value <= high`` (finite)."""
+    if isinstance(value, bool) or not math.isfinite(value) or not low <= value <= high:
+        raise ConfigError(f"{what}: {value!r} is out of range; valid: [{low:g}, {high:g}]")
+
+
 @dataclass
 class _ServerCounters:
     connections: int = 0
@@ -88,6 +157,11 @@ class _ServerCounters:
     puts: int = 0
     put_stored: int = 0
     put_full: int = 0
+    refused_busy: int = 0  # connections refused at the connection caps
+    hello_timeouts: int = 0  # connections closed for not completing hello in time
+    leases_expired: int = 0  # get leases released by the server after lease_timeout_s
+    lease_quota: int = 0  # gets answered as a miss because the client held too many leases
+    put_quota: int = 0  # reserves refused because the client held its staging share
 
 
 class CacheServer:
@@ -125,33 +199,88 @@ class CacheServer:
         self._metrics = None
         self._threads: list[threading.Thread] = []
         self._closed = False
+        self._stop = threading.Event()
+        self._conns: set[_Connection] = set()  # admitted connections (guarded by _lock)
+        self._unauthenticated = 0  # admitted connections that have not completed hello
+        self._socket_ident: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket we bound
+        self._staging_quota = max(1, int(self.staging.capacity_bytes * config.client_staging_fraction))
 
     # ----------------------------------------------------------------------------- lifecycle
 
     def start(self) -> "CacheServer":
-        """Bind the control socket (and the metrics endpoint) and serve in background threads."""
+        """Bind the control socket and the metrics endpoint, serve in background threads, and
+        return once every listener accepts connections.
+
+        Raises ServeError (one line) when the unix listen path is unsafe or taken: a parent
+        directory writable by others or owned by another user, a live server answering there,
+        or something other than a socket at the path.
+        """
         family, where = P.parse_address(self.config.listen)
         handler = _make_handler(self)
+        backlog = min(socket.SOMAXCONN, max(128, self.config.max_connections))
         if family == socket.AF_UNIX:
-            if os.path.exists(where):
-                os.unlink(where)  # a stale socket from a killed server
+            _check_socket_dir(where)
+            _claim_socket_path(where)
             old = os.umask(0o177)  # the socket is born 0600: no window with wider permissions
             try:
-                self._server = _UnixServer(where, handler)
+                self._server = _UnixServer(where, handler, self._admit, backlog)
+            except OSError as exc:
+                raise ServeError(f"serve.listen: cannot bind {where}: {exc.strerror or exc}") from None
             finally:
                 os.umask(old)
+            st = os.lstat(where)
+            self._socket_ident = (st.st_dev, st.st_ino)
         else:
-            self._server = _TcpServer(where, handler)
+            try:
+                self._server = _TcpServer(where, handler, self._admit, backlog)
+            except OSError as exc:
+                raise ServeError(f"serve.listen: cannot bind {self.config.listen}: {exc.strerror or exc}") from None
         t = threading.Thread(target=self._server.serve_forever, name="kvtier-serve", daemon=True)
         t.start()
         self._threads.append(t)
+        reaper = threading.Thread(target=self._reap_leases, name="kvtier-lease-reaper", daemon=True)
+        reaper.start()
         if self.config.metrics:
             from kvtier.server.metrics import start_metrics
 
-            self._metrics = start_metrics(self, *_parse_hostport(self.config.metrics, "serve.metrics"))
+            try:
+                self._metrics = start_metrics(self, *_parse_hostport(self.config.metrics, "serve.metrics"))
+            except OSError as exc:
+                raise ServeError(f"serve.metrics: cannot bind {self.config.metrics}: {exc.strerror or exc}") from None
+        self._wait_ready()
         log.info("kvtier serve: listening on %s, arena %d MiB at %s", self.address, self.arena.capacity_bytes >> 20,
                  self.arena_path)
         return self
+
+    def _wait_ready(self, timeout: float = 10.0) -> None:
+        """Return once the control socket takes a connection and ``/healthz`` answers; ServeError
+        naming the listener otherwise."""
+        family, where = P.parse_address(self.address)
+        if family == socket.AF_INET:
+            where = (_loopback_for(where[0]), where[1])
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with socket.socket(family, socket.SOCK_STREAM) as s:
+                    s.settimeout(max(0.01, deadline - time.monotonic()))
+                    s.connect(where)
+                break
+            except OSError as exc:
+                if time.monotonic() >= deadline:
+                    raise ServeError(f"serve.listen: {self.address} does not accept connections ({exc})") from None
+                time.sleep(0.01)
+        if self._metrics is not None:
+            host, port = self._metrics.server_address[:2]
+            url = f"http://{_loopback_for(host)}:{port}/healthz"
+            while True:
+                try:
+                    with urllib.request.urlopen(url, timeout=max(0.01, deadline - time.monotonic())) as r:
+                        r.read()
+                    break
+                except OSError as exc:
+                    if time.monotonic() >= deadline:
+                        raise ServeError(f"serve.metrics: {url} does not answer ({exc})") from None
+                    time.sleep(0.01)
 
     @property
     def address(self) -> str:
@@ -175,11 +304,17 @@ class CacheServer:
             t.join()
 
     def close(self) -> None:
-        """Stop serving, close connections, close the store, remove the files."""
+        """Stop serving, shut connections down, close the store, remove the files.
+
+        The unix socket is removed only if the path still holds the socket this process bound
+        (same device and inode): a socket another server bound there since is left alone.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            conns = list(self._conns)
+        self._stop.set()
         if self._metrics is not None:
             self._metrics.shutdown()
             self._metrics.server_close()
@@ -187,13 +322,52 @@ class CacheServer:
             self._server.shutdown()
             self._server.server_close()
             family, where = P.parse_address(self.config.listen)
-            if family == socket.AF_UNIX:
-                try:
-                    os.unlink(where)
-                except FileNotFoundError:
-                    pass
+            if family == socket.AF_UNIX and self._socket_ident is not None:
+                _unlink_if_same(where, self._socket_ident)
+        for conn in conns:
+            conn.shutdown()
         self.store.close()
         self.staging.close()
+
+    # ----------------------------------------------------------------------------- admission
+
+    def _admit(self, sock: socket.socket) -> "_Connection | None":
+        """Take a new connection under the caps, or refuse it (``busy`` reply, closed; None)."""
+        with self._lock:
+            full = (self._closed or len(self._conns) >= self.config.max_connections
+                    or self._unauthenticated >= self.config.max_unauthenticated)
+            if not full:
+                conn = _Connection(self, sock)
+                self._conns.add(conn)
+                self._unauthenticated += 1
+                return conn
+            self._counters.refused_busy += 1
+        try:  # best effort, never blocking the accept loop
+            sock.send(P.encode(P.error(P.BUSY, "server at its connection limit; retry later")), socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+        return None
+
+    def _authenticated(self) -> None:
+        with self._lock:
+            self._unauthenticated -= 1
+
+    def _leave(self, conn: "_Connection", authenticated: bool) -> None:
+        with self._lock:
+            self._conns.discard(conn)
+            if not authenticated:
+                self._unauthenticated -= 1
+
+    def _reap_leases(self) -> None:
+        """Release get leases older than ``lease_timeout_s`` until the server closes."""
+        interval = min(1.0, self.config.lease_timeout_s / 4)
+        while not self._stop.wait(interval):
+            with self._lock:
+                conns = list(self._conns)
+            now = time.monotonic()
+            expired = sum(conn.expire_leases(now) for conn in conns)
+            if expired:
+                self.count(leases_expired=expired)
 
     def __enter__(self) -> "CacheServer":
         return self.start() if self._server is None else self
@@ -215,6 +389,7 @@ class CacheServer:
             "staging": {"path": self.staging_path, "size": self.staging.capacity_bytes},
             "page_size": int(self.arena.config.page_size),
             "tiers": [t.name for t in self.store.tiers],
+            "lease_timeout_s": float(self.config.lease_timeout_s),
         }
 
     def check_token(self, token: str | None) -> bool:
@@ -224,8 +399,15 @@ class CacheServer:
         return token is not None and hmac.compare_digest(token.encode(), self.config.token.encode())
 
     def get(self, key: bytes, leases: dict) -> dict[str, Any]:
-        """Serve ``key`` from the store (promoting a lower-tier hit) and lease its arena pages."""
+        """Serve ``key`` from the store (promoting a lower-tier hit) and lease its arena pages.
+
+        ``leases`` maps lease id -> (borrow context, expiry instant); a client already holding
+        ``max_leases_per_client`` gets a miss (counted).
+        """
         self.count(gets=1)
+        if len(leases) >= self.config.max_leases_per_client:
+            self.count(lease_quota=1)
+            return {"ok": True, "tier": None}
         tier = self.store.read(key, _ignore)
         if tier is None:
             return {"ok": True, "tier": None}
@@ -236,17 +418,22 @@ class CacheServer:
             self.count(lease_misses=1)
             return {"ok": True, "tier": None}
         lease = next(self._lease_ids)
-        leases[lease] = borrow
+        leases[lease] = (borrow, time.monotonic() + self.config.lease_timeout_s)
         self.count(get_hits=1)
         extents = [[self.arena.offset_of(v), int(v.size)] for v in views]
         return {"ok": True, "tier": tier, "lease": lease, "extents": extents}
 
     def reserve(self, msg: dict, pending: dict) -> dict[str, Any]:
-        """Reserve staging pages for a put (``exists`` when the arena already holds the key)."""
+        """Reserve staging pages for a put (``exists`` when the arena already holds the key,
+        ``quota`` when this connection's open reservations would exceed its staging share)."""
         self.count(puts=1)
         key = msg["key"]
         if self.arena.contains(key):
             return {"ok": True, "status": "exists"}
+        held = sum(item[1] for item in pending.values())
+        if held + msg["nbytes"] > self._staging_quota:
+            self.count(put_quota=1)
+            return {"ok": True, "status": "quota"}
         lease = next(self._lease_ids)
         stage_key = lease.to_bytes(8, "little")
         views = self.staging.reserve(stage_key, msg["nbytes"])
@@ -281,6 +468,10 @@ class CacheServer:
         stats = self.store.stats()
         with self._lock:
             stats["server"] = dict(self._counters.__dict__)
+            conns = list(self._conns)
+            stats["server"]["connections_open"] = len(conns)
+            stats["server"]["unauthenticated_open"] = self._unauthenticated
+        stats["server"]["leases_open"] = sum(len(c.leases) for c in conns)
         stats["server"]["staging_used_bytes"] = self.staging.used_bytes()
         return stats
 
@@ -322,6 +513,79 @@ def _remove_stale(shm_dir: str) -> None:
             pass
 
 
+def _check_socket_dir(path: str) -> None:
+    """Create the socket's parent directory 0700 if missing; ServeError unless it is a directory
+    owned by this user (or root) that neither group nor others can write."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(parent):
+        try:
+            os.makedirs(parent, mode=0o700)
+        except OSError as exc:
+            raise ServeError(f"serve.listen: cannot create the socket directory {parent}: {exc.strerror or exc}") from None
+    st = os.stat(parent)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ServeError(f"serve.listen: {parent} is not a directory")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise ServeError(f"serve.listen: the socket directory {parent} belongs to uid {st.st_uid}, not to this "
+                         f"server's user (uid {os.geteuid()}) or root; use a directory of your own, e.g. "
+                         f"{default_listen()[len('unix://'):]}")
+    if st.st_mode & 0o022:
+        raise ServeError(f"serve.listen: the socket directory {parent} is writable by other users "
+                         f"(mode {stat.S_IMODE(st.st_mode):04o}), so another user could bind the path first; use a "
+                         f"directory only this user can write, e.g. {default_listen()[len('unix://'):]}")
+
+
+def _claim_socket_path(path: str) -> None:
+    """Make ``path`` free for bind: absent, or a stale socket (removed). ServeError when a server
+    answers there or the path is anything but a socket (never deleted)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        kind = "a regular file" if stat.S_ISREG(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else (
+            "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a socket")
+        raise ServeError(f"serve.listen: {path} exists and is {kind}, not a socket; kvtier does not delete it: "
+                         f"remove it yourself or choose another listen path")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            pass  # nobody listens: a socket left by a killed server
+        except OSError as exc:
+            raise ServeError(f"serve.listen: cannot check whether a server answers on {path}: {exc.strerror or exc}") from None
+        else:
+            pid = _peer_pid(probe)
+            raise ServeError(f"serve.listen: a server{f' (pid {pid})' if pid else ''} is already answering on {path}; "
+                             f"stop it first or choose another listen path")
+    _unlink_if_same(path, (st.st_dev, st.st_ino))
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    """The peer's pid of a connected unix socket (0 when the platform cannot tell)."""
+    try:
+        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        return pid
+    except (OSError, AttributeError):
+        return 0
+
+
+def _unlink_if_same(path: str, ident: tuple[int, int]) -> None:
+    """Remove ``path`` only if it is still the file ``ident`` = (st_dev, st_ino)."""
+    try:
+        st = os.lstat(path)
+        if (st.st_dev, st.st_ino) == ident:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _loopback_for(host: str) -> str:
+    """An address to reach a listener bound to ``host`` from this machine."""
+    return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
 def _ignore(segments) -> None:
     """A consume callback that copies nothing (the client copies from the arena itself)."""
 
@@ -336,39 +600,94 @@ def _parse_hostport(value: str, what: str) -> tuple[str, int]:
 # ---------------------------------------------------------------------------------- connections
 
 
-class _UnixServer(socketserver.ThreadingUnixStreamServer):
+class _Admitting:
+    """socketserver mix-in: ``admit(sock)`` decides in the accept loop, before any thread exists,
+    whether a connection is served; the admitted ``_Connection`` travels to the handler."""
+
     daemon_threads = True
 
+    def __init__(self, address, handler, admit, backlog: int):
+        self._admit = admit
+        self._admitted: dict[int, _Connection] = {}
+        self.request_queue_size = backlog
+        super().__init__(address, handler)
 
-class _TcpServer(socketserver.ThreadingTCPServer):
-    daemon_threads = True
+    def verify_request(self, request, client_address) -> bool:
+        conn = self._admit(request)
+        if conn is None:
+            return False
+        self._admitted[id(request)] = conn
+        return True
+
+    def process_request(self, request, client_address) -> None:
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread: give the slot back
+            conn = self._admitted.pop(id(request), None)
+            if conn is not None:
+                conn.server._leave(conn, authenticated=False)
+            raise
+
+    def take_connection(self, request) -> "_Connection":
+        return self._admitted.pop(id(request))
+
+
+class _UnixServer(_Admitting, socketserver.ThreadingUnixStreamServer):
+    pass
+
+
+class _TcpServer(_Admitting, socketserver.ThreadingTCPServer):
     allow_reuse_address = True
 
 
 def _make_handler(server: CacheServer):
     class Handler(socketserver.BaseRequestHandler):
         def handle(self) -> None:
-            _Connection(server, self.request).run()
+            self.server.take_connection(self.request).run()
 
     return Handler
 
 
 class _Connection:
-    """One client connection: handshake, then requests until the client goes away."""
+    """One client connection: handshake, then requests until the client goes away.
+
+    ``leases`` and ``pending`` are touched by the connection's thread and the lease reaper, both
+    under ``lock``.
+    """
 
     def __init__(self, server: CacheServer, sock: socket.socket):
         self.server = server
         self.sock = sock
-        self.leases: dict[int, Any] = {}  # get leases: id -> borrow context
+        self.lock = threading.Lock()
+        self.leases: dict[int, tuple[Any, float]] = {}  # get leases: id -> (borrow context, expiry)
         self.pending: dict[int, tuple] = {}  # put reservations: id -> staging reservation
+        self.authenticated = False
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def expire_leases(self, now: float) -> int:
+        """Release the get leases whose expiry has passed; how many were released."""
+        with self.lock:
+            expired = [lease for lease, (_, until) in self.leases.items() if until <= now]
+            for lease in expired:
+                self.leases.pop(lease)[0].__exit__(None, None, None)
+        return len(expired)
+
+    def shutdown(self) -> None:
+        """Wake the connection's thread (server closing): its next receive sees the end."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def run(self) -> None:
         server = self.server
         try:
             if not self._handshake():
                 return
+            self.authenticated = True
+            server._authenticated()
+            self.sock.settimeout(None)  # an engine may stay idle between requests for hours
             server.count(connections=1)
             while True:
                 msg = P.recv(self.sock)
@@ -381,7 +700,8 @@ class _Connection:
                     P.send(self.sock, P.error(exc.code, str(exc)))
                     continue
                 server.count(requests=1)
-                reply = self._dispatch(op, msg)
+                with self.lock:
+                    reply = self._dispatch(op, msg)
                 if reply is not None:
                     P.send(self.sock, reply)
         except P.ProtocolError as exc:  # the stream is out of sync: answer once, then hang up
@@ -393,14 +713,20 @@ class _Connection:
             log.exception("kvtier serve: connection failed")
         finally:
             self._cleanup()
+            server._leave(self, self.authenticated)
 
     def _handshake(self) -> bool:
+        """One small hello frame within the hello deadline; True when the client is accepted."""
         server = self.server
+        deadline = time.monotonic() + server.config.hello_timeout_s
         try:
-            msg = P.recv(self.sock)
+            msg = P.recv(self.sock, max_frame=P.MAX_HELLO_FRAME, deadline=deadline)
         except P.ProtocolError as exc:
             server.count(malformed=1, rejected=1)
             self._try_send(P.error(exc.code, str(exc)))
+            return False
+        except TimeoutError:
+            server.count(hello_timeouts=1, rejected=1)
             return False
         if msg is None:
             return False
@@ -423,7 +749,7 @@ class _Connection:
             log.warning("kvtier serve: a client presented a wrong token")
             self._try_send(P.error(P.BAD_TOKEN, "wrong or missing token"))
             return False
-        P.send(self.sock, server.hello_reply())
+        P.send_by(self.sock, server.hello_reply(), time.monotonic() + server.config.hello_timeout_s)
         return True
 
     def _dispatch(self, op: str, msg: dict) -> dict | None:
@@ -431,9 +757,9 @@ class _Connection:
         if op == "get":
             return server.get(msg["key"], self.leases)
         if op == "release":
-            borrow = self.leases.pop(msg["lease"], None)
-            if borrow is not None:
-                borrow.__exit__(None, None, None)
+            held = self.leases.pop(msg["lease"], None)
+            if held is not None:
+                held[0].__exit__(None, None, None)
             return None
         if op == "lookup":
             return {"ok": True, "n": server.store.lookup(msg["keys"])}
@@ -458,14 +784,16 @@ class _Connection:
 
     def _try_send(self, reply: dict) -> None:
         try:
+            self.sock.settimeout(1.0)  # an error reply to a peer that does not read is dropped
             P.send(self.sock, reply)
         except OSError:
             pass
 
     def _cleanup(self) -> None:
         """Give back what a vanished client still held."""
-        for borrow in self.leases.values():
-            borrow.__exit__(None, None, None)
-        self.leases.clear()
-        for lease in list(self.pending):
-            self.server.abort(lease, self.pending)
+        with self.lock:
+            for borrow, _ in self.leases.values():
+                borrow.__exit__(None, None, None)
+            self.leases.clear()
+            for lease in list(self.pending):
+                self.server.abort(lease, self.pending)

@@ -131,8 +131,7 @@ def test_lease_keeps_pages_while_the_entry_is_replaced(make_server):
 
 
 def test_bad_token_version_and_malformed_rejected_while_others_are_served(make_server):
-    port = __import__("tests.server.conftest", fromlist=["free_port"]).free_port()
-    server = make_server(listen=f"tcp://127.0.0.1:{port}", token="right-token")
+    server = make_server(listen="tcp://127.0.0.1:0", token="right-token")  # the ready line names the port
     good = ServerStore(server.address, token="right-token")
     assert good.put(_key(1), _payload(1, 100_000))
 
@@ -214,7 +213,7 @@ def test_metrics_and_healthz(make_server):
         c.put(_key(5), _payload(5, 70_000))
         c.get(_key(5))
         c.read(_key(6), lambda s: None)
-    base = f"http://{server.config['metrics']}"
+    base = f"http://{server.metrics_address}"  # bound as port 0, reported in the ready line
     assert urllib.request.urlopen(base + "/healthz", timeout=5).read() == b"ok\n"
     text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
     lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
