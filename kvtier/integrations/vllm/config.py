@@ -14,10 +14,19 @@ Keys (all optional)::
     server             use a per-node kvtier cache server instead of in-process tiers
                        ("unix:///path.sock" or "tcp://host:port")
     server_token       the token a TCP server requires
+    weights_id         a string naming the model's weights (a release tag, a checksum); it
+                       replaces the sampled weights digest in the key namespace (see
+                       kvtier.keys.weights_digest). Set it when the model is not a local
+                       directory, or to share entries between differently laid out copies
 
-With tensor parallelism the ``capacity`` of a ``ram`` or ``disk`` tier is the total over all
-ranks, as vLLM's own ``kv_offloading_size`` is: each rank's store gets 1/TP of it, and each
-rank's disk tier its own subdirectory ``tp{TP}-rank{r}`` of ``path`` (see ``for_rank``).
+With tensor or pipeline parallelism the ``capacity`` of a ``ram`` or ``disk`` tier is the total
+over all workers (TP x PP), as vLLM's own ``kv_offloading_size`` is: each worker's store gets its
+share, and each worker's disk tier its own subdirectory of ``path``: ``tp{TP}-rank{r}``, or
+``pp{PP}-stage{s}-tp{TP}-rank{r}`` with several pipeline stages (see ``for_rank``).
+
+Every tier spec is checked when the config is built (its ``type`` is a known tier type, its keys
+are that tier's keys): a mistake fails the engine with one ConfigError line naming it and the
+valid choices, on the scheduler side too, instead of a tier silently left out.
 """
 
 from __future__ import annotations
@@ -43,12 +52,15 @@ class ConnectorConfig:
     store: StoreConfig = field(default_factory=lambda: StoreConfig(tiers=[dict(t) for t in DEFAULT_CONNECTOR_TIERS]))
     server: str | None = None
     server_token: str | None = field(default=None, repr=False)
+    weights_id: str | None = None
 
     def __post_init__(self):
         if self.chunk_tokens is not None and self.chunk_tokens <= 0:
             raise ConfigError(f"kv_connector_extra_config.chunk_tokens: must be positive, got {self.chunk_tokens}")
         if self.load_threads < 1:
             raise ConfigError(f"kv_connector_extra_config.load_threads: must be at least 1, got {self.load_threads}")
+        for i, spec in enumerate(self.store.tiers):
+            check_tier_spec(spec, f"kv_connector_extra_config.tiers[{i}]")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorConfig":
@@ -87,16 +99,21 @@ class ConnectorConfig:
             tiers.append(spec)
         return dataclasses.replace(self, store=dataclasses.replace(self.store, tiers=tiers))
 
-    def for_rank(self, rank: int, world: int) -> "ConnectorConfig":
-        """The config of tensor-parallel rank ``rank`` of ``world`` (itself when ``world`` is 1).
+    def for_rank(self, rank: int, world: int, stage: int = 0, stages: int = 1) -> "ConnectorConfig":
+        """The config of tensor-parallel rank ``rank`` of ``world`` in pipeline stage ``stage``
+        of ``stages`` (itself when there is one worker).
 
-        Each rank's worker owns a store of its own, holding its share of every chunk. A ``ram``
-        or ``disk`` tier's ``capacity`` (given, or the tier's default) is split evenly, and a
-        disk tier moves to ``path/tp{world}-rank{rank}``, so no two stores manage one directory.
-        Shared tiers (redis, s3, fs) are shared anyway: ranks use different keys there.
+        Each worker owns a store of its own, holding its share of every chunk (its TP slice of
+        its stage's layers). A ``ram`` or ``disk`` tier's ``capacity`` (given, or the tier's
+        default) is split evenly over the ``world * stages`` workers, and a disk tier moves to
+        ``path/tp{world}-rank{rank}`` (one stage) or ``path/pp{stages}-stage{stage}-tp{world}-
+        rank{rank}``, so no two stores manage one directory. Shared tiers (redis, s3, fs) are
+        shared anyway: workers use different keys there (``kvtier.keys.worker_key``).
         """
-        if world == 1:
+        if world == 1 and stages == 1:
             return self
+        sub = f"tp{world}-rank{rank}" if stages == 1 else f"pp{stages}-stage{stage}-tp{world}-rank{rank}"
+        workers = world * stages
         from kvtier.tiers.registry import TIERS
 
         tiers = []
@@ -106,8 +123,39 @@ class ConnectorConfig:
             if kind in ("ram", "disk"):
                 default = {f.name: f.default for f in dataclasses.fields(TIERS.get(kind).Config)}.get("capacity")
                 total = parse_size(spec.get("capacity", default), f"tiers[{i}].capacity")
-                spec["capacity"] = total // world
+                spec["capacity"] = total // workers
             if kind == "disk" and spec.get("path"):
-                spec["path"] = os.path.join(spec["path"], f"tp{world}-rank{rank}")
+                spec["path"] = os.path.join(spec["path"], sub)
             tiers.append(spec)
         return dataclasses.replace(self, store=dataclasses.replace(self.store, tiers=tiers))
+
+
+def check_tier_spec(spec: Mapping[str, Any], where: str) -> None:
+    """ConfigError (one line: the tier, the bad key or type, the valid choices) unless ``spec``
+    names a known tier type and only that tier's keys (plus ``type``, ``name``, ``policy``).
+
+    Only the spec's shape is checked here: nothing is opened or connected, so the scheduler can
+    reject a bad config before the engine loads weights.
+    """
+    from kvtier.policies.registry import POLICIES
+    from kvtier.tiers.registry import TIERS
+
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"{where}: expected a mapping with a 'type'; valid types: {', '.join(TIERS.names())}")
+    kind = spec.get("type")
+    if kind is None:
+        raise ConfigError(f"{where}: missing 'type'; valid types: {', '.join(TIERS.names())}")
+    if not isinstance(kind, str) or kind not in TIERS.names():
+        raise ConfigError(f"{where}: unknown tier type {kind!r}; valid types: {', '.join(TIERS.names())}")
+    try:
+        tier_cls = TIERS.get(kind)
+    except ConfigError as exc:  # the tier's package is missing
+        raise ConfigError(f"{where}: {exc}") from None
+    keys = {f.name for f in dataclasses.fields(tier_cls.Config) if f.init}
+    policy = spec.get("policy")
+    if policy is not None and policy not in POLICIES.names():
+        raise ConfigError(f"{where}({kind}): unknown policy {policy!r}; valid policies: {', '.join(POLICIES.names())}")
+    unknown = sorted(set(spec) - keys - {"type", "name", "policy"}, key=str)
+    if unknown:
+        valid = sorted(keys | {"type", "name", "policy"})
+        raise ConfigError(f"{where}({kind}): unknown key {unknown[0]!r}; valid keys: {', '.join(valid)}")

@@ -49,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.pages import PageLayout
-from kvtier.keys import ROOT, Namespace, chunk_keys
+from kvtier.keys import ROOT, MMItem, Namespace, chunk_keys, lora_identity, weights_digest, worker_key
 from kvtier.store import TieredStore
 
 if TYPE_CHECKING:
@@ -145,6 +145,7 @@ class _Request:
     prompt_len: int
     token_ids: Sequence[int]  # the prompt, then the generated tokens (vLLM's growing all_token_ids)
     namespace: bytes = b""
+    mm: tuple[MMItem, ...] = ()  # the prompt's multimodal items, folded into the keys
     block_ids: list[int] = field(default_factory=list)
     hit_chunks: int = 0  # chunks found in the store at lookup
     local_tokens: int = 0  # tokens vLLM's own prefix cache had
@@ -168,7 +169,9 @@ class KVTierConnector(KVConnectorBase_V1):
             )
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self.namespace = _namespace(vllm_config, kv_cache_config, self.chunk_tokens)
+        self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
+        self.namespace = _namespace(vllm_config, kv_cache_config, self.chunk_tokens, self.config.weights_id)
+        self._lora_ids: dict[tuple[str, str], str] = {}  # (name, path) -> identity, read once
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec if kv_cache_config else None
         page = getattr(spec, "page_size_bytes", None)
         # scheduler side: a mirror of the worker's tiers plus probes of the persistent ones
@@ -184,11 +187,12 @@ class KVTierConnector(KVConnectorBase_V1):
         self._load_pool: ThreadPoolExecutor | None = None
         self._num_blocks = kv_cache_config.num_blocks if kv_cache_config else 0
         self._rank = 0
+        self._stage = 0  # pipeline stage of this worker
         self._failed_blocks: set[int] = set()
         self._stats = KVTierConnectorStats()
         if role == KVConnectorRole.WORKER:
-            self._rank = _tp_rank()
-            cfg = self.config.for_rank(self._rank, self.tp_size)
+            self._rank, self._stage = _tp_rank(), _pp_stage()
+            cfg = self.config.for_rank(self._rank, self.tp_size, self._stage, self.pp_size)
             cfg = cfg.with_page_size(page) if page else cfg
             if self.config.server:  # a per-node cache server owns the tiers
                 from kvtier.server.client import ServerStore
@@ -196,15 +200,31 @@ class KVTierConnector(KVConnectorBase_V1):
                 self.store = ServerStore(self.config.server, token=self.config.server_token)
             else:
                 self.store = TieredStore.from_config(cfg.store)
-            if self._rank == 0:
+            if self._rank == 0 and self._stage == 0:
                 self.store.enable_events()
-            log.info("kvtier: worker rank %d store tiers %s", self._rank, [t.name for t in self.store.tiers])
+            log.info("kvtier: worker rank %d stage %d store tiers %s", self._rank, self._stage,
+                     [t.name for t in self.store.tiers])
         elif self.config.server:
             from kvtier.server.client import ServerStore
 
             self._server = ServerStore(self.config.server, token=self.config.server_token)
         else:
-            self._probes = _make_probes(self.config.for_rank(0, self.tp_size).store.tiers)  # rank 0 speaks for all
+            # rank 0 of stage 0 speaks for all workers
+            self._probes = _make_probes(self.config.for_rank(0, self.tp_size, 0, self.pp_size).store.tiers)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """No layer-wise asynchronous work: full CUDA graphs are fine (False).
+
+        vLLM asks this while it builds its config, in the frontend process, before any engine
+        process starts, whenever full CUDA graphs are on: the earliest point a connector sees
+        its ``kv_connector_extra_config``. The config is validated here, so a bad tier key or
+        type fails ``LLM(...)``/``vllm serve`` at once (ConfigError) instead of after the
+        weights load. Where vLLM does not ask (eager mode, the CPU backend), the connector's
+        constructor rejects it, on the scheduler and on the worker side.
+        """
+        ConnectorConfig.from_extra_config(extra_config)
+        return False
 
     # ------------------------------------------------------------------------- scheduler side
 
@@ -212,7 +232,7 @@ class KVTierConnector(KVConnectorBase_V1):
         """Tokens beyond ``num_computed_tokens`` that the store holds (block-aligned, < prompt)."""
         state = self._request_state(request)
         max_chunks = (state.prompt_len - 1) // self.chunk_tokens
-        keys = [self._rank_key(k, 0) for k in state.keys[:max_chunks]]
+        keys = [self._rank_key(k, 0, 0) for k in state.keys[:max_chunks]]
         state.hit_chunks = self._lookup(keys)
         state.local_tokens = num_computed_tokens
         hit_tokens = state.hit_chunks * self.chunk_tokens
@@ -272,7 +292,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if full > len(state.keys):
             prev = state.keys[-1] if state.keys else ROOT
             state.keys += chunk_keys(state.token_ids[: full * self.chunk_tokens], state.namespace, self.chunk_tokens,
-                                     start=len(state.keys), prev=prev)
+                                     start=len(state.keys), prev=prev, mm=state.mm)
         bpc = self.blocks_per_chunk
         for c in range(state.saved_chunks, full):
             blocks = state.block_ids[c * bpc : (c + 1) * bpc]
@@ -347,21 +367,39 @@ class KVTierConnector(KVConnectorBase_V1):
         state = self._requests.get(request.request_id)
         if state is None:
             # all_token_ids grows as tokens are generated. A prompt given (even partly) as
-            # embeddings is not keyed at all: its token ids are placeholders, not its content
-            keyed = request.prompt_token_ids is not None and getattr(request, "prompt_embeds", None) is None
+            # embeddings is not keyed at all: its token ids are placeholders, not its content;
+            # nor is one with a multimodal item that has no content hash
+            mm = mm_items(request)
+            keyed = (request.prompt_token_ids is not None and getattr(request, "prompt_embeds", None) is None
+                     and mm is not None)
             tokens = request.all_token_ids if keyed else []
             prompt = list(request.prompt_token_ids) if keyed else []
-            lora = request.lora_request.lora_name if request.lora_request else None
-            ns = self.namespace.with_lora(lora).with_salt(request.cache_salt).digest()
-            state = _Request(chunk_keys(prompt, ns, self.chunk_tokens), len(prompt), tokens, ns)
+            mm = tuple(mm or ())
+            ns = self.namespace.with_lora(self._lora_identity(request)).with_salt(request.cache_salt).digest()
+            state = _Request(chunk_keys(prompt, ns, self.chunk_tokens, mm=mm), len(prompt), tokens, ns, mm)
             self._requests[request.request_id] = state
         return state
 
-    def _rank_key(self, key: bytes, rank: int) -> bytes:
-        """The key of one tensor-parallel rank's share of a chunk (the chunk key when TP=1)."""
-        if self.tp_size == 1:
-            return key
-        return hashlib.sha256(key + b"rank" + rank.to_bytes(4, "little")).digest()
+    def _lora_identity(self, request: "Request") -> str | None:
+        """The request's LoRA adapter identity (name, path, weights digest), None without one.
+
+        The adapter's weights are sampled once per (name, path) in this connector's life, as vLLM
+        itself loads an adapter once: files replaced later at the same path are not noticed.
+        """
+        lora = request.lora_request
+        if lora is None:
+            return None
+        name, path = lora.lora_name, str(lora.lora_path or "")
+        ident = self._lora_ids.get((name, path))
+        if ident is None:
+            ident = self._lora_ids[(name, path)] = lora_identity(name, path, weights_digest(path) if path else "")
+        return ident
+
+    def _rank_key(self, key: bytes, rank: int, stage: int | None = None) -> bytes:
+        """The key of one worker's share of a chunk: TP rank ``rank`` of pipeline stage ``stage``
+        (this worker's stage when None); the chunk key itself with one worker."""
+        stage = self._stage if stage is None else stage
+        return worker_key(key, rank, self.tp_size, stage, self.pp_size)
 
     # ------------------------------------------------------------------------- worker side
 
@@ -451,8 +489,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 self._stats.add(save_skipped=1)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        """This step's store events for the scheduler's mirror (rank 0 speaks for all ranks)."""
-        if self.store is None or self._rank != 0:
+        """This step's store events for the scheduler's mirror (rank 0 of stage 0 speaks for all)."""
+        if self.store is None or self._rank != 0 or self._stage != 0:
             return None
         events = self.store.take_events()
         return KVTierWorkerMetadata(events) if events else None
@@ -493,11 +531,38 @@ class KVTierConnector(KVConnectorBase_V1):
             self._server = None
 
 
-def _namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None", chunk_tokens: int) -> Namespace:
-    """The key namespace: everything about the engine that changes KV bytes."""
+def mm_items(request: "Request") -> list[MMItem] | None:
+    """The request's multimodal items (content hash + placeholder span), [] for a text prompt,
+    None when an item carries no hash (such a prompt must not be keyed).
+
+    The hash is vLLM's ``identifier`` (the item's content hash, prefixed by the LoRA adapter
+    when one applies), else its ``mm_hash``: the same hash vLLM's own prefix cache folds in.
+    """
+    items = []
+    for feature in getattr(request, "mm_features", None) or ():
+        ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
+        pos = getattr(feature, "mm_position", None)
+        if not ident or pos is None or pos.length <= 0 or pos.offset < 0:
+            return None
+        items.append(MMItem(str(ident), int(pos.offset), int(pos.length)))
+    return items
+
+
+def _namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None", chunk_tokens: int,
+               weights_id: str | None = None) -> Namespace:
+    """The key namespace: everything about the engine that changes KV bytes.
+
+    Model: its name/path, revision, a digest of its (possibly overridden) HF config, its
+    weights (``weights_id`` when given, else ``weights_digest`` of a local model directory),
+    its quantization method and compute dtype. KV: dtype and layout. Parallelism: TP and PP
+    sizes and an explicit PP layer partition (per-worker keys add rank and stage). Request
+    parts (LoRA, cache salt, multimodal items) are added per request.
+    """
+    from vllm import envs
     from vllm.platforms import current_platform
 
     model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
     hf = getattr(model, "hf_config", None)
     blob = json.dumps(hf.to_dict() if hf is not None else {}, sort_keys=True, default=str).encode()
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec if kv_cache_config else None
@@ -510,13 +575,20 @@ def _namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None
         getattr(kv_cache_config, "kv_cache_layout", None) or "",
         f"chunk{chunk_tokens}",
     ))
+    pp = parallel.pipeline_parallel_size
     return Namespace(
         model=str(model.model),
+        revision=str(getattr(model, "revision", None) or ""),
         config_digest=hashlib.sha256(blob).hexdigest(),
+        weights_digest=f"id:{weights_id}" if weights_id else weights_digest(model.model),
+        quantization=str(getattr(model, "quantization", None) or ""),
+        dtype=str(getattr(model, "dtype", "")),
         kv_dtype=str(getattr(spec, "dtype", vllm_config.cache_config.cache_dtype)),
         kv_layout=layout,
-        tp_world_size=vllm_config.parallel_config.tensor_parallel_size,
-        tp_rank=0,  # per-rank keys are derived on the worker (see _rank_key)
+        tp_world_size=parallel.tensor_parallel_size,
+        tp_rank=0,  # per-worker keys are derived on the worker (see _rank_key)
+        pp_world_size=pp,
+        pp_partition=str(envs.VLLM_PP_LAYER_PARTITION or "") if pp > 1 else "",
     )
 
 
@@ -551,5 +623,15 @@ def _tp_rank() -> int:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         return get_tensor_model_parallel_rank()
+    except Exception:  # not initialised (single process)
+        return 0
+
+
+def _pp_stage() -> int:
+    """This worker's pipeline stage (0 when pipeline parallelism is not initialised)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return get_pp_group().rank_in_group
     except Exception:  # not initialised (single process)
         return 0
