@@ -259,6 +259,7 @@ def read_file_header(path: str | os.PathLike) -> Header:
 
 
 INDEX_NAME = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 64 * 1024 * 1024  # real indexes are kilobytes to a few MB
 
 
 def index_files(index_text: str, label: str) -> list[str]:

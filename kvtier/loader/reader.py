@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 from kvtier.config import Size, parse_size
 from kvtier.errors import ConfigError, LoaderError
-from kvtier.loader.header import DTYPES, INDEX_NAME, Header, TensorInfo, index_files, parse_header
+from kvtier.loader.header import DTYPES, INDEX_NAME, MAX_INDEX_BYTES, Header, TensorInfo, index_files, parse_header
 from kvtier.loader.sources import Source, open_source, scheme_of, source_class
 
 MiB = 1024 * 1024
@@ -506,7 +506,10 @@ def model_files(uri: str, endpoint_url: str | None = None) -> list[str]:
     if INDEX_NAME in listing:
         index = join_uri(uri, INDEX_NAME)
         with _open(index, ReaderConfig(endpoint_url=endpoint_url)) as src:
-            text = src.read(0, src.size()).decode("utf-8", errors="replace")
+            size = src.size()
+            if size > MAX_INDEX_BYTES:
+                raise LoaderError(f"{index}: index of {size} bytes exceeds the {MAX_INDEX_BYTES}-byte limit")
+            text = src.read(0, size).decode("utf-8", errors="replace")
         names = index_files(text, index)
         missing = [n for n in names if n not in listing]
         if missing:

@@ -135,6 +135,15 @@ def test_duplicate_tensor_names_are_refused(tmp_path):
         load_tensors(str(path))
 
 
+def test_huge_index_is_refused_without_reading_it(tmp_path):
+    """An index file is read whole: a 1 TB (sparse) one is refused before any allocation."""
+    save_file({"a": torch.ones(1)}, str(tmp_path / "m-1.safetensors"))
+    with open(tmp_path / "model.safetensors.index.json", "wb") as f:
+        f.truncate(1 << 40)
+    with pytest.raises(LoaderError, match=r"index\.json: index of 1099511627776 bytes exceeds"):
+        model_files(str(tmp_path))
+
+
 def test_file_shrinking_during_read_is_a_short_read(tmp_path):
     path = str(tmp_path / "s.safetensors")
     save_file({"a": torch.ones(1 << 16)}, path)
