@@ -159,3 +159,26 @@ def test_shard_pulls_an_s3_model_into_the_node_cache_first(model, tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert f"{cache_path(cache, uri)}: not a model directory with a config.json" in err
     assert os.path.exists(os.path.join(cache_path(cache, uri), MARKER))
+
+
+def test_shard_of_a_malformed_s3_checkpoint_fails_before_pulling(model, tmp_path, s3_server, s3_bucket, capsys):
+    """Issue 9, item 16 for s3://: every remote header is checked before a byte of weights is
+    pulled into the node cache and before an engine starts; one line naming the object."""
+    from kvtier.cli import main
+
+    local, _ = model
+    bad = b'{"w": {"dtype": "F32", "shape": [18446744073709551616, 0], "data_offsets": [0, 0]}}'
+    with open(os.path.join(local, "x-2.safetensors"), "wb") as f:
+        f.write(len(bad).to_bytes(8, "little") + bad)
+    with open(os.path.join(local, "config.json"), "w") as f:
+        f.write("{}")
+    client = s3_server.client()
+    for name in os.listdir(local):
+        client.upload_file(os.path.join(local, name), s3_bucket, f"broken/{name}")
+    uri = f"s3://{s3_bucket}/broken/"
+    cache = tmp_path / "cache"
+    assert main(["shard", uri, "--tp", "1", "--out", str(tmp_path / "o"), "--cache-dir", str(cache),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvtier shard: error: {uri}x-2.safetensors: tensor 'w': shape ") and "\n" not in err, err
+    assert not cache.exists() and not (tmp_path / "o").exists()
