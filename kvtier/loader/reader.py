@@ -179,15 +179,11 @@ class StreamReader:
                     self._owned.append(src)
                 self._sources[uri] = src
                 self.headers[uri] = parse_header(src.read, src.size(), uri)
-        except BaseException:
-            self.close()
-            raise
-        self._cold: dict[str, bool] = {}  # auto mode: uri -> not in the page cache
-        try:
             self.index = tensor_index(self.headers)
         except BaseException:
             self.close()
             raise
+        self._cold: dict[str, bool] = {}  # auto mode: uri -> not in the page cache
 
     @property
     def concurrency(self) -> int:
@@ -456,7 +452,7 @@ def tensor_index(headers: Mapping[str, Header]) -> dict[str, tuple[str, TensorIn
     for uri, header in headers.items():
         for name, info in header.tensors.items():
             if name in index:
-                raise LoaderError(f"{uri}: tensor {name!r} also appears in {index[name][0]}")
+                raise LoaderError(f"{uri}: tensor {name[:80]!r} also appears in {index[name][0]}")
             index[name] = (uri, info)
     return index
 
