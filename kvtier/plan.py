@@ -23,16 +23,53 @@ _DTYPE_BYTES = {
     "bf16": 2, "bfloat16": 2,
     "fp8": 1, "float8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_e4m3fn": 1, "fp8_e4m3fnuz": 1,
     "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "int8": 1,
+    "fp8_inc": 1,  # vLLM's --kv-cache-dtype names
 }
+AUTO_DTYPE = "auto"  # vLLM's --kv-cache-dtype default: the model's dtype
 
 
 def dtype_bytes(name: str) -> int:
     """Bytes per value of a KV dtype name (``fp16``, ``bfloat16``, ``fp8_e4m3``, ``torch.float16``...)."""
     key = str(name).lower().removeprefix("torch.")
     if key not in _DTYPE_BYTES:
-        raise ConfigError(f"unknown KV dtype {name!r}; valid: fp32, fp16, bf16, fp8 (and names like "
-                          "float16, bfloat16, fp8_e4m3, fp8_e5m2)")
+        raise ConfigError(f"unknown KV dtype {name!r}; valid: auto (the model's), fp32, fp16, bf16, fp8 (and "
+                          "vLLM's names: float16, bfloat16, fp8_e4m3, fp8_e5m2, fp8_inc)")
     return _DTYPE_BYTES[key]
+
+
+def parse_tokens(text: str | int, what: str = "--tokens") -> int:
+    """A positive token count as vLLM's ``--max-model-len`` reads it: ``4096``, ``128k`` (x1,000),
+    ``128K`` (x1,024), ``1.5m`` (x1,000,000), ``1M`` (x2**20). ConfigError otherwise."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        raw = str(text).strip()
+        factors = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+        number, factor = (raw[:-1], factors[raw[-1]]) if raw[-1:] in factors else (raw, 1)
+        try:
+            value = int(float(number) * factor) if factor != 1 else int(number)
+        except ValueError:
+            raise ConfigError(f"{what}: cannot read {text!r} as a token count (e.g. 4096, 128k = 128,000, "
+                              "128K = 131,072)") from None
+    if value <= 0:
+        raise ConfigError(f"{what}: must be positive, got {text!r}")
+    return value
+
+
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's fields: a multimodal wrapper (Llava, Gemma 3, Qwen2-VL...) keeps
+    them under ``text_config``; other configs are returned as they are."""
+    inner = config.get("text_config")
+    if "num_hidden_layers" not in config and isinstance(inner, Mapping):
+        return inner
+    return config
+
+
+def max_tokens(config: Mapping[str, Any]) -> int:
+    """The model's context length (``max_position_embeddings`` of its text model), else 1."""
+    cfg = text_config(config)
+    value = cfg.get("max_position_embeddings") or config.get("max_position_embeddings") or 1
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -45,7 +82,16 @@ class KVShape:
     head_dim: int  # per K or V head; for MLA the latent width (kv_lora_rank + qk_rope_head_dim)
     dtype: str
     dtype_bytes: int
-    bytes_per_token: int
+    bytes_per_token: int  # every layer's KV of one token (within the sliding window, if any)
+    sliding_layers: int = 0  # layers that keep only the last ``sliding_window`` tokens
+    sliding_window: int | None = None
+
+    def bytes_for(self, tokens: int) -> int:
+        """KV bytes of a ``tokens``-long sequence: full-attention layers hold every token,
+        sliding-window layers at most their window (as vLLM allocates them)."""
+        per_layer = self.bytes_per_token // self.layers
+        windowed = min(tokens, self.sliding_window or tokens)
+        return per_layer * ((self.layers - self.sliding_layers) * tokens + self.sliding_layers * windowed)
 
 
 def load_model_config(path: str) -> dict:
@@ -65,10 +111,9 @@ def load_model_config(path: str) -> dict:
 
 def kv_shape(config: Mapping[str, Any], dtype: str | None = None, where: str = "config") -> KVShape:
     """KV bytes per token = 2 x layers x KV heads x head_dim x dtype bytes (MLA: layers x latent)."""
-    cfg = config
-    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), Mapping):
-        cfg = cfg["text_config"]  # multimodal wrappers keep the language model's fields here
-    dtype = dtype or cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or "fp16"
+    cfg = text_config(config)
+    if dtype is None or str(dtype).lower() == AUTO_DTYPE:
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or config.get("dtype") or "fp16"
     nbytes = dtype_bytes(dtype)
     layers = _field(cfg, where, "num_hidden_layers", "n_layer", "num_layers")
     if cfg.get("kv_lora_rank"):  # DeepSeek-style MLA: one compressed latent + rope key per layer
@@ -84,7 +129,34 @@ def kv_shape(config: Mapping[str, Any], dtype: str | None = None, where: str = "
             raise ConfigError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
         head_dim = hidden // heads
     per_token = 2 * layers * kv_heads * head_dim * nbytes
-    return KVShape("mha", layers, kv_heads, head_dim, str(dtype), nbytes, per_token)
+    sliding, window = sliding_layers(cfg, layers, where)
+    return KVShape("mha", layers, kv_heads, head_dim, str(dtype), nbytes, per_token, sliding, window)
+
+
+def sliding_layers(cfg: Mapping[str, Any], layers: int, where: str = "config") -> tuple[int, int | None]:
+    """(layers with sliding-window attention, the window) from a text config; (0, None) if none.
+
+    Read in this order: ``layer_types`` (``"sliding_attention"`` entries; Gemma 2/3, newer
+    configs), ``use_sliding_window: false`` (Qwen2: the window is declared but off), Gemma 3's
+    ``sliding_window_pattern`` N (every Nth layer is global), Gemma 2 (every other layer), and
+    otherwise a ``sliding_window`` on every layer (Mistral 7B v0.1).
+    """
+    window = cfg.get("sliding_window")
+    if not window:
+        return 0, None
+    window = _int(cfg, where, "sliding_window")
+    types_ = cfg.get("layer_types")
+    if isinstance(types_, list) and types_:
+        count = sum(1 for t in types_[:layers] if t == "sliding_attention")
+        return (count, window) if count else (0, None)
+    if cfg.get("use_sliding_window") is False:
+        return 0, None
+    pattern = cfg.get("sliding_window_pattern")
+    if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
+        return layers - layers // pattern, window
+    if cfg.get("model_type") == "gemma2":
+        return layers - layers // 2, window
+    return layers, window
 
 
 def _field(cfg: Mapping[str, Any], where: str, *names: str) -> int:
@@ -105,9 +177,13 @@ def kv_size(shape: KVShape, tokens: int) -> dict:
     """The stable ``kv-size --json`` document for ``tokens`` tokens."""
     if tokens <= 0:
         raise ConfigError(f"tokens must be positive, got {tokens}")
-    total = shape.bytes_per_token * tokens
-    return {"bytes_per_token": shape.bytes_per_token, "tokens": tokens, "total_bytes": total,
-            "total_gib": total / GIB, "total_gb": total / GB, **asdict(shape)}
+    total = shape.bytes_for(tokens)
+    out = {"bytes_per_token": shape.bytes_per_token, "tokens": tokens, "total_bytes": total,
+           "total_gib": total / GIB, "total_gb": total / GB, **asdict(shape), "note": None}
+    if shape.sliding_layers:
+        out["note"] = (f"{shape.sliding_layers} of {shape.layers} layers use a {shape.sliding_window:,}-token "
+                       f"sliding window and hold at most that many tokens; bytes_per_token counts every layer")
+    return out
 
 
 # -- break-even ------------------------------------------------------------------------------
@@ -154,11 +230,16 @@ def fleet_load(model_bytes: int, pods: int, bandwidth: float, pods_per_node: int
     The headline figure is every pod reading the model once (the document: 140 GB x 100 pods =
     14 TB, 1,400 s at 10 GB/s). Scenarios show what changes it: ranks that each read the whole
     checkpoint instead of their shard (x tp), and a node-local cache that one pod per node fills.
+    ``pods_per_node`` above ``pods`` is clamped to ``pods`` and said so in ``notes``.
     """
     if pods <= 0 or pods_per_node <= 0 or tp <= 0:
         raise ConfigError("pods, pods-per-node and tp must be positive")
     if bandwidth <= 0:
         raise ConfigError("bandwidth must be positive")
+    notes = []
+    if pods_per_node > pods:
+        notes.append(f"pods-per-node {pods_per_node} is more than the {pods} pods: counted as {pods} (one node)")
+        pods_per_node = pods
     total = model_bytes * pods
     nodes = math.ceil(pods / pods_per_node)
     scenarios = [("every pod reads the model (sharded per rank)", total)]
@@ -171,4 +252,5 @@ def fleet_load(model_bytes: int, pods: int, bandwidth: float, pods_per_node: int
         "bandwidth_bytes_per_s": bandwidth, "pods_per_node": pods_per_node, "tp": tp, "nodes": nodes,
         "per_rank_bytes": model_bytes // tp,
         "scenarios": [{"scenario": name, "total_bytes": b, "seconds": b / bandwidth} for name, b in scenarios],
+        "notes": notes,
     }

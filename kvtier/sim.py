@@ -225,6 +225,23 @@ def _result(policy: str, capacity: int, trace: Trace, hits: int, hit_bytes: int)
     return SimResult(policy, capacity, len(trace.keys), hits, hit_bytes, total)
 
 
+def capacity_hints(trace: Trace, capacities: Iterable[int]) -> list[str]:
+    """One line per capacity that cannot mean what was probably meant: with a sized trace a
+    capacity is bytes, so one below the mean entry size holds (almost) nothing."""
+    if trace.sizes is None or not trace.sizes:
+        return []
+    mean = sum(trace.sizes) / len(trace.sizes)
+    return [f"capacity {c:,} is in bytes (the trace gives entry sizes) and holds less than one entry of the "
+            f"mean size {mean:,.0f} B; give bytes, e.g. --capacity {_suggest(mean)}"
+            for c in capacities if c < mean]
+
+
+def _suggest(mean: float) -> str:
+    """A round byte size holding about a thousand mean-sized entries, e.g. ``4GiB``."""
+    gib = mean * 1000 / 1024**3
+    return f"{max(1, round(gib))}GiB" if gib >= 1 else f"{max(1, round(gib * 1024))}MiB"
+
+
 def run(trace: Trace, policies: Iterable[str], capacities: Iterable[int]) -> list[SimResult]:
     """Every policy (``"opt"`` allowed) at every capacity, policies outermost."""
     capacities = list(capacities)

@@ -131,7 +131,8 @@ def test_fleet_load_cli_json_subprocess():
     (["--model-size", "2 GiBs", "--pods", "1", "--bandwidth", "1GB/s"], "unknown unit"),
     (["--model-size", "abc", "--pods", "1", "--bandwidth", "1GB/s"], "cannot read 'abc' as a size"),
     (["--model-size", "1GB", "--pods", "0", "--bandwidth", "1GB/s"], "must be positive"),
-    (["--model-size", "1GB", "--pods", "1", "--bandwidth", "0"], "bandwidth must be positive"),
+    (["--model-size", "1GB", "--pods", "1", "--bandwidth", "0GB/s"], "bandwidth must be positive"),
+    (["--model-size", "1GB", "--pods", "1", "--bandwidth", "0"], "has no unit"),
 ])
 def test_fleet_load_bad_input_is_one_line(capsys, argv, message):
     assert main(["fleet-load", *argv]) == 2
@@ -145,3 +146,43 @@ def test_tables_print_without_json(tmp_path, capsys):
     assert "28,672" in capsys.readouterr().out
     assert main(["fleet-load", "--model-size", "140GB", "--pods", "100", "--bandwidth", "10GB/s"]) == 0
     assert "14.00 TB" in capsys.readouterr().out
+
+
+# -- issue 13: sliding windows, multimodal wrappers, vLLM's vocabulary, clamped pods per node ------
+def _dense(**extra):
+    return {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256,
+            "torch_dtype": "bfloat16", **extra}
+
+
+def test_sliding_window_sources():
+    assert plan.sliding_layers(_dense(sliding_window=4096, use_sliding_window=False), 4) == (0, None)  # Qwen2
+    assert plan.sliding_layers(_dense(sliding_window=4096), 4) == (4, 4096)  # Mistral 7B v0.1: every layer
+    assert plan.sliding_layers(_dense(sliding_window=4096, model_type="gemma2"), 4) == (2, 4096)
+    types_ = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    assert plan.sliding_layers(_dense(sliding_window=512, layer_types=types_), 4) == (3, 512)
+    assert plan.sliding_layers(_dense(sliding_window=None), 4) == (0, None)
+
+
+def test_sliding_window_sizes_below_and_above_the_window():
+    shape = plan.kv_shape(_dense(sliding_window=100))
+    per_layer = shape.bytes_per_token // 4
+    assert plan.kv_size(shape, 50)["total_bytes"] == 50 * shape.bytes_per_token  # inside the window
+    assert plan.kv_size(shape, 1000)["total_bytes"] == 4 * 100 * per_layer  # every layer capped
+    assert plan.kv_size(plan.kv_shape(_dense()), 10)["note"] is None
+
+
+def test_auto_dtype_and_token_counts():
+    assert plan.kv_shape(_dense(), "auto").dtype_bytes == 2
+    assert plan.parse_tokens("32k") == 32_000 and plan.parse_tokens("32K") == 32_768
+    assert plan.parse_tokens("1.5m") == 1_500_000 and plan.parse_tokens(7) == 7
+    for bad in ("0", "-3", "k", "12q"):
+        with pytest.raises(ConfigError):
+            plan.parse_tokens(bad)
+    wrapped = {"text_config": _dense(max_position_embeddings=8192), "max_position_embeddings": 0}
+    assert plan.max_tokens(wrapped) == 8192
+
+
+def test_fleet_load_clamps_pods_per_node():
+    out = plan.fleet_load(10**9, 3, 10**9, pods_per_node=10)
+    assert out["pods_per_node"] == 3 and out["nodes"] == 1 and out["notes"]
+    assert plan.fleet_load(10**9, 30, 10**9, pods_per_node=10)["notes"] == []

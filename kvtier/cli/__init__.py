@@ -2,19 +2,23 @@
 
 Each command module defines ``register(subparsers)``, which adds its parser and sets
 ``func=run`` (a callable taking the parsed args and returning an exit code). User mistakes
-(any KVTierError) print one line to stderr and exit 2; no traceback.
+(any KVTierError) and a missing optional dependency (named with the extra that installs it)
+print one line to stderr and exit 2; no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from typing import NoReturn
 
 from kvtier import __version__
+from kvtier.cli._common import missing_dependency
 from kvtier.errors import KVTierError
 
-# Imported lazily per invocation is not needed: each module imports its heavy deps inside run().
+# Each module imports its heavy or optional dependencies inside run(), so --help needs none.
 _COMMAND_MODULES = [
     "kvtier.cli.plan",
     "kvtier.cli.bench",
@@ -24,9 +28,17 @@ _COMMAND_MODULES = [
 ]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors: ``kvtier CMD: error: ... (see kvtier CMD --help)``,
+    exit 2. Subcommand parsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand registered."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvtier",
         description="Tiered KV-cache storage and streaming weight loading for LLM serving.",
     )
@@ -46,8 +58,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # `kvtier ... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KVTierError as exc:
         print(f"kvtier {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        message = missing_dependency(exc)
+        if message is None:
+            raise
+        print(f"kvtier {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -1,4 +1,5 @@
-"""Helpers shared by command modules: JSON output and tables."""
+"""Helpers shared by command modules: JSON output, tables, notes, and the one-line message for
+a missing optional dependency."""
 
 from __future__ import annotations
 
@@ -11,6 +12,36 @@ def emit_json(obj: Any) -> None:
     """Print ``obj`` as JSON on stdout (one document)."""
     json.dump(obj, sys.stdout, indent=2)
     sys.stdout.write("\n")
+
+
+def note(text: str) -> None:
+    """One line on stderr that qualifies the output (stdout stays machine-readable)."""
+    print(f"note: {text}", file=sys.stderr)
+
+
+# top-level module -> what installs it (the extra's name, or the instruction for vLLM)
+OPTIONAL_MODULES = {
+    "redis": "pip install 'kvtier[redis]'",
+    "hiredis": "pip install 'kvtier[redis]'",
+    "boto3": "pip install 'kvtier[s3]'",
+    "botocore": "pip install 'kvtier[s3]'",
+    "prometheus_client": "pip install 'kvtier[server]'",
+    "torch": "pip install 'kvtier[loader]' (or use the torch of your vLLM install)",
+    "safetensors": "pip install 'kvtier[loader]'",
+    "matplotlib": "pip install 'kvtier[plot]'",
+    "runai_model_streamer": "pip install 'kvtier[bench]'",
+    "vllm": "install vLLM >= 0.32 for your hardware (kvtier's extras never install it)",
+    "transformers": "install vLLM >= 0.32 for your hardware (it brings transformers)",
+}
+
+
+def missing_dependency(exc: ModuleNotFoundError) -> str | None:
+    """The one-line message for an optional module that is not installed, naming what installs
+    it; None when the missing module is not one of kvtier's optional dependencies."""
+    root = (exc.name or "").split(".")[0]
+    if root not in OPTIONAL_MODULES:
+        return None
+    return f"this command needs the optional module {root!r}, which is not installed: {OPTIONAL_MODULES[root]}"
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str = "") -> None:

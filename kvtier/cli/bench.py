@@ -7,6 +7,10 @@ from __future__ import annotations
 import argparse
 import importlib
 
+DESCRIPTION = ("Measure kvtier beside the baselines a user would otherwise pick, in one run on this "
+               "machine (compare ratios within a run, not absolute figures across runs). Every "
+               "benchmark takes --json. 'kvtier demo' is the end-to-end KV-offload experiment with vLLM.")
+
 # name -> (module, one-line help)
 BENCHMARKS = {
     "tiers": ("kvtier.bench.tiers", "put/get throughput of each tier beside memcpy and plain file I/O"),
@@ -17,7 +21,7 @@ BENCHMARKS = {
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``bench`` and its benchmarks."""
     parser = sub.add_parser("bench", help="run a benchmark (kvtier beside its baselines)",
-                            description=__doc__)
+                            description=DESCRIPTION)
     bench_sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     for name, (module_name, help_text) in BENCHMARKS.items():
         p = bench_sub.add_parser(name, help=help_text, description=help_text)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import re
+import sys
 
-from kvtier.cli._common import emit_json, print_table
+from kvtier.cli._common import emit_json, note, print_table
 from kvtier.config import format_bytes, parse_bandwidth, parse_size
 from kvtier.errors import ConfigError
 
@@ -23,10 +25,14 @@ traces: --trace FILE holds one key per line, optionally followed by the entry's 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the planning subcommands."""
     p = sub.add_parser("kv-size", help="KV-cache bytes per token and for N tokens, from a model's config.json")
-    p.add_argument("model", metavar="MODEL_DIR_OR_CONFIG_JSON")
-    p.add_argument("--tokens", type=int, default=None,
-                   help="tokens to size (default: max_position_embeddings, else 1)")
-    p.add_argument("--dtype", default=None, help="KV dtype: fp16, bf16, fp32, fp8 (default: the config's dtype)")
+    p.add_argument("model", metavar="MODEL_DIR_OR_CONFIG_JSON",
+                   help="a model directory holding config.json, or the config.json itself")
+    p.add_argument("--tokens", default=None,
+                   help="tokens to size, as vLLM's --max-model-len reads them: 4096, 128k (128,000), "
+                        "128K (131,072) (default: the model's max_position_embeddings)")
+    p.add_argument("--dtype", default=None,
+                   help="KV dtype as vLLM's --kv-cache-dtype names it: auto (the model's, the default), "
+                        "float16, bfloat16, fp8, fp8_e4m3, fp8_e5m2 (also fp16, bf16, fp32)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run_kv_size)
 
@@ -35,8 +41,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "--hit-ms, --store-ms (miss cost = store - recompute, hit gain = recompute - hit); or "
                        "first principles --kv-bytes, --bandwidth, --latency-ms, --recompute-ms (a hit loads "
                        "S/B + latency; a miss costs a synchronous write unless --miss-cost-ms is given).")
-    for name in ("miss-cost-ms", "hit-gain-ms", "recompute-ms", "hit-ms", "store-ms", "latency-ms"):
-        p.add_argument("--" + name, type=float, default=None)
+    for name, text in (("miss-cost-ms", "what storing costs a request that then misses (ms)"),
+                       ("hit-gain-ms", "what a hit saves a request (ms)"),
+                       ("recompute-ms", "measured TTFT without offload (ms)"),
+                       ("hit-ms", "measured TTFT of a hit (ms)"),
+                       ("store-ms", "measured TTFT of a first pass that stores (ms)"),
+                       ("latency-ms", "per-load latency of the tier (ms)")):
+        p.add_argument("--" + name, type=float, default=None, help=text)
     p.add_argument("--kv-bytes", default=None, help="KV size of the prefix, e.g. 0.13GB or 139460608")
     p.add_argument("--bandwidth", default=None, help="load bandwidth, e.g. 13.4GB/s")
     p.add_argument("--write-bandwidth", default=None, help="store bandwidth (default: --bandwidth)")
@@ -44,10 +55,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_breakeven)
 
     p = sub.add_parser("fleet-load", help="bytes and read time of a fleet cold start (every pod loads the model)")
-    p.add_argument("--model-size", required=True, help="checkpoint size, e.g. 140GB")
+    p.add_argument("--model-size", required=True, help="checkpoint size with its unit, e.g. 140GB or 130GiB")
     p.add_argument("--pods", type=int, required=True, help="pods starting at once")
-    p.add_argument("--bandwidth", required=True, help="aggregate storage bandwidth, e.g. 10GB/s")
-    p.add_argument("--pods-per-node", type=int, default=1, help="pods per node sharing a node-local cache")
+    p.add_argument("--bandwidth", required=True, help="aggregate storage bandwidth with its unit, e.g. 10GB/s")
+    p.add_argument("--pods-per-node", type=int, default=1,
+                   help="pods per node sharing a node-local cache (at most --pods)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per pod (per-rank sharding)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run_fleet_load)
@@ -57,7 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="trace file (KEY [SIZE] per line)")
     src.add_argument("--synthetic", metavar="SPEC", help="generated trace, see below")
-    p.add_argument("--capacity", required=True, help="C[,C...]: entries, or bytes (e.g. 1GiB) with sizes")
+    p.add_argument("--capacity", required=True,
+                   help="C[,C...]: a number of entries, or bytes (e.g. 1GiB) when the trace has sizes")
     p.add_argument("--policy", default=None, help="P[,P...] or 'all' (default: the default policy)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run_simulate)
@@ -68,11 +81,13 @@ def run_kv_size(args: argparse.Namespace) -> int:
 
     config = plan.load_model_config(args.model)
     shape = plan.kv_shape(config, args.dtype, where=args.model)
-    tokens = args.tokens if args.tokens is not None else int(config.get("max_position_embeddings") or 1)
+    tokens = plan.parse_tokens(args.tokens) if args.tokens is not None else plan.max_tokens(config)
     out = plan.kv_size(shape, tokens)
     if args.json:
         emit_json(out)
         return 0
+    if out["note"]:
+        note(out["note"])
     heads = "latent (MLA)" if shape.attention == "mla" else str(shape.kv_heads)
     print_table(["field", "value"], [
         ["layers", shape.layers], ["KV heads", heads], ["head dim / latent", shape.head_dim],
@@ -114,16 +129,39 @@ def run_breakeven(args: argparse.Namespace) -> int:
 def run_fleet_load(args: argparse.Namespace) -> int:
     from kvtier import plan
 
-    out = plan.fleet_load(parse_size(args.model_size, "--model-size"), args.pods,
-                          parse_bandwidth(args.bandwidth, "--bandwidth"), args.pods_per_node, args.tp)
+    model_size = _with_unit(args.model_size, "--model-size", "140GB or 130GiB")
+    bandwidth = _with_unit(args.bandwidth, "--bandwidth", "10GB/s or 1.6GiB/s")
+    out = plan.fleet_load(parse_size(model_size, "--model-size"), args.pods,
+                          parse_bandwidth(bandwidth, "--bandwidth"), args.pods_per_node, args.tp)
+    for text in out["notes"]:
+        note(text)
     if args.json:
         emit_json(out)
         return 0
-    rows = [[s["scenario"], f"{s['total_bytes'] / 1e12:,.2f} TB", s["seconds"], f"{s['seconds'] / 60:,.1f}"]
+    rows = [[s["scenario"], _bytes_like(s["total_bytes"], model_size), s["seconds"], f"{s['seconds'] / 60:,.1f}"]
             for s in out["scenarios"]]
     print_table(["scenario", "read from storage", "seconds", "minutes"], rows,
-                title=f"{args.pods} pods x {format_bytes(out['model_bytes'])} model at {args.bandwidth}")
+                title=f"{args.pods} pods x {model_size.strip()} model at {bandwidth.strip()}")
     return 0
+
+
+_BARE_NUMBER = re.compile(r"^\s*[0-9]+(\.[0-9]+)?\s*(/s)?\s*$")
+
+
+def _with_unit(text: str, what: str, example: str) -> str:
+    """``text`` unchanged if it names a unit; a bare number is refused (it would silently be bytes)."""
+    if _BARE_NUMBER.match(text):
+        raise ConfigError(f"{what}: {text!r} has no unit; write e.g. {example} (KB, MB, GB, TB = powers of "
+                          "1000; KiB, MiB, GiB, TiB = powers of 1024)")
+    return text
+
+
+def _bytes_like(n: int, typed: str) -> str:
+    """``n`` bytes in the unit family the user typed: binary (TiB) for ``GiB``-style input,
+    decimal (TB) otherwise."""
+    if "i" in typed.lower():
+        return format_bytes(n)
+    return f"{n / 1e12:,.2f} TB" if n >= 1e12 else f"{n / 1e9:,.2f} GB"
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -143,6 +181,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     if sim.OPT not in names:
         names.append(sim.OPT)
     results = sim.run(trace, names, capacities)
+    for text in sim.capacity_hints(trace, capacities):
+        note(text)
     if args.json:
         emit_json({"requests": len(trace), "results": [r.as_dict() for r in results]})
         return 0
