@@ -122,3 +122,10 @@ def test_check_model_validates_every_file_and_cross_file_names(tmp_path):
     for r in range(2):
         save_file({"a": torch.ones(2)}, str(ranks / f"model-rank-{r}-part-0.safetensors"))
     assert check_checkpoint(str(ranks)) == 2
+
+
+def test_a_real_checkpoint_passes_the_pre_engine_check(qwen2_dir):
+    """The check that runs before the sharding engine accepts what transformers writes (index, padding)."""
+    from kvtier.integrations.vllm.shard import check_checkpoint
+
+    assert check_checkpoint(qwen2_dir) == len([n for n in os.listdir(qwen2_dir) if n.endswith(".safetensors")]) > 1
