@@ -82,7 +82,8 @@ class DelayProxy:
                 if requests:
                     if state["answered"]:
                         state["answered"] = False
-                        self.requests += 1
+                        with self._lock:  # one pump thread per connection: count atomically
+                            self.requests += 1
                         time.sleep(self.delay_s)  # the injected per-request latency
                 else:
                     state["answered"] = True

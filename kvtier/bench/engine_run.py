@@ -4,6 +4,8 @@ Run as ``python -m kvtier.bench.engine_run SPEC.json``; the caller drives it one
 time over stdin/stdout (``serve``), so several settings' engines can be alive at once and their
 requests interleaved: noise from a shared machine then falls on every setting alike. The caller
 sets ``VLLM_CPU_OMP_THREADS_BIND`` and ``OMP_NUM_THREADS`` identically for every engine.
+Whoever starts it, this process and the engine processes vLLM spawns end when their parent
+does, even on SIGKILL (``kvtier.bench.procs.die_with_parent``).
 
 The spec (JSON): model, docs and hit_docs (lists of token-id lists), warmup (token ids),
 pool_blocks, max_model_len, kv_transfer_config (or null), logprobs. Each answer: TTFT in ms,
@@ -15,6 +17,13 @@ from __future__ import annotations
 import json
 import sys
 import time
+
+if __name__ in ("__main__", "__mp_main__"):
+    # This process, and vLLM's engine-core (and worker) processes, which multiprocessing's spawn
+    # start method runs with this module re-imported as __mp_main__, each die with their parent.
+    from kvtier.bench.procs import die_with_parent
+
+    die_with_parent()
 
 
 def _counter(llm, name: str) -> float:

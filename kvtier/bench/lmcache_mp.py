@@ -2,26 +2,27 @@
 
 LMCache is not a dependency of kvtier (it pulls CUDA packages): it lives in a separate
 virtualenv whose interpreter the caller names (``--lmcache-python``). This module checks that
-interpreter, starts ``lmcache server`` from the same ``bin`` directory on free loopback ports
-with an L1 RAM cache of a given size (LRU, engine-driven transfers through a uniquely named
-shared-memory segment), waits until its HTTP health check answers, and stops its whole process
-group afterwards. ``kv_transfer_config`` is the vLLM side: the LMCacheMPConnector pointed at it.
+interpreter, starts ``lmcache server`` from the same ``bin`` directory on loopback ports with an
+L1 RAM cache of a given size (LRU, engine-driven transfers through a uniquely named shared-memory
+segment) through ``kvtier.bench.procs`` (it dies with this process, even on SIGKILL), waits until
+its HTTP health check answers and its request port accepts connections, retries on new ports
+when one was taken, and stops its whole process group afterwards. ``kv_transfer_config`` (known
+once started) is the vLLM side: the LMCacheMPConnector pointed at it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
-import time
 import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
 
-from kvtier.errors import ConfigError, KVTierError
+from kvtier.bench.procs import Child, run_child, spawn, start_on_ports, wait_ready
+from kvtier.errors import ConfigError
 
 HOST = "127.0.0.1"
 
@@ -33,8 +34,11 @@ def check_python(python: str | None) -> str:
                           "the python of a virtualenv with vllm and lmcache installed")
     if not os.path.isfile(python) or not os.access(python, os.X_OK):
         raise ConfigError(f"--lmcache-python {python}: not an executable file")
-    probe = subprocess.run([python, "-c", "import lmcache, lmcache.integration.vllm, vllm"],
-                           capture_output=True, text=True, env=dict(os.environ, LMCACHE_DISABLE_BANNER="1"))
+    try:
+        probe = run_child([python, "-c", "import lmcache, lmcache.integration.vllm, vllm"], timeout=300,
+                          env=dict(os.environ, LMCACHE_DISABLE_BANNER="1"), name="lmcache import check")
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"--lmcache-python {python}: importing lmcache and vllm took over 300 s") from None
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["exit status %d" % probe.returncode])[-1]
         raise ConfigError(f"--lmcache-python {python}: cannot import lmcache and vllm ({last})")
@@ -64,26 +68,15 @@ def kv_transfer_config(port: int, host: str = HOST) -> dict:
             "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{host}", "lmcache.mp.port": int(port)}}
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports that were free a moment ago (bound together, then released)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((HOST, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 class LMCacheServer:
     """``lmcache server`` in its own process group; use as a context manager.
 
     ``l1_bytes`` is the L1 (RAM) capacity in bytes; LMCache takes GiB (``--l1-size-gb``, a
-    float, times 2**30), so the two name the same number of bytes.
+    float, times 2**30), so the two name the same number of bytes. The ports are chosen by
+    ``start`` (again on a retry), so ``kv_transfer_config`` is known only once it is running.
     """
+
+    PORTS = 3  # request, HTTP (health check), Prometheus
 
     def __init__(self, python: str, l1_bytes: int, log_path: str | os.PathLike, *,
                  ready_timeout_s: float = 180.0, env: dict | None = None):
@@ -94,9 +87,8 @@ class LMCacheServer:
         self.env = dict(env if env is not None else os.environ)
         self.env.setdefault("LMCACHE_DISABLE_BANNER", "1")
         self.shm_name = f"kvtier-lmcache-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        # picked now so that kv_transfer_config() is known before start()
-        self.port, self.http_port, self.prometheus_port = _free_ports(3)
-        self.proc: subprocess.Popen | None = None
+        self.port = self.http_port = self.prometheus_port = 0
+        self.child: Child | None = None
 
     def command(self) -> list[str]:
         return [self.lmcache, "server", "--host", HOST, "--port", str(self.port),
@@ -106,6 +98,9 @@ class LMCacheServer:
                 "--supported-transfer-mode", "engine_driven", "--shm-name", self.shm_name]
 
     def kv_transfer_config(self) -> dict:
+        """The LMCacheMPConnector's config for this server; RuntimeError before ``start``."""
+        if not self.port:
+            raise RuntimeError("LMCacheServer.kv_transfer_config: start the server first (its ports are chosen then)")
         return kv_transfer_config(self.port)
 
     @staticmethod
@@ -114,15 +109,21 @@ class LMCacheServer:
         return engine_env(env)
 
     def start(self) -> "LMCacheServer":
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        """Start the server and wait until it is ready (retried on new ports if one was taken);
+        ``ServiceUnavailable`` naming the server and its log tail if it never gets ready."""
+        self.log_path.write_bytes(b"")
+        start_on_ports(self._start_on, self.PORTS, "lmcache server")
+        return self
+
+    def _start_on(self, ports: list[int]) -> None:
+        self.port, self.http_port, self.prometheus_port = ports
+        self.child = spawn(self.command(), name="lmcache server", log=self.log_path, env=self.env)
         try:
-            self._wait_ready()
+            wait_ready(self.child, lambda: self._healthy() and self._port_open(), self.ready_timeout_s,
+                       f"lmcache server (port {self.port}, http {self.http_port})")
         except BaseException:
             self.stop()
             raise
-        return self
 
     def _healthy(self) -> bool:
         url = f"http://{HOST}:{self.http_port}/healthcheck"
@@ -139,47 +140,12 @@ class LMCacheServer:
         except OSError:
             return False
 
-    def _wait_ready(self) -> None:
-        """Poll until the HTTP health check says healthy and the request port accepts connections."""
-        deadline = time.monotonic() + self.ready_timeout_s
-        delay = 0.05
-        while True:
-            if self.proc.poll() is not None:
-                raise KVTierError(f"lmcache server exited with status {self.proc.returncode} before it was ready:\n"
-                                  + self._log_tail())
-            if self._healthy() and self._port_open():
-                return
-            if time.monotonic() > deadline:
-                raise KVTierError(f"lmcache server not ready after {self.ready_timeout_s:.0f} s:\n" + self._log_tail())
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
-
-    def _log_tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM the server's process group, SIGKILL what is left after ``timeout_s``."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(proc.pid, sig)  # start_new_session: the group id is the server's pid
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=wait)
-                # the leader is gone; children in its group may remain: kill them too
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        """SIGTERM the server's process group, SIGKILL what is left after ``timeout_s``; unlink
+        a shared-memory segment a killed server left."""
+        child, self.child = self.child, None
+        if child is not None:
+            child.stop(grace=timeout_s)
         shm = Path("/dev/shm") / self.shm_name
         if shm.exists():  # a segment a killed server could not unlink
             try:

@@ -115,17 +115,23 @@ def generate(path: str, size: int) -> str:
 
 def _generate_in_child(path: str, size: int) -> str:
     """``generate`` in a child process, so this (parent) process stays small."""
+    from kvtier.bench.procs import run_child
+
     code = f"from kvtier.bench.load import generate; generate({path!r}, {size})"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    proc = run_child([sys.executable, "-c", code], timeout=1800, name="generate")
+    if proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, proc.args, proc.stdout, proc.stderr)
     return path
 
 
 # -- orchestration -----------------------------------------------------------------------------
 
 def _child(spec: dict, env: dict | None = None) -> dict:
-    """Run one measurement in a fresh interpreter; return its result dict."""
-    proc = subprocess.run([sys.executable, "-m", "kvtier.bench.load", json.dumps(spec)], capture_output=True,
-                          text=True, env={**os.environ, **(env or {})}, timeout=900)
+    """Run one measurement in a fresh interpreter (it dies with this process); its result dict."""
+    from kvtier.bench.procs import run_child
+
+    proc = run_child([sys.executable, "-m", "kvtier.bench.load", json.dumps(spec)], timeout=900,
+                     env={**os.environ, **(env or {})}, name=f"load {spec['method']}")
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
@@ -371,8 +377,11 @@ def _run_runai(spec: dict) -> int:
 
 
 def _run_dd(spec: dict) -> int:
-    subprocess.run(["dd", f"if={spec['path']}", "of=/dev/null", "bs=16M", "iflag=direct"], check=True,
-                   capture_output=True)
+    from kvtier.bench.procs import run_child
+
+    proc = run_child(["dd", f"if={spec['path']}", "of=/dev/null", "bs=16M", "iflag=direct"], timeout=900, name="dd")
+    if proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, proc.args, proc.stdout, proc.stderr)
     return os.path.getsize(spec["path"])
 
 

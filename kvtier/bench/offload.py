@@ -17,10 +17,12 @@ import argparse
 import contextlib
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -218,6 +220,7 @@ def _run_group(group: list[Setting], order: dict, model: str, docs, warmup, hit_
             server = _lmcache_server(setting, args, work, env)
             if server is not None:
                 stack.enter_context(server)
+                setting.kv_transfer_config = server.kv_transfer_config()  # its ports are known once started
             python, run_env = (args.lmcache_python, server.engine_env(env)) if server else (sys.executable, env)
             spec_path = work / f"{setting.name}.spec.json"
             spec_path.write_text(json.dumps({**spec, "kv_transfer_config": setting.kv_transfer_config}))
@@ -244,62 +247,89 @@ def _run_group(group: list[Setting], order: dict, model: str, docs, warmup, hit_
 
 
 class _Engine:
-    """One setting's engine process (``kvtier.bench.engine_run``), asked one request at a time."""
+    """One setting's engine process (``kvtier.bench.engine_run``), asked one request at a time.
+
+    Started through ``kvtier.bench.procs.spawn``: it (and vLLM's engine-core process it starts)
+    dies with this process. Every wait for an answer has a deadline; stderr goes to the log.
+    """
+
+    READY_TIMEOUT_S = 900.0  # engine start-up (model load, KV pool) on a loaded 2-core machine
+    ANSWER_TIMEOUT_S = 600.0  # one request
 
     def __init__(self, name: str, python: str, env: dict, spec_path: Path, work: Path):
+        from kvtier.bench.procs import spawn
+
         self.name = name
         self.log_path = work / f"{name}.log"
         self._log = open(self.log_path, "w")
-        self._proc = subprocess.Popen([python, "-m", "kvtier.bench.engine_run", str(spec_path)], env=env,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                      text=True, start_new_session=True)
+        self._child = spawn([python, "-m", "kvtier.bench.engine_run", str(spec_path)], name=f"engine {name}",
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self._lines: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._pump, name=f"engine-{name}-stdout", daemon=True).start()
+
+    def _pump(self) -> None:
+        """Move the engine's stdout lines to a queue (None at end of stream)."""
+        for line in self._child.popen.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
 
     def wait_ready(self) -> None:
-        self._read()
+        self._read(self.READY_TIMEOUT_S)
 
     def ask(self, command: dict, settle_s: float = 0.0) -> dict:
         """Send one command after ``settle_s`` of quiet, return the engine's answer."""
         time.sleep(settle_s)
-        self._proc.stdin.write(json.dumps(command) + "\n")
-        self._proc.stdin.flush()
-        return self._read()
+        self._child.popen.stdin.write(json.dumps(command) + "\n")
+        self._child.popen.stdin.flush()
+        return self._read(self.ANSWER_TIMEOUT_S)
 
-    def _read(self) -> dict:
+    def _read(self, timeout_s: float) -> dict:
+        """The next protocol line's JSON; other lines go to the log. KVTierError naming the
+        setting and the log's tail if the engine exits or says nothing for ``timeout_s``."""
         from kvtier.bench.engine_run import MARKER
 
-        for line in self._proc.stdout:
-            if line.startswith(MARKER):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line, why = None, f"no answer after {timeout_s:.0f} s"
+            else:
+                why = f"engine exited (code {self._child.popen.wait()})" if line is None else ""
+            if line is not None and line.startswith(MARKER):
                 return json.loads(line[len(MARKER):])
-            self._log.write(line)
-        self._log.flush()
-        tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-15:])
-        raise KVTierError(f"setting {self.name}: engine exited (code {self._proc.wait()}):\n{tail}")
+            if line is not None:
+                self._log.write(line)
+                continue
+            self._log.flush()
+            tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-15:])
+            raise KVTierError(f"setting {self.name}: {why}:\n{tail}")
 
     def __enter__(self) -> "_Engine":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        """Ask the engine to quit (when the body ended normally), then stop its process group."""
         try:
-            if self._proc.poll() is None:
-                self._proc.stdin.write(json.dumps({"quit": True}) + "\n")
-                self._proc.stdin.flush()
-                self._proc.wait(timeout=60)
+            if exc_type is None and self._child.alive:
+                self._child.popen.stdin.write(json.dumps({"quit": True}) + "\n")
+                self._child.popen.stdin.flush()
+                self._child.popen.wait(timeout=60)
         except (OSError, subprocess.TimeoutExpired):
-            self._proc.kill()
-            self._proc.wait()
+            pass
         finally:
+            self._child.stop(grace=5.0)  # also ends what the engine left (vLLM's engine core)
             self._log.close()
 
 
 def _lmcache_server(setting: Setting, args, work: Path, env: dict):
-    """For "lmcache-mp": the (not yet started) LMCache server, its connector config set on ``setting``."""
+    """For "lmcache-mp": the (not yet started) LMCache server; the caller sets ``setting``'s
+    connector config from it once it runs."""
     if setting.lmcache_l1_bytes is None:
         return None
     from kvtier.bench.lmcache_mp import LMCacheServer
 
-    server = LMCacheServer(args.lmcache_python, setting.lmcache_l1_bytes, work / f"{setting.name}.server.log", env=env)
-    setting.kv_transfer_config = server.kv_transfer_config()
-    return server
+    return LMCacheServer(args.lmcache_python, setting.lmcache_l1_bytes, work / f"{setting.name}.server.log", env=env)
 
 
 def _engine_env() -> dict:

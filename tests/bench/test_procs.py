@@ -323,3 +323,42 @@ def test_run_child_kills_the_child_on_timeout(registry, tmp_path):
     pid = int(pid_file.read_text())
     assert not _alive(pid, start_ticks(pid))
     assert procs.run_child([sys.executable, "-c", "print('hi')"], timeout=60).stdout == "hi\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# the offload benchmark's engine processes (a hung or crashing engine injected as the "python")
+
+
+def _fake_python(tmp_path: Path, body: str) -> str:
+    """An executable that stands in for the engine's interpreter: the injected fault."""
+    path = tmp_path / "python"
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_engine_that_never_gets_ready_fails_by_its_deadline_and_is_stopped(registry, tmp_path, monkeypatch):
+    from kvtier.bench.offload import _Engine
+    from kvtier.errors import KVTierError
+
+    monkeypatch.setattr(_Engine, "READY_TIMEOUT_S", 1.0)
+    t0 = time.monotonic()
+    python = _fake_python(tmp_path, f"echo loading-weights >&2; echo $$ > {tmp_path}/engine.pid; exec sleep 600")
+    engine = _Engine("hung", python, dict(os.environ), tmp_path / "spec.json", tmp_path)
+    with pytest.raises(KVTierError, match=r"setting hung: no answer after 1 s:\n.*loading-weights"):
+        with engine:
+            engine.wait_ready()
+    assert time.monotonic() - t0 < 30  # no polite minute-long wait for an engine that hangs
+    pid = int((tmp_path / "engine.pid").read_text())
+    assert not _alive(pid, start_ticks(pid))
+    assert registry.records() == []
+
+
+def test_engine_that_exits_reports_its_code_and_log(registry, tmp_path):
+    from kvtier.bench.offload import _Engine
+    from kvtier.errors import KVTierError
+
+    python = _fake_python(tmp_path, "echo 'CUDA? no: boom' >&2; exit 7")
+    with pytest.raises(KVTierError, match=r"setting crashy: engine exited \(code 7\):\n.*boom"):
+        with _Engine("crashy", python, dict(os.environ), tmp_path / "spec.json", tmp_path) as engine:
+            engine.wait_ready()

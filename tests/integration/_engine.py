@@ -14,6 +14,13 @@ import os
 import sys
 import time
 
+if __name__ in ("__main__", "__mp_main__"):
+    # this script and vLLM's engine processes (spawned: they re-import it as __mp_main__) die
+    # with their parent, so a killed test run leaves no engine behind
+    from kvtier.bench.procs import die_with_parent
+
+    die_with_parent()
+
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
