@@ -3,35 +3,46 @@
 Object ``prefix + key.hex()`` holds the entry header followed by the payload; readers verify the
 checksum, so a truncated or foreign object is a counted miss (and is deleted).
 
-Existence checks are answered from a known-keys cache: a listing of ``prefix`` (refreshed when
-older than ``list_interval_s``) plus this process's own puts and deletes. So ``contains`` and
-``contains_many`` cost no request while the cache is fresh; an object another node wrote is seen
-within ``list_interval_s``. A cached key may still be gone by the time it is read: that read is
-an ordinary miss.
+Existence checks (``contains``, ``contains_many``; the engine's scheduler waits on them) never
+list the bucket. Each key is answered from a bounded cache of recent answers (found or absent,
+``lookup_cache_entries`` keys, trusted for ``lookup_cache_ttl_s``; this process's own puts,
+deletes and reads update it), else by a HEAD request; the HEADs of one call run concurrently
+(``lookup_workers``) and the call returns within ``lookup_timeout_s`` whatever the endpoint does:
+a key whose HEAD has not answered by then is reported absent (and counted as an error). An object
+another node wrote or deleted is seen within ``lookup_cache_ttl_s``. A cached key may still be
+gone by the time it is read: that read is an ordinary miss.
 
 Byte budget (payload bytes; a listing estimates them from object sizes with a one-dimensional
-header, exact for the default shape): the listing also sums object sizes. When that sum plus this process's writes since
-the listing exceeds ``capacity``, the tier re-lists and deletes the objects with the oldest
-LastModified (batched DeleteObjects) until ``low_watermark x capacity`` is reached.
+header, exact for the default shape): a listing of ``prefix`` (refreshed by ``used_bytes`` when
+older than ``list_interval_s``, never on the lookup path) sums object sizes. When that sum plus
+this process's writes since the listing exceeds ``capacity``, the tier re-lists and deletes the
+objects with the oldest LastModified (batched DeleteObjects) until ``low_watermark x capacity``
+is reached.
 
-Faults: timeouts (``connect_timeout_s``/``read_timeout_s``), retries with backoff (botocore's
-``standard`` mode, ``max_attempts``), then a counted error and a miss / False, never an
-exception. A circuit breaker skips calls for ``backoff_ms`` (doubling to ``max_backoff_ms``)
-after connection-level faults, so an unreachable endpoint costs one timeout per window.
+Faults: every data call (``get_into``, ``get``, ``put``, ``delete``, and each batch of
+``get_many_into``/``put_many``) returns within ``timeout_s``: requests run on a thread pool and
+the caller stops waiting at the deadline (a late answer is dropped, never written into the
+caller's buffer). Within it, botocore's per-attempt timeouts (``connect_timeout_s``,
+``read_timeout_s``, both capped by the deadline) and retries (``standard`` mode,
+``max_attempts``) apply. A fault is a counted error and a miss / False, never an exception. A
+circuit breaker (``kvtier.tiers.breaker``) skips calls for ``backoff_ms`` (doubling to
+``max_backoff_ms``) after connection-level faults or timeouts; after the window one call probes
+the endpoint while the others fail fast.
 
-``get_many_into``/``put_many`` run requests in parallel on a thread pool of ``max_workers``.
 Secrets (``secret_key``) stay out of repr and logs. All methods are thread-safe.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
 from urllib.parse import urlsplit
 
 from kvtier import entry
@@ -49,6 +60,13 @@ class S3Config:
     ``secret_key``: credentials (default: boto3's chain: env, profile, role). ``addressing``:
     ``auto`` picks path-style for IP/localhost endpoints. ``capacity``: object bytes kept under
     ``prefix`` by all nodes together.
+
+    Deadlines: ``lookup_timeout_s`` bounds one existence check (``contains``/``contains_many``,
+    ``size_of``); ``timeout_s`` one data call. ``connect_timeout_s``/``read_timeout_s``/
+    ``max_attempts`` shape the attempts within a data call's deadline (a lookup makes one attempt).
+    ``lookup_workers``: concurrent HEADs of one lookup. ``lookup_cache_entries`` /
+    ``lookup_cache_ttl_s``: size and trust time of the cache of found/absent answers.
+    ``list_interval_s``: how old the budget listing may be before ``used_bytes`` re-lists.
     """
 
     bucket: str
@@ -64,9 +82,55 @@ class S3Config:
     read_timeout_s: float = 10.0
     max_attempts: int = 3
     max_workers: int = 8
+    lookup_timeout_s: float = 0.5
+    timeout_s: float = 10.0
+    lookup_workers: int = 16
+    lookup_cache_entries: int = 65536
+    lookup_cache_ttl_s: float = 2.0
     list_interval_s: float = 5.0
     backoff_ms: int = 500
     max_backoff_ms: int = 5000
+
+
+_ABSENT = object()  # the endpoint said: no such object
+_FAULT = object()  # no usable answer (skipped, timed out, failed)
+
+
+class _Answers:
+    """A bounded, expiring map key -> found (True) / absent (False). Thread-safe.
+
+    At most ``entries`` keys (the least recently set are dropped first); an answer older than
+    ``ttl_s`` is forgotten. No global state: one per tier.
+    """
+
+    def __init__(self, entries: int, ttl_s: float):
+        self._entries, self._ttl = entries, ttl_s
+        self._map: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: bytes) -> bool | None:
+        """The cached answer for ``key``, or None when unknown or expired."""
+        with self._lock:
+            hit = self._map.get(key)
+            if hit is None:
+                return None
+            if time.monotonic() >= hit[1]:
+                del self._map[key]
+                return None
+            return hit[0]
+
+    def set(self, key: bytes, found: bool) -> None:
+        if not self._entries or not self._ttl:
+            return
+        with self._lock:
+            self._map[key] = (found, time.monotonic() + self._ttl)
+            self._map.move_to_end(key)
+            while len(self._map) > self._entries:
+                self._map.popitem(last=False)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._map)
 
 
 class S3Tier(Tier):
@@ -80,25 +144,28 @@ class S3Tier(Tier):
         super().__init__(name)
         import botocore.exceptions  # the kvtier[s3] extra; the registry says how to install it
 
-        if not config.bucket:
-            raise ConfigError(f"{name}.bucket: must not be empty")
-        if config.max_workers < 1 or config.max_attempts < 1:
-            raise ConfigError(f"{name}: max_workers and max_attempts must be at least 1")
-        if not 0 < config.low_watermark <= 1:
-            raise ConfigError(f"{name}.low_watermark: must be in (0, 1], got {config.low_watermark}")
+        _validate(config, name)
         self.config = config
         self._exc = botocore.exceptions
         self._endpoint = config.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
-        self._client = self._make_client()
+        self._client = self._make_client(lookup=False)
+        self._lookup_client = self._make_client(lookup=True)
         self._pool = ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=f"kvtier-{name}")
-        self._breaker = CircuitBreaker(config.backoff_ms / 1000, config.max_backoff_ms / 1000)
-        self._lock = threading.Lock()  # guards the known-keys cache
+        self._lookup_pool = ThreadPoolExecutor(max_workers=config.lookup_workers,
+                                               thread_name_prefix=f"kvtier-{name}-lookup")
+        # a probe that never reports is given up after the longest a call can take
+        self._breaker = CircuitBreaker(config.backoff_ms / 1000, config.max_backoff_ms / 1000,
+                                       max(config.timeout_s, config.lookup_timeout_s) + 1.0)
+        self._answers = _Answers(config.lookup_cache_entries, config.lookup_cache_ttl_s)
+        self._lock = threading.Lock()  # guards the budget listing
         self._known: dict[bytes, tuple[int, float]] = {}  # key -> (object bytes, LastModified ts)
         self._listed_at = float("-inf")
         self._written_since_list = 0
         self._closed = False
 
-    def _make_client(self):
+    def _make_client(self, lookup: bool):
+        """A botocore client: data calls get ``max_attempts`` attempts each capped by
+        ``timeout_s``; lookups one attempt capped by ``lookup_timeout_s``."""
         import boto3
         from botocore.config import Config
 
@@ -106,11 +173,18 @@ class S3Tier(Tier):
         style = cfg.addressing
         if style == "auto":
             style = "path" if _is_local(self._endpoint) else "auto"
+        if lookup:
+            connect = read = cfg.lookup_timeout_s
+            attempts, pool = 1, cfg.lookup_workers
+        else:
+            connect = min(cfg.connect_timeout_s, cfg.timeout_s)
+            read = min(cfg.read_timeout_s, cfg.timeout_s)
+            attempts, pool = cfg.max_attempts, cfg.max_workers
         botocfg = Config(
-            connect_timeout=cfg.connect_timeout_s,
-            read_timeout=cfg.read_timeout_s,
-            retries={"max_attempts": cfg.max_attempts, "mode": "standard"},
-            max_pool_connections=max(10, cfg.max_workers * 2),
+            connect_timeout=connect,
+            read_timeout=read,
+            retries={"max_attempts": attempts, "mode": "standard"},
+            max_pool_connections=max(10, pool * 2),
             s3={"addressing_style": style},
             # the entry carries its own checksum; skip botocore's extra CRC pass over the body
             request_checksum_calculation="when_required",
@@ -126,38 +200,73 @@ class S3Tier(Tier):
 
     # -- fault handling ---------------------------------------------------------------------
 
-    def _missing(self, exc: Exception) -> bool:
+    def _missing(self, exc: BaseException) -> bool:
         if isinstance(exc, self._exc.ClientError):
             code = str(exc.response.get("Error", {}).get("Code", ""))
             return code in ("404", "NoSuchKey", "NotFound")
         return False
 
-    def _call(self, fn, default, absent=None):
-        """Run ``fn()``: ``absent`` for a missing object, ``default`` (counted error) on a fault."""
+    def _within(self, pool: ThreadPoolExecutor, calls: Sequence[Callable[[], Any]],
+                deadline_s: float) -> list[Any]:
+        """Run ``calls`` on ``pool``; wait at most ``deadline_s`` for all of them.
+
+        Returns per call its result, ``_ABSENT`` (the endpoint said the object does not exist)
+        or ``_FAULT`` (skipped by the open breaker, timed out, or failed; each counted in
+        ``stats.errors``, a skipped batch once). A call still running at the deadline is left to
+        finish on its own; its result is dropped. The breaker hears once per batch: a network
+        fault or a batch without any answer opens it; any answer closes it.
+        """
+        if not calls:
+            return []
         if self._closed or not self._breaker.allow():
             self.stats.add(errors=1)
-            return default
-        try:
-            result = fn()
-        except (self._exc.BotoCoreError, self._exc.ClientError, OSError) as exc:
-            if self._missing(exc):
-                self._breaker.success()
-                return absent
-            self.stats.add(errors=1)
-            if not isinstance(exc, self._exc.ClientError):  # network-level: open the breaker
-                self._breaker.failure()
-            return default
-        self._breaker.success()
-        return result
+            return [_FAULT] * len(calls)
+        futures: list[Future] = [pool.submit(call) for call in calls]
+        done, _late = wait(futures, timeout=deadline_s)
+        out: list[Any] = []
+        answered = network_fault = False
+        for fut in futures:
+            if fut not in done:
+                fut.cancel()  # not started yet: never runs; running: its result is dropped
+                network_fault = True
+                out.append(_FAULT)
+                continue
+            exc = fut.exception()
+            if exc is None:
+                answered = True
+                out.append(fut.result())
+            elif self._missing(exc):
+                answered = True
+                out.append(_ABSENT)
+            else:
+                out.append(_FAULT)
+                answered = answered or isinstance(exc, self._exc.ClientError)  # an error reply
+                network_fault = network_fault or isinstance(exc, (self._exc.BotoCoreError, OSError))
+        faults = sum(1 for r in out if r is _FAULT)
+        if faults:
+            self.stats.add(errors=faults)
+        if network_fault:
+            self._breaker.failure()
+        elif answered:
+            self._breaker.success()
+        else:  # only the caller's own errors: no news about the endpoint
+            self._breaker.abandon()
+        return out
 
-    # -- known-keys cache -------------------------------------------------------------------
+    def _one(self, call: Callable[[], Any], lookup: bool = False) -> Any:
+        """``_within`` for a single call on the data pool (or the lookup pool)."""
+        if lookup:
+            return self._within(self._lookup_pool, [call], self.config.lookup_timeout_s)[0]
+        return self._within(self._pool, [call], self.config.timeout_s)[0]
+
+    # -- budget listing (never on the lookup path) -----------------------------------------
 
     def _refresh(self, force: bool = False) -> bool:
-        """Re-list ``prefix`` when the cache is stale (or ``force``); False on a fault."""
+        """Re-list ``prefix`` when the listing is stale (or ``force``); False on a fault."""
         if not force and time.monotonic() - self._listed_at < self.config.list_interval_s:
             return True
-        listing = self._call(self._list, None)
-        if listing is None:
+        listing = self._one(self._list)
+        if listing is _FAULT or listing is _ABSENT:
             return False
         with self._lock:
             self._known = listing
@@ -196,84 +305,134 @@ class S3Tier(Tier):
         return self.contains_many([key])[0]
 
     def contains_many(self, keys: Iterable[Key]) -> list[bool]:
-        """Existence from the known-keys cache (one listing when stale; all False on a fault)."""
+        """Existence of each key: cached answers, else concurrent HEADs, all within
+        ``lookup_timeout_s``. A key without an answer by then (a fault, a hung endpoint, the
+        breaker open) is reported absent. Never lists the bucket."""
         keys = [bytes(k) for k in keys]
-        if not self._refresh():
-            return [False] * len(keys)
-        with self._lock:
-            return [k in self._known for k in keys]
+        names = [self._obj(k) for k in keys]  # InvalidKey before any request
+        result = [self._answers.get(k) for k in keys]
+        ask = [i for i, r in enumerate(result) if r is None]
+        if ask:
+            bucket, head = self.config.bucket, self._lookup_client.head_object
+            answers = self._within(self._lookup_pool,
+                                   [lambda n=names[i]: head(Bucket=bucket, Key=n) for i in ask],
+                                   self.config.lookup_timeout_s)
+            for i, answer in zip(ask, answers):
+                if answer is _FAULT:
+                    result[i] = False  # unknown: not cached, asked again next time
+                    continue
+                result[i] = answer is not _ABSENT
+                self._answers.set(keys[i], result[i])
+        return [bool(r) for r in result]
 
     def size_of(self, key: Key) -> int | None:
+        name = self._obj(key)
+
         def run():
             rng = f"bytes=0-{entry.MAX_HEADER_BYTES - 1}"
-            resp = self._client.get_object(Bucket=self.config.bucket, Key=self._obj(key), Range=rng)
+            resp = self._lookup_client.get_object(Bucket=self.config.bucket, Key=name, Range=rng)
             return resp["Body"].read()
 
-        head = self._call(run, None)
-        if not head:
+        head = self._one(run, lookup=True)
+        if head is _FAULT or head is _ABSENT:
             return None
         try:
-            return entry.decode_header(head).length
+            return entry.decode_header(head).length if head else None
         except CorruptEntry:
             return None
 
-    def _fetch(self, key: Key):
-        resp = self._client.get_object(Bucket=self.config.bucket, Key=self._obj(key))
-        return resp["Body"].read()
+    def _fetcher(self, key: Key) -> Callable[[], bytes]:
+        name, bucket = self._obj(key), self.config.bucket
+        return lambda: self._client.get_object(Bucket=bucket, Key=name)["Body"].read()
 
     def get_into(self, key: Key, out) -> int | None:
-        """Fetch, verify, then copy into ``out``; ``out`` is untouched on a miss."""
-        return self._deliver_value(key, self._call(lambda: self._fetch(key), None), out)
+        """Fetch (within ``timeout_s``), verify, then copy into ``out`` in the caller's thread;
+        ``out`` is untouched on a miss and never written after this returns."""
+        return self._deliver_value(key, self._value(key, self._one(self._fetcher(key))), out)
 
     def get_many_into(self, keys: Sequence[Key], outs: Sequence) -> list[int | None]:
-        """``get_into`` for each (key, out) pair, ``max_workers`` requests in parallel."""
-        return list(self._pool.map(self.get_into, keys, outs))
+        """``get_into`` for each (key, out) pair: ``max_workers`` requests in parallel, the whole
+        batch within ``timeout_s``."""
+        values = self._within(self._pool, [self._fetcher(k) for k in keys], self.config.timeout_s)
+        return [self._deliver_value(k, self._value(k, v), o) for k, v, o in zip(keys, values, outs)]
 
     def get(self, key: Key) -> bytes | None:
-        payload = self._verified(key, self._call(lambda: self._fetch(key), None))
+        payload = self._verified(key, self._value(key, self._one(self._fetcher(key))))
         if payload is None:
             return None
         self.stats.add(hits=1, bytes_read=payload.nbytes)
         return bytes(payload)
 
-    def _verified(self, key: Key, value) -> memoryview | None:
-        if value is None:  # gone: forget it in the listing cache too
-            with self._lock:
-                self._known.pop(bytes(key), None)
-        return super()._verified(key, value)
+    def _value(self, key: Key, result: Any):
+        """A fetched body, or None (a miss); an absent object is remembered as absent."""
+        if result is _ABSENT:
+            self._forget(key, absent=True)
+            return None
+        return None if result is _FAULT else result
 
-    def put(self, key: Key, data, dtype: str = "uint8", shape: tuple[int, ...] | None = None) -> bool:
-        """Upload header + payload as one object (one PUT); True once the endpoint acknowledged it."""
+    def _verified(self, key: Key, value) -> memoryview | None:
+        payload = super()._verified(key, value)
+        if payload is not None:
+            self._answers.set(bytes(key), True)
+        return payload
+
+    def _forget(self, key: Key, absent: bool) -> None:
+        """Drop ``key`` from the budget listing; remember it as absent when it is known to be."""
+        with self._lock:
+            self._known.pop(bytes(key), None)
+        if absent:
+            self._answers.set(bytes(key), False)
+
+    def _upload(self, key: Key, data, dtype: str, shape: tuple[int, ...] | None):
+        """(call that uploads, payload size), or None (counted) when the put cannot be made."""
         view = memoryview(data).cast("B")
         header = self._header(key, view, dtype, shape)
         if header is None:
-            return False
-        size = view.nbytes
-        if size > self.config.capacity:
+            return None
+        if view.nbytes > self.config.capacity:
             self.stats.add(dropped=1)
-            return False
-        body = header + view.tobytes()
+            return None
+        body, name, bucket = header + view.tobytes(), self._obj(key), self.config.bucket
 
         def run():
-            self._client.put_object(Bucket=self.config.bucket, Key=self._obj(key), Body=body)
+            self._client.put_object(Bucket=bucket, Key=name, Body=body)
             return True
 
-        if not self._call(run, False, absent=False):
-            self.stats.add(dropped=1)
-            return False
-        self.stats.add(puts=1, bytes_written=view.nbytes)
-        with self._lock:
-            old = self._known.get(bytes(key), (0, 0.0))[0]
-            self._known[bytes(key)] = (size, time.time())
-            self._written_since_list += size - old
-            over = sum(s for s, _ in self._known.values()) > self.config.capacity
-        if over:
-            self._evict()
-        return True
+        return run, view.nbytes
+
+    def put(self, key: Key, data, dtype: str = "uint8", shape: tuple[int, ...] | None = None) -> bool:
+        """Upload header + payload as one object (one PUT); True once the endpoint acknowledged it
+        within ``timeout_s``. False (counted) otherwise; an upload still running at the deadline
+        may land later, unacknowledged."""
+        return self._put_all([(key, data, dtype, shape)])[0]
 
     def put_many(self, items: Sequence[tuple[Key, object]]) -> list[bool]:
-        """``put`` for each (key, data) pair, ``max_workers`` uploads in parallel."""
-        return list(self._pool.map(lambda kv: self.put(kv[0], kv[1]), items))
+        """``put`` for each (key, data) pair: ``max_workers`` uploads in parallel, the whole batch
+        within ``timeout_s``."""
+        return self._put_all([(k, d, "uint8", None) for k, d in items])
+
+    def _put_all(self, items: Sequence[tuple[Key, object, str, tuple[int, ...] | None]]) -> list[bool]:
+        uploads = [self._upload(*item) for item in items]
+        ready = [i for i, u in enumerate(uploads) if u is not None]
+        results = self._within(self._pool, [uploads[i][0] for i in ready], self.config.timeout_s)
+        ok = [False] * len(items)
+        over = False
+        for i, result in zip(ready, results):
+            if result is not True:
+                self.stats.add(dropped=1)
+                continue
+            ok[i] = True
+            key, size = bytes(items[i][0]), uploads[i][1]
+            self.stats.add(puts=1, bytes_written=size)
+            self._answers.set(key, True)
+            with self._lock:
+                old = self._known.get(key, (0, 0.0))[0]
+                self._known[key] = (size, time.time())
+                self._written_since_list += size - old
+                over = over or sum(s for s, _ in self._known.values()) > self.config.capacity
+        if over:
+            self._evict()
+        return ok
 
     def _evict(self) -> None:
         """Re-list, then delete the oldest objects until under ``low_watermark x capacity``."""
@@ -292,23 +451,29 @@ class S3Tier(Tier):
                 total -= size
             for k in victims:
                 self._known.pop(k, None)
-        for start in range(0, len(victims), 1000):
-            batch = [{"Key": self._obj(k)} for k in victims[start:start + 1000]]
-            self._call(lambda batch=batch: self._client.delete_objects(
-                Bucket=self.config.bucket, Delete={"Objects": batch, "Quiet": True}), None)
+        for k in victims:
+            self._answers.set(k, False)
+        batches = [[{"Key": self._obj(k)} for k in victims[start:start + 1000]]
+                   for start in range(0, len(victims), 1000)]
+        self._within(self._pool, [lambda batch=batch: self._client.delete_objects(
+            Bucket=self.config.bucket, Delete={"Objects": batch, "Quiet": True}) for batch in batches],
+            self.config.timeout_s)
         self.stats.add(evictions=len(victims))
 
     def delete(self, key: Key) -> bool:
+        """Delete the object (HEAD first when this process does not know it exists, since S3's
+        DELETE succeeds either way); True when it existed. Within ``timeout_s`` per request."""
+        name, bucket = self._obj(key), self.config.bucket
         with self._lock:
             was_known = self._known.pop(bytes(key), None) is not None
         if not was_known:  # perhaps written by another node since the last listing
-            was_known = bool(self._call(lambda: self._client.head_object(
-                Bucket=self.config.bucket, Key=self._obj(key)), None, absent=None))
-        ok = self._call(lambda: self._client.delete_object(Bucket=self.config.bucket, Key=self._obj(key)),
-                        None, absent=None)
-        if ok is None:
+            found = self._one(lambda: self._client.head_object(Bucket=bucket, Key=name))
+            was_known = found is not _FAULT and found is not _ABSENT
+        gone = self._one(lambda: self._client.delete_object(Bucket=bucket, Key=name))
+        if gone is _FAULT:
             return False
-        # S3 DELETE succeeds whether or not the object existed; the cache tells which it was.
+        self._answers.set(bytes(key), False)
+        # S3 DELETE succeeds whether or not the object existed; the HEAD/listing tells which it was.
         if was_known:
             self.stats.add(deletes=1)
         return was_known
@@ -324,15 +489,42 @@ class S3Tier(Tier):
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
-        try:
-            self._client.close()
-        except Exception:  # closing must not raise into the caller
-            pass
+        for pool in (self._pool, self._lookup_pool):
+            pool.shutdown(wait=False, cancel_futures=True)  # a hung request must not block close
+        for client in (self._client, self._lookup_client):
+            try:
+                client.close()
+            except Exception:  # closing must not raise into the caller
+                pass
 
     def __repr__(self) -> str:
         return (f"S3Tier(name={self.name!r}, endpoint={self._endpoint!r}, "
                 f"bucket={self.config.bucket!r}, prefix={self.config.prefix!r})")
+
+
+def _validate(config: S3Config, name: str) -> None:
+    """ConfigError (one line naming the key and its valid range) for a bad value."""
+    if not config.bucket:
+        raise ConfigError(f"{name}.bucket: must not be empty")
+    if not 0 < config.low_watermark <= 1:
+        raise ConfigError(f"{name}.low_watermark: must be in (0, 1], got {config.low_watermark}")
+    for key, lo, hi in (("max_workers", 1, 1024), ("max_attempts", 1, 20), ("lookup_workers", 1, 1024),
+                        ("lookup_cache_entries", 0, 10_000_000)):
+        value = getattr(config, key)
+        if not isinstance(value, int) or not lo <= value <= hi:
+            raise ConfigError(f"{name}.{key}: must be an integer in [{lo}, {hi}], got {value!r}")
+    for key, hi in (("connect_timeout_s", 600.0), ("read_timeout_s", 600.0), ("lookup_timeout_s", 60.0),
+                    ("timeout_s", 3600.0)):
+        value = getattr(config, key)
+        if not 0 < value <= hi:  # also rejects NaN
+            raise ConfigError(f"{name}.{key}: must be in (0, {hi:g}] seconds, got {value!r}")
+    for key in ("lookup_cache_ttl_s", "list_interval_s"):
+        value = getattr(config, key)
+        if not (math.isfinite(value) and 0 <= value <= 3600):
+            raise ConfigError(f"{name}.{key}: must be in [0, 3600] seconds, got {value!r}")
+    if not 1 <= config.backoff_ms <= config.max_backoff_ms <= 3_600_000:
+        raise ConfigError(f"{name}.backoff_ms, max_backoff_ms: need 1 <= backoff_ms <= max_backoff_ms "
+                          f"<= 3600000, got {config.backoff_ms}, {config.max_backoff_ms}")
 
 
 def _payload(object_bytes: int) -> int:

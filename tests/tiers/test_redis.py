@@ -115,7 +115,7 @@ LOOKUP_S, DATA_S, SLACK_S = 0.2, 0.5, 0.4
 @contextmanager
 def hung(server):
     """SIGSTOP the redis-server process for the block (it accepts connections, never answers)."""
-    pid = getattr(server, "pid", None) or server._proc.pid
+    pid = server.pid
     os.kill(pid, signal.SIGSTOP)
     try:
         yield
