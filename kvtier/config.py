@@ -2,12 +2,18 @@
 
 Every component has a frozen dataclass config. ``build(cls, mapping)`` turns a dict (from YAML,
 JSON or the CLI) into one, rejecting unknown keys with a message that lists the valid ones and
-checking each value against the field's type.
+checking each value against the field's type and range.
+
+Ranges are declared on the field (``ranged(default, ge=1)``) and checked by ``validate`` (which
+``build`` calls, and components call on configs built by hand): one ``ConfigError`` line naming
+the key and the valid range. A config class may add checks across fields in a method
+``check(self, where: str) -> None`` that ``validate`` calls after the ranges.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -45,6 +51,8 @@ def parse_size(value: int | float | str, what: str = "size") -> int:
     if isinstance(value, bool):
         raise ConfigError(f"{what}: expected a byte size, got {value!r}")
     if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{what}: expected a finite byte size, got {value!r}")
         if value < 0:
             raise ConfigError(f"{what}: size must not be negative, got {value!r}")
         return int(value)
@@ -83,6 +91,82 @@ class Size(int):
     """Marker type for config fields that accept a byte size (int or a string like ``2GiB``)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric field: ``lo``/``hi`` bounds (None: unbounded), each
+    inclusive unless its ``*_open`` flag is set. NaN is never in a range."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        if isinstance(value, float) and math.isnan(value):
+            return False
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        if self.hi is not None and (value >= self.hi if self.hi_open else value > self.hi):
+            return False
+        return True
+
+    def __str__(self) -> str:
+        left = "(" if self.lo_open or self.lo is None else "["
+        right = ")" if self.hi_open or self.hi is None else "]"
+        lo = "-inf" if self.lo is None else _num(self.lo)
+        hi = "inf" if self.hi is None else _num(self.hi)
+        return f"{left}{lo}, {hi}{right}"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def ranged(default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
+           le: float | None = None, lt: float | None = None) -> Any:
+    """A dataclass field whose value must lie in the given bounds (checked by ``validate``).
+
+    ``ge``/``gt``: lower bound, inclusive/exclusive; ``le``/``lt``: upper bound. Infinite and
+    NaN values are outside every range that has a finite bound on that side.
+    """
+    if ge is not None and gt is not None or le is not None and lt is not None:
+        raise TypeError("give at most one lower bound (ge/gt) and one upper bound (le/lt)")
+    rng = Range(lo=gt if gt is not None else ge, hi=lt if lt is not None else le,
+                lo_open=gt is not None, hi_open=lt is not None)
+    return dataclasses.field(default=default, metadata={"range": rng})
+
+
+def range_of(cls_or_obj: Any, name: str) -> Range | None:
+    """The declared range of field ``name`` of a config class or instance, or None."""
+    for f in dataclasses.fields(cls_or_obj):
+        if f.name == name:
+            return f.metadata.get("range")
+    return None
+
+
+def out_of_range(what: str, value: Any, valid: Range | str) -> ConfigError:
+    """The one-line error for a value outside its valid range."""
+    return ConfigError(f"{what}: must be in {valid}, got {value!r}")
+
+
+def validate(config: Any, where: str = "") -> None:
+    """Check every ranged field of the dataclass ``config`` (None values pass), then its own
+    cross-field ``check(where)`` if it has one; ConfigError naming the key and the valid range."""
+    label = where or type(config).__name__
+    for f in dataclasses.fields(config):
+        rng = f.metadata.get("range")
+        if rng is None:
+            continue
+        value = getattr(config, f.name)
+        if value is None or isinstance(value, bool):
+            continue
+        if value not in rng:
+            raise out_of_range(f"{label}.{f.name}", value, rng)
+    check = getattr(config, "check", None)
+    if callable(check):
+        check(label)
+
+
 def build(cls: type[T], mapping: Mapping[str, Any] | None, where: str = "") -> T:
     """Build the dataclass ``cls`` from ``mapping``, validating keys and value types.
 
@@ -102,9 +186,11 @@ def build(cls: type[T], mapping: Mapping[str, Any] | None, where: str = "") -> T
     for name, value in mapping.items():
         values[name] = _coerce(hints[name], value, f"{label}.{name}")
     try:
-        return cls(**values)
+        config = cls(**values)
     except TypeError as exc:  # a required field is missing
         raise ConfigError(f"{label}: {exc}") from None
+    validate(config, label)
+    return config
 
 
 def _coerce(hint: Any, value: Any, what: str) -> Any:
@@ -165,9 +251,12 @@ def _coerce(hint: Any, value: Any, what: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ConfigError(f"{what}: expected a number, got {value!r}")
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
             raise ConfigError(f"{what}: expected a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{what}: expected a finite number, got {value!r}")
+        return number
     if hint is str:
         if not isinstance(value, str):
             raise ConfigError(f"{what}: expected a string, got {value!r}")

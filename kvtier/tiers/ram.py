@@ -27,7 +27,7 @@ from typing import Iterator, Literal
 
 import numpy as np
 
-from kvtier.config import Size
+from kvtier.config import Size, out_of_range, ranged, validate
 from kvtier.entry import DTYPES, MAX_NDIM
 from kvtier.errors import OutOfSpace
 from kvtier.tiers.base import Key, Tier
@@ -50,11 +50,16 @@ class RamConfig:
         exclusively and removed on ``close``. Never pinned.
     """
 
-    capacity: Size = Size(1024**3)
-    page_size: Size = Size(256 * 1024)
+    capacity: Size = ranged(Size(1024**3), ge=1)
+    page_size: Size = ranged(Size(256 * 1024), ge=1)
     pin_memory: Literal["auto"] | bool = "auto"
     prefault: bool = False
     shm_path: str | None = None
+
+    def check(self, where: str) -> None:
+        """Across fields: the arena holds at least one page (``config.validate`` calls this)."""
+        if self.page_size > self.capacity:
+            raise out_of_range(f"{where}.page_size", self.page_size, f"[1, capacity={self.capacity}]")
 
 
 class _Entry:
@@ -89,8 +94,7 @@ class RamTier(Tier):
     def __init__(self, config: RamConfig | None = None, name: str = "ram"):
         super().__init__(name)
         config = config or RamConfig()
-        if config.page_size <= 0:
-            raise ValueError(f"ram tier {name}: page_size must be positive")
+        validate(config, name)
         self.config = config
         self._page = int(config.page_size)
         self._npages = int(config.capacity) // self._page
