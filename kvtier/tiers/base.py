@@ -11,6 +11,11 @@ Contract for every implementation:
   fault (counted in ``stats.errors``). It never raises for those, and never returns wrong bytes.
 - ``put`` stores a copy of the caller's bytes and returns True, or returns False (counted) when
   it could not. Putting an existing key again is allowed and leaves one complete entry.
+- A key is a ``KEY_BYTES``-byte digest; any other key is a caller's mistake: ``InvalidKey`` (a
+  ValueError, from ``kvtier.entry.check_key``), never a crash deeper down or a stored entry.
+- No allocation is sized from a stored header alone: a header whose length exceeds
+  ``max_entry_bytes`` (by default what the tier can hold) is a corrupt entry (counted, removed, a
+  miss), as is one that does not match the stored size.
 - All methods are thread-safe.
 """
 
@@ -21,10 +26,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
 from typing import ClassVar, Iterable, Iterator
 
-from kvtier.entry import decode, encode_header
+from kvtier.entry import check_key, decode, decode_header, encode_header
 from kvtier.errors import CorruptEntry
 
 Key = bytes
+# The entry bound of a tier with no byte budget: Redis's own limit on one value (512 MB).
+UNBOUNDED_ENTRY_BYTES = 512 * 1024**2
 
 
 @dataclass
@@ -70,6 +77,13 @@ class Tier(ABC):
     @abstractmethod
     def capacity_bytes(self) -> int:
         """Bytes of payload this tier may hold."""
+
+    @property
+    def max_entry_bytes(self) -> int:
+        """The largest payload one entry of this tier can have: a header announcing more is
+        corrupt. By default the tier's capacity (a tier without a byte budget, capacity 0,
+        falls back to ``UNBOUNDED_ENTRY_BYTES``)."""
+        return self.capacity_bytes or UNBOUNDED_ENTRY_BYTES
 
     @abstractmethod
     def used_bytes(self) -> int:
@@ -125,12 +139,28 @@ class Tier(ABC):
             self.stats.add(misses=1)
             return None
         try:
-            _header, payload = decode(value, expected_key=bytes(key))
+            _header, payload = decode(value, expected_key=bytes(key), max_length=self.max_entry_bytes)
         except CorruptEntry:
             self.stats.add(corrupt=1, misses=1)
             self.delete(key)
             return None
         return payload
+
+    def _length_from_header(self, key: Key, head) -> int | None:
+        """Payload length from the first bytes of a stored entry (``size_of`` of a remote tier),
+        or None: an absent value is None; a header that does not parse, names another key or
+        announces more than ``max_entry_bytes`` is counted corrupt, removed, and None."""
+        if not head:
+            return None
+        try:
+            header = decode_header(head, self.max_entry_bytes)
+            if header.key != bytes(key):
+                raise CorruptEntry("entry holds another key")
+        except CorruptEntry:
+            self.stats.add(corrupt=1)
+            self.delete(key)
+            return None
+        return header.length
 
     def _deliver_value(self, key: Key, value, out) -> int | None:
         """Verify a fetched entry and copy its payload into ``out`` (a counted miss if bad)."""
@@ -151,7 +181,8 @@ class Tier(ABC):
 
     def _header(self, key: Key, view: memoryview, dtype: str, shape: tuple[int, ...] | None) -> bytes | None:
         """The entry header for a put, or None (counted as an error and a drop) when the key,
-        dtype or shape cannot describe ``view``."""
+        dtype or shape cannot describe ``view``. InvalidKey for a key that is not a chunk key."""
+        check_key(key)
         try:
             return encode_header(bytes(key), view, dtype, shape)
         except ValueError:

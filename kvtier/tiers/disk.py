@@ -4,10 +4,18 @@ A file is ``<dir>/<first key byte as hex>/<key hex>`` holding the entry header (
 followed by the payload. Writes go to a temp file in the same directory and are renamed into
 place (``os.replace``), so a reader or a crash sees the old entry or the new one, never half.
 
-At construction the directory is scanned, reading headers only: temp files left by a crash are
-removed, files whose header does not parse (or names another key, or whose size disagrees with
-the header) are removed and counted in ``stats.corrupt``; the rest form the index, so entries
-survive a restart. On read the payload checksum is verified; a corrupt or truncated file is
+One tier owns a directory: at construction it takes an exclusive ``flock`` on
+``<dir>/.kvtier.lock`` (held until ``close``), so two stores never manage one directory (each would
+believe it owns the whole capacity). A second tier on a locked directory raises TierUnavailable
+naming the path; ``TieredStore.from_config`` then leaves the tier out with a warning, as for any
+tier that cannot start.
+
+At construction the directory is scanned, reading headers only: the root and its fan-out
+subdirectories (two hex digits) and nothing deeper or elsewhere. Temp files left by a crash are
+removed, but only names this tier creates (``<key hex>.<12 hex>.tmp`` and its ``.probe-``/
+``.direct-`` files), never another ``*.tmp``. Files whose header does not parse (or names another
+key, announces more than the capacity, or whose size disagrees with the header) are removed and
+counted in ``stats.corrupt``; the rest form the index, so entries survive a restart. On read the payload checksum is verified; a corrupt or truncated file is
 removed, counted, and reported as a miss. Faults (ENOSPC, EACCES, EIO) are counted in
 ``stats.errors`` and reported as a miss / a False put, never raised.
 
@@ -20,23 +28,31 @@ pages (the OOMKilled pitfall).
 from __future__ import annotations
 
 import errno
+import fcntl
+import io
 import logging
 import mmap
 import os
 import queue
+import re
 import threading
 import uuid
 from dataclasses import dataclass
 from typing import Iterator
 
-from kvtier.config import Size
-from kvtier.entry import MAX_HEADER_BYTES, decode_header, encode_header, verify
+from kvtier.config import Size, ranged, validate
+from kvtier.entry import MAX_HEADER_BYTES, check_key, decode_header, encode_header, verify
 from kvtier.errors import CorruptEntry, TierUnavailable
 from kvtier.tiers.base import Key, Tier
 
 log = logging.getLogger(__name__)
 
 _TMP_SUFFIX = ".tmp"
+# The only temp names this tier creates (and so the only ones its start-up scan removes): an
+# entry being written, and the start-up probes.
+_OWN_TMP = re.compile(r"^(?:[0-9a-f]{64}\.[0-9a-f]{12}|\.(?:probe|direct)-[0-9a-f]{32})\.tmp$")
+_FANOUT_DIR = re.compile(r"^[0-9a-f]{2}$")
+LOCK_NAME = ".kvtier.lock"
 _ALIGN = 4096  # O_DIRECT offset/length/buffer alignment that every Linux filesystem accepts
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -56,11 +72,11 @@ class DiskConfig:
     """
 
     path: str
-    capacity: Size = Size(10 * 1024**3)
+    capacity: Size = ranged(Size(10 * 1024**3), ge=1)
     o_direct: bool = False
     drop_cache: bool = True
     fsync: bool = False
-    max_writes_in_flight: int = 4
+    max_writes_in_flight: int = ranged(4, ge=1, le=1024)
     fanout: bool = True
 
 
@@ -88,8 +104,7 @@ class DiskTier(Tier):
 
     def __init__(self, config: DiskConfig, name: str = "disk"):
         super().__init__(name)
-        if config.max_writes_in_flight < 1:
-            raise ValueError(f"disk tier {name}: max_writes_in_flight must be at least 1")
+        validate(config, name)
         self.config = config
         self.path = os.path.abspath(config.path)
         self._lock = threading.Lock()
@@ -100,8 +115,13 @@ class DiskTier(Tier):
         for _ in range(config.max_writes_in_flight):
             self._bounce.put(_Bounce())
         self._prepare_directory()
-        self._direct = bool(config.o_direct and _O_DIRECT and self._probe_direct())
-        self.scan_report = self._scan()
+        self._lock_file: io.FileIO | None = self._take_lock()
+        try:
+            self._direct = bool(config.o_direct and _O_DIRECT and self._probe_direct())
+            self.scan_report = self._scan()
+        except BaseException:
+            self._release_lock()
+            raise
 
     # --- start ---------------------------------------------------------------------------------
 
@@ -117,6 +137,36 @@ class DiskTier(Tier):
             raise TierUnavailable(
                 f"disk tier {self.name}: cannot use directory {self.path}: {exc.strerror or exc}"
             ) from None
+
+    def _take_lock(self) -> io.FileIO:
+        """Exclusive flock on ``<dir>/.kvtier.lock`` (held while the tier is open or referenced,
+        released by the kernel if the process dies); TierUnavailable naming the directory if
+        another tier, in this process or another, holds it."""
+        lock_path = os.path.join(self.path, LOCK_NAME)
+        try:
+            lock = io.FileIO(lock_path, "a")  # O_CLOEXEC; a dropped tier's lock closes with it
+        except OSError as exc:
+            raise TierUnavailable(
+                f"disk tier {self.name}: cannot create lock file {lock_path}: {exc.strerror or exc}"
+            ) from None
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            lock.close()
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise TierUnavailable(
+                    f"disk tier {self.name}: directory {self.path} is in use by another kvtier "
+                    f"store (lock {lock_path} is held); give each store its own directory"
+                ) from None
+            raise TierUnavailable(
+                f"disk tier {self.name}: cannot lock {lock_path}: {exc.strerror or exc}"
+            ) from None
+        return lock
+
+    def _release_lock(self) -> None:
+        lock, self._lock_file = self._lock_file, None
+        if lock is not None:
+            lock.close()  # closing the only descriptor releases the flock
 
     def _probe_direct(self) -> bool:
         probe = os.path.join(self.path, f".direct-{uuid.uuid4().hex}{_TMP_SUFFIX}")
@@ -134,27 +184,44 @@ class DiskTier(Tier):
     def _scan(self) -> dict[str, int]:
         """Rebuild the index from the files' headers; remove temp and unparsable files."""
         report = {"entries": 0, "temp_removed": 0, "corrupt_removed": 0}
-        for dirpath, _dirs, files in os.walk(self.path):
-            for fname in files:
-                full = os.path.join(dirpath, fname)
-                if fname.endswith(_TMP_SUFFIX):
-                    _unlink_quietly(full)
-                    report["temp_removed"] += 1
-                    continue
-                key = _key_from_name(fname)
-                if key is None or full != self._file(key):
-                    continue  # not ours: leave it alone
-                meta = _read_meta(full, key)
-                if meta is None:
-                    _unlink_quietly(full)
-                    report["corrupt_removed"] += 1
-                    continue
-                self._index[key] = meta
-                self._used += meta.length
-                report["entries"] += 1
+        for dirpath, fname in self._own_files():
+            full = os.path.join(dirpath, fname)
+            if _OWN_TMP.match(fname):
+                _unlink_quietly(full)
+                report["temp_removed"] += 1
+                continue
+            key = _key_from_name(fname)
+            if key is None or full != self._file(key):
+                continue  # not ours: leave it alone
+            meta = _read_meta(full, key, self.capacity_bytes)
+            if meta is None:
+                _unlink_quietly(full)
+                report["corrupt_removed"] += 1
+                continue
+            self._index[key] = meta
+            self._used += meta.length
+            report["entries"] += 1
         if report["corrupt_removed"]:
             self.stats.add(corrupt=report["corrupt_removed"])
         return report
+
+    def _own_files(self) -> Iterator[tuple[str, str]]:
+        """(directory, name) of the regular files in the root and its fan-out subdirectories:
+        the only places this tier writes. Nothing deeper (a user's files) is ever visited."""
+        dirs = [self.path]
+        try:
+            with os.scandir(self.path) as it:
+                dirs += [e.path for e in it if _FANOUT_DIR.match(e.name) and e.is_dir(follow_symlinks=False)]
+        except OSError:
+            return
+        for d in dirs:
+            try:
+                with os.scandir(d) as it:
+                    names = [e.name for e in it if e.is_file(follow_symlinks=False)]
+            except OSError:
+                continue
+            for name in names:
+                yield d, name
 
     # --- sizes ---------------------------------------------------------------------------------
 
@@ -285,10 +352,12 @@ class DiskTier(Tier):
         return True
 
     def close(self) -> None:
-        """Forget the index (files stay on disk for the next start) and free bounce buffers."""
+        """Forget the index (files stay on disk for the next start), free bounce buffers and
+        release the directory's lock."""
         with self._lock:
             self._index.clear()
             self._used = 0
+            self._release_lock()
         while True:
             try:
                 self._bounce.get_nowait().free()
@@ -453,13 +522,14 @@ def _read_upto(fd: int, buf: memoryview) -> int:
     return got
 
 
-def _read_meta(path: str, key: Key) -> _Meta | None:
-    """Index record from a file's header, or None when the header or the file size is wrong."""
+def _read_meta(path: str, key: Key, max_length: int) -> _Meta | None:
+    """Index record from a file's header, or None when the header or the file size is wrong or
+    the header announces more than ``max_length`` payload bytes (a forged or foreign length)."""
     try:
         with open(path, "rb", buffering=0) as f:
             head = f.read(MAX_HEADER_BYTES)
             size = os.fstat(f.fileno()).st_size
-        header = decode_header(head)
+        header = decode_header(head, max_length)
     except (OSError, CorruptEntry):
         return None
     if header.key != key or size != header.header_bytes + header.length:
@@ -503,8 +573,8 @@ __all__ = ["DiskTier", "DiskConfig"]
 
 
 def entry_path(root: str, key: Key, fanout: bool) -> str:
-    """Where a disk tier rooted at ``root`` keeps ``key``'s file."""
-    name = key.hex()
+    """Where a disk tier rooted at ``root`` keeps ``key``'s file (InvalidKey for a non-key)."""
+    name = check_key(key).hex()
     return os.path.join(root, name[:2], name) if fanout else os.path.join(root, name)
 
 

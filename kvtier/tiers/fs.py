@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from kvtier import entry
-from kvtier.config import Size
-from kvtier.errors import ConfigError, CorruptEntry
+from kvtier.config import Size, ranged, validate
+from kvtier.errors import CorruptEntry
 from kvtier.tiers.base import Key, Tier
 
 _TMP = ".tmp"
@@ -52,11 +52,11 @@ class FsConfig:
     """
 
     path: str
-    capacity: Size = Size(100 * 1024**3)
+    capacity: Size = ranged(Size(100 * 1024**3), ge=1)
     fsync: bool = False
-    scan_interval_s: float = 30.0
-    low_watermark: float = 0.9
-    stale_tmp_s: float = 3600.0
+    scan_interval_s: float = ranged(30.0, ge=0)
+    low_watermark: float = ranged(0.9, gt=0, le=1)
+    stale_tmp_s: float = ranged(3600.0, ge=0)
 
 
 class FsTier(Tier):
@@ -68,10 +68,7 @@ class FsTier(Tier):
 
     def __init__(self, config: FsConfig, name: str = "fs"):
         super().__init__(name)
-        if not 0 < config.low_watermark <= 1:
-            raise ConfigError(f"{name}.low_watermark: must be in (0, 1], got {config.low_watermark}")
-        if config.capacity <= 0:
-            raise ConfigError(f"{name}.capacity: must be positive, got {config.capacity}")
+        validate(config, name)
         self.config = config
         self._root = os.path.abspath(config.path)
         os.makedirs(self._root, exist_ok=True)
@@ -85,7 +82,7 @@ class FsTier(Tier):
     # -- paths ------------------------------------------------------------------------------
 
     def _dir(self, key: Key) -> str:
-        return os.path.join(self._root, f"{key[0]:02x}")
+        return os.path.join(self._root, f"{entry.check_key(key)[0]:02x}")
 
     def _path(self, key: Key) -> str:
         return os.path.join(self._dir(key), bytes(key).hex())
@@ -111,16 +108,40 @@ class FsTier(Tier):
             return False
 
     def size_of(self, key: Key) -> int | None:
+        """Payload bytes from the file's header, or None when absent or corrupt (a header that
+        does not parse, names another key, disagrees with the file's size or announces more than
+        the tier can hold: counted and removed)."""
+        path = self._path(key)
         try:
-            with open(self._path(key), "rb", buffering=0) as f:
-                return entry.decode_header(f.read(entry.MAX_HEADER_BYTES)).length
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            return None
-        except CorruptEntry:
             return None
         except OSError:
             self.stats.add(errors=1)
             return None
+        try:
+            st = os.fstat(fd)
+            header = self._checked_header(fd, key, st)
+        except OSError:
+            self.stats.add(errors=1)
+            return None
+        finally:
+            os.close(fd)
+        if header is None:
+            self._corrupt(path, st, count_miss=False)
+            return None
+        return header.length
+
+    def _checked_header(self, fd: int, key: Key, st: os.stat_result) -> entry.EntryHeader | None:
+        """The file's header if it parses, names ``key``, fits the tier and matches the file's
+        size; None (corrupt) otherwise. Nothing is allocated from the header's length."""
+        try:
+            header = entry.decode_header(os.pread(fd, entry.MAX_HEADER_BYTES, 0), self.max_entry_bytes)
+        except CorruptEntry:
+            return None
+        if header.key != bytes(key) or st.st_size != header.header_bytes + header.length:
+            return None
+        return header
 
     def get_into(self, key: Key, out) -> int | None:
         path = self._path(key)
@@ -142,12 +163,8 @@ class FsTier(Tier):
 
     def _read(self, fd: int, path: str, key: Key, dest: memoryview) -> int | None:
         st = os.fstat(fd)
-        head = os.pread(fd, entry.MAX_HEADER_BYTES, 0)
-        try:
-            header = entry.decode_header(head)
-            if header.key != bytes(key) or st.st_size != header.header_bytes + header.length:
-                raise CorruptEntry("file size or key does not match its header")
-        except CorruptEntry:
+        header = self._checked_header(fd, key, st)
+        if header is None:
             return self._corrupt(path, st)
         if dest.nbytes < header.length:
             self.stats.add(errors=1, misses=1)
@@ -166,9 +183,10 @@ class FsTier(Tier):
         self.stats.add(hits=1, bytes_read=header.length)
         return header.length
 
-    def _corrupt(self, path: str, st: os.stat_result) -> None:
-        """Count a corrupt entry as a miss; remove it if it is still the file that was read."""
-        self.stats.add(corrupt=1, misses=1)
+    def _corrupt(self, path: str, st: os.stat_result, count_miss: bool = True) -> None:
+        """Count a corrupt entry (as a miss when ``count_miss``); remove it if it is still the
+        file that was read."""
+        self.stats.add(corrupt=1, misses=int(count_miss))
         try:
             now = os.stat(path)
             if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):

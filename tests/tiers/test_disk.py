@@ -81,6 +81,7 @@ def test_corrupt_header_is_removed_at_start(tmp_path, damage):
     tier.put(key(1), payload(5000))
     tier.put(key(2), payload(5000, 2))
     CORRUPTIONS[damage](file_of(tier, key(1)))
+    tier.close()
     again = make(tmp_path)
     if damage == "payload byte":  # headers only at start: found on first read instead
         assert again.contains(key(1))
@@ -103,6 +104,7 @@ def test_file_of_another_key_is_a_miss(tmp_path):
     tier.put(key(3), payload(100))
     os.makedirs(os.path.dirname(file_of(tier, key(4))), exist_ok=True)
     os.link(file_of(tier, key(3)), file_of(tier, key(4)))  # a name the header contradicts
+    tier.close()
     again = make(tmp_path)
     assert again.scan_report["corrupt_removed"] == 1 and not again.contains(key(4))
     assert again.get(key(3)) == payload(100)
@@ -111,11 +113,12 @@ def test_file_of_another_key_is_a_miss(tmp_path):
 def test_temp_files_are_removed_at_start(tmp_path):
     tier = make(tmp_path)
     tier.put(key(1), payload(100))
-    stale = file_of(tier, key(2)) + ".abc.tmp"
+    stale = file_of(tier, key(2)) + ".0123456789ab.tmp"  # the name a crashed put leaves
     os.makedirs(os.path.dirname(stale), exist_ok=True)
     open(stale, "wb").write(b"half written")
     unrelated = tmp_path / "README"
     unrelated.write_text("not ours")
+    tier.close()
     again = make(tmp_path)
     assert again.scan_report == {"entries": 1, "temp_removed": 1, "corrupt_removed": 0}
     assert not os.path.exists(stale) and unrelated.exists()
@@ -189,4 +192,86 @@ def test_durable_mode_and_flat_layout(tmp_path):
     tier = make(tmp_path, fsync=True, fanout=False)
     assert tier.put(key(1), payload(100))
     assert os.path.exists(tmp_path / key(1).hex())
+    tier.close()
     assert make(tmp_path, fanout=False).get(key(1)) == payload(100)
+
+
+# ------------------------------------------------------------------------------ hardening (issue 9)
+
+
+def test_forged_length_within_a_sparse_file_is_removed_at_start(tmp_path):
+    """A file whose size matches a header announcing 1 TiB (sparse): beyond the capacity, so the
+    scan removes it as corrupt instead of indexing an entry nobody can allocate for."""
+    from tests.tiers.forge import forged_header
+
+    tier = make(tmp_path)
+    tier.put(key(1), payload(100))
+    tier.put(key(2), payload(100, 2))
+    path = file_of(tier, key(1))
+    tier.close()
+    header = forged_header(key(1), 2**40)
+    with open(path, "wb") as f:
+        f.write(header)
+        try:
+            f.truncate(len(header) + 2**40)
+        except OSError:
+            pytest.skip("this file system does not allow a 1 TiB sparse file")
+    again = make(tmp_path)
+    assert again.scan_report["corrupt_removed"] == 1 and again.stats.corrupt == 1
+    assert not again.contains(key(1)) and again.size_of(key(1)) is None
+    assert not os.path.exists(path)
+    assert again.get(key(2)) == payload(100, 2)
+
+
+def test_start_up_scan_removes_only_its_own_temp_files(tmp_path):
+    """A user's notes.tmp, another program's temp files and anything below the fan-out
+    directories survive a start; a temp file named as kvtier names them does not."""
+    tier = make(tmp_path)
+    tier.put(key(1), payload(100))
+    fan = os.path.dirname(file_of(tier, key(1)))
+    ours = file_of(tier, key(2)) + ".0123456789ab.tmp"
+    os.makedirs(os.path.dirname(ours), exist_ok=True)
+    theirs = [tmp_path / "notes.tmp", os.path.join(fan, "notes.tmp"),
+              os.path.join(fan, key(3).hex() + ".in-flight.tmp"), tmp_path / "user" / "deep" / "x.tmp",
+              tmp_path / "ab" / "cd" / (key(4).hex() + ".0123456789ab.tmp")]
+    for path in [ours, *theirs]:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(b"someone's bytes")
+    tier.close()
+    again = make(tmp_path)
+    assert again.scan_report == {"entries": 1, "temp_removed": 1, "corrupt_removed": 0}
+    assert not os.path.exists(ours)
+    assert all(os.path.exists(p) for p in theirs)
+
+
+def test_a_second_tier_on_the_same_directory_is_refused_naming_it(tmp_path):
+    """Two tiers (in one process or two) never manage one directory; the lock goes with close."""
+    import subprocess
+    import sys
+
+    first = make(tmp_path)
+    with pytest.raises(TierUnavailable, match=str(tmp_path)):
+        make(tmp_path)
+    code = ("import sys\nfrom kvtier.errors import TierUnavailable\nfrom kvtier.tiers.disk import DiskTier\n"
+            "try:\n    DiskTier(DiskTier.Config(path=sys.argv[1]))\nexcept TierUnavailable as e:\n"
+            "    print(e)\n    sys.exit(3)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    other = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                           env=env, timeout=120)
+    assert other.returncode == 3 and "in use by another kvtier store" in other.stdout, other
+    assert first.put(key(1), payload(100))
+    first.close()
+    with make(tmp_path) as again:
+        assert again.get(key(1)) == payload(100)
+
+
+def test_keys_that_are_not_digests_are_refused_not_written(tmp_path):
+    from kvtier.errors import InvalidKey
+
+    tier = make(tmp_path)
+    for bad in (b"", b"abc"):
+        with pytest.raises(InvalidKey, match="32 bytes"):
+            tier.put(bad, payload(10))
+        assert tier.get_into(bad, bytearray(16)) is None and not tier.contains(bad)
+    assert tier.used_bytes() == 0 and list(tier.keys()) == []

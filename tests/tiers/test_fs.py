@@ -86,3 +86,39 @@ def test_budget_scan_evicts_oldest_mtime(tmp_path):
     assert tier.used_bytes() <= 10_000
     assert tier.stats.evictions >= 3
     assert not tier.contains(key(0)) and tier.contains(key(4))
+
+
+# ------------------------------------------------------------------------------ hardening (issue 9)
+
+
+def test_forged_entry_length_is_a_counted_corrupt_miss_and_removed(tmp_path):
+    """A header with a valid CRC announcing 2**50 bytes: no allocation, no raise; a miss."""
+    from tests.tiers.forge import forged_header
+
+    tier = make(tmp_path, capacity=1 << 20)
+    k = key(1)
+    tier.put(k, b"x" * 100)
+    path = tier._path(k)
+    with open(path, "wb") as f:
+        f.write(forged_header(k, 2**50) + b"x" * 100)
+    assert tier.size_of(k) is None  # what a store sizes its buffer from
+    assert not os.path.exists(path) and tier.stats.corrupt == 1
+    with open(path, "wb") as f:  # within the capacity but not the file's size: also corrupt
+        f.write(forged_header(k, 4096) + b"x" * 100)
+    assert tier.get(k) is None and tier.get_into(k, bytearray(1 << 20)) is None
+    assert not os.path.exists(path) and tier.stats.corrupt == 2
+
+
+def test_keys_that_are_not_digests_raise_invalid_key(tmp_path):
+    """An empty or 3-byte key is a caller's mistake named as such, not an IndexError."""
+    import pytest
+
+    from kvtier.errors import InvalidKey
+
+    tier = make(tmp_path)
+    for bad in (b"", b"abc", b"x" * 33):
+        for call in (lambda: tier.put(bad, b"data"), lambda: tier.get_into(bad, bytearray(8)),
+                     lambda: tier.contains(bad), lambda: tier.size_of(bad), lambda: tier.delete(bad)):
+            with pytest.raises(InvalidKey, match="32 bytes"):
+                call()
+    assert list(tier.keys()) == []
