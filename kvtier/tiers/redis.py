@@ -197,7 +197,7 @@ class RedisTier(Tier):
         return redis.Redis(connection_pool=pool), pool
 
     def _key(self, key: Key) -> bytes:
-        return self._prefix + bytes(key)
+        return self._prefix + entry.check_key(key)
 
     def _fault(self, exc: BaseException) -> None:
         """Count a fault; open the breaker on connection-level ones."""
@@ -271,12 +271,7 @@ class RedisTier(Tier):
 
     def size_of(self, key: Key) -> int | None:
         raw = self._call(lambda: self._lookup.getrange(self._key(key), 0, entry.MAX_HEADER_BYTES - 1), None)
-        if not raw:
-            return None
-        try:
-            return entry.decode_header(raw).length
-        except CorruptEntry:
-            return None
+        return self._length_from_header(key, raw)  # bounded: a forged length is corrupt
 
     def get_into(self, key: Key, out) -> int | None:
         """Copy the verified payload into ``out``; ``out`` is untouched on a miss."""

@@ -47,7 +47,7 @@ from urllib.parse import urlsplit
 
 from kvtier import entry
 from kvtier.config import Size
-from kvtier.errors import ConfigError, CorruptEntry
+from kvtier.errors import ConfigError
 from kvtier.tiers.base import Key, Tier
 from kvtier.tiers.breaker import CircuitBreaker
 
@@ -196,7 +196,7 @@ class S3Tier(Tier):
         )
 
     def _obj(self, key: Key) -> str:
-        return self.config.prefix + bytes(key).hex()
+        return self.config.prefix + entry.check_key(key).hex()
 
     # -- fault handling ---------------------------------------------------------------------
 
@@ -336,10 +336,7 @@ class S3Tier(Tier):
         head = self._one(run, lookup=True)
         if head is _FAULT or head is _ABSENT:
             return None
-        try:
-            return entry.decode_header(head).length if head else None
-        except CorruptEntry:
-            return None
+        return self._length_from_header(key, head)  # bounded: a forged length is corrupt
 
     def _fetcher(self, key: Key) -> Callable[[], bytes]:
         name, bucket = self._obj(key), self.config.bucket
