@@ -113,7 +113,7 @@ class ServerStore:
 
     def __init__(self, address: str, token: str | None = None, timeout: float = 5.0,
                  backoff: float = 0.2, max_backoff: float = 2.0, connect_timeout: float = 1.0,
-                 lookup_timeout: float = 0.2, allowed_uids: Sequence[int] = ()):
+                 lookup_timeout: float = 0.25, allowed_uids: Sequence[int] = ()):
         for name, value in (("timeout", timeout), ("lookup_timeout", lookup_timeout),
                             ("connect_timeout", connect_timeout), ("backoff", backoff)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
