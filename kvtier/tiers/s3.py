@@ -66,7 +66,8 @@ class S3Config:
     ``max_attempts`` shape the attempts within a data call's deadline (a lookup makes one attempt).
     ``lookup_workers``: concurrent HEADs of one lookup. ``lookup_cache_entries`` /
     ``lookup_cache_ttl_s``: size and trust time of the cache of found/absent answers.
-    ``list_interval_s``: how old the budget listing may be before ``used_bytes`` re-lists.
+    ``list_interval_s``: how old the budget listing may be before ``used_bytes`` re-lists;
+    ``list_timeout_s``: deadline of one listing (``used_bytes``, eviction, ``keys``).
     """
 
     bucket: str
@@ -88,6 +89,7 @@ class S3Config:
     lookup_cache_entries: int = 65536
     lookup_cache_ttl_s: float = 2.0
     list_interval_s: float = 5.0
+    list_timeout_s: float = 60.0
     backoff_ms: int = 500
     max_backoff_ms: int = 5000
 
@@ -155,7 +157,7 @@ class S3Tier(Tier):
                                                thread_name_prefix=f"kvtier-{name}-lookup")
         # a probe that never reports is given up after the longest a call can take
         self._breaker = CircuitBreaker(config.backoff_ms / 1000, config.max_backoff_ms / 1000,
-                                       max(config.timeout_s, config.lookup_timeout_s) + 1.0)
+                                       max(config.timeout_s, config.list_timeout_s) + 1.0)
         self._answers = _Answers(config.lookup_cache_entries, config.lookup_cache_ttl_s)
         self._lock = threading.Lock()  # guards the budget listing
         self._known: dict[bytes, tuple[int, float]] = {}  # key -> (object bytes, LastModified ts)
@@ -265,7 +267,7 @@ class S3Tier(Tier):
         """Re-list ``prefix`` when the listing is stale (or ``force``); False on a fault."""
         if not force and time.monotonic() - self._listed_at < self.config.list_interval_s:
             return True
-        listing = self._one(self._list)
+        listing = self._within(self._pool, [self._list], self.config.list_timeout_s)[0]
         if listing is _FAULT or listing is _ABSENT:
             return False
         with self._lock:
@@ -311,18 +313,22 @@ class S3Tier(Tier):
         keys = [bytes(k) for k in keys]
         names = [self._obj(k) for k in keys]  # InvalidKey before any request
         result = [self._answers.get(k) for k in keys]
-        ask = [i for i, r in enumerate(result) if r is None]
+        first: dict[bytes, int] = {}  # one HEAD per distinct unknown key
+        for i, r in enumerate(result):
+            if r is None:
+                first.setdefault(keys[i], i)
+        ask = list(first.values())
         if ask:
             bucket, head = self.config.bucket, self._lookup_client.head_object
             answers = self._within(self._lookup_pool,
                                    [lambda n=names[i]: head(Bucket=bucket, Key=n) for i in ask],
                                    self.config.lookup_timeout_s)
+            found: dict[bytes, bool] = {}
             for i, answer in zip(ask, answers):
-                if answer is _FAULT:
-                    result[i] = False  # unknown: not cached, asked again next time
-                    continue
-                result[i] = answer is not _ABSENT
-                self._answers.set(keys[i], result[i])
+                found[keys[i]] = answer is not _FAULT and answer is not _ABSENT
+                if answer is not _FAULT:  # a fault is unknown: not cached, asked again next time
+                    self._answers.set(keys[i], found[keys[i]])
+            result = [found[k] if r is None else r for k, r in zip(keys, result)]
         return [bool(r) for r in result]
 
     def size_of(self, key: Key) -> int | None:
@@ -459,14 +465,19 @@ class S3Tier(Tier):
 
     def delete(self, key: Key) -> bool:
         """Delete the object (HEAD first when this process does not know it exists, since S3's
-        DELETE succeeds either way); True when it existed. Within ``timeout_s`` per request."""
+        DELETE succeeds either way); True when it existed. Both requests within ``timeout_s``."""
         name, bucket = self._obj(key), self.config.bucket
+        end = time.monotonic() + self.config.timeout_s
         with self._lock:
             was_known = self._known.pop(bytes(key), None) is not None
         if not was_known:  # perhaps written by another node since the last listing
             found = self._one(lambda: self._client.head_object(Bucket=bucket, Key=name))
             was_known = found is not _FAULT and found is not _ABSENT
-        gone = self._one(lambda: self._client.delete_object(Bucket=bucket, Key=name))
+        left = end - time.monotonic()
+        if left <= 0:
+            self.stats.add(errors=1)
+            return False
+        gone = self._within(self._pool, [lambda: self._client.delete_object(Bucket=bucket, Key=name)], left)[0]
         if gone is _FAULT:
             return False
         self._answers.set(bytes(key), False)
@@ -511,7 +522,7 @@ def _validate(config: S3Config, name: str) -> None:
         if not isinstance(value, int) or not lo <= value <= hi:
             raise ConfigError(f"{name}.{key}: must be an integer in [{lo}, {hi}], got {value!r}")
     for key, hi in (("connect_timeout_s", 600.0), ("read_timeout_s", 600.0), ("lookup_timeout_s", 60.0),
-                    ("timeout_s", 3600.0)):
+                    ("timeout_s", 3600.0), ("list_timeout_s", 3600.0)):
         value = getattr(config, key)
         if not 0 < value <= hi:  # also rejects NaN
             raise ConfigError(f"{name}.{key}: must be in (0, {hi:g}] seconds, got {value!r}")

@@ -245,3 +245,13 @@ def test_deadlines_and_cache_are_validated():
                 {"backoff_ms": 500, "max_backoff_ms": 100}):
         with pytest.raises(ConfigError, match="lookup_|timeout_s|backoff_ms"):
             make("http://127.0.0.1:1", **bad)
+
+
+def test_repeated_keys_in_one_lookup_cost_one_head(s3_server, s3_bucket, monkeypatch):
+    with make(s3_server.endpoint_url, s3_bucket, lookup_cache_ttl_s=0) as tier:
+        assert tier.put(key(1), b"q" * 10)
+        heads = []
+        real_head = tier._lookup_client.head_object
+        monkeypatch.setattr(tier._lookup_client, "head_object", lambda **kw: heads.append(kw) or real_head(**kw))
+        assert tier.contains_many([key(1), key(2), key(1), key(2)]) == [True, False, True, False]
+        assert len(heads) == 2
