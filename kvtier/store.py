@@ -15,6 +15,15 @@ movement the tiers do. The contract:
   chunk is demoted to the next tier when that tier does not hold it yet.
 - A tier that fails to start is left out (the store degrades); a tier fault at run time is a
   counted miss or drop. Nothing here raises into the engine for a storage fault.
+- ``delete`` wins over every copy of the key already queued or in flight (write-through,
+  demotion, promotion): each queued copy carries the key's delete generation; the writer skips a
+  copy whose key was deleted since it was queued, and removes what it just wrote if the delete
+  came during its put. After ``delete`` and ``flush`` no tier holds the key (unless it is
+  written again).
+- A key is a ``KEY_BYTES``-byte digest (``kvtier.entry.check_key``): a write or delete of any
+  other key raises InvalidKey; a read or lookup of one is a miss.
+- No read sizes a buffer from a stored length beyond ``max_entry_bytes`` (and what the tier can
+  hold): a larger entry is corrupt (counted, removed, a miss).
 
 Thread-safety: every public method may be called from any thread. Bookkeeping and copies into
 or out of the top tier happen under one lock (copies there are memcpys); slow I/O on lower tiers
@@ -33,7 +42,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from kvtier.config import build
+from kvtier.config import Size, build, ranged
+from kvtier.entry import check_key, is_valid_key
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.policies.admission import Admission, AdmissionConfig
 from kvtier.policies.base import EvictionPolicy
@@ -57,19 +67,22 @@ class StoreConfig:
     """Configuration of a TieredStore.
 
     ``tiers`` is an ordered list of ``{"type": NAME, "policy": POLICY, ...tier config}``, fastest
-    first. ``policy`` is ignored for self-managed (shared) tiers.
+    first. ``policy`` is ignored for self-managed (shared) tiers. ``max_entry_bytes``: the largest
+    entry the store reads (a chunk's bytes; the connector can set its exact chunk size); a stored
+    header announcing more is a corrupt entry, so a forged length never sizes an allocation.
     """
 
     tiers: list[dict] = field(default_factory=lambda: [dict(t) for t in DEFAULT_TIERS])
-    write_queue_depth: int = 64
+    write_queue_depth: int = ranged(64, ge=1)
     write_through: bool = True
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    max_entry_bytes: Size = ranged(Size(1024**3), ge=1)
 
     def __post_init__(self):
         if not self.tiers:
             raise ConfigError("store.tiers: at least one tier is needed")
         if self.write_queue_depth < 1:
-            raise ConfigError("store.write_queue_depth: must be at least 1")
+            raise ConfigError(f"store.write_queue_depth: must be in [1, inf), got {self.write_queue_depth!r}")
         for i, spec in enumerate(self.tiers):
             if not isinstance(spec, Mapping):
                 raise ConfigError(f"store.tiers[{i}]: expected a mapping with a 'type'")
@@ -108,6 +121,8 @@ class _Counters:
     not_admitted: int = 0
     write_drops: int = 0
     errors: int = 0
+    corrupt: int = 0  # entries whose stored length exceeds what the store or tier accepts
+    cancelled_writes: int = 0  # lower-tier copies skipped or undone because the key was deleted
 
 
 _STOP = object()
@@ -132,6 +147,9 @@ class TieredStore:
         self._orphans: dict[Key, bytes] = {}  # bytes of top-tier entries evicted before their lower writes ran
         self._queued: dict[Key, int] = {}  # key -> lower writes still to read from the top tier
         self._in_flight: dict[Key, int] = {}  # key -> lower writes that have their bytes, not yet landed
+        self._pending: dict[Key, int] = {}  # key -> lower copies queued or running (any tier)
+        self._tombs: dict[Key, int] = {}  # key -> delete generation, kept while copies are pending
+        self._delete_seq = 0  # deletes so far: a promotion that saw one meanwhile is skipped
         self._scratch = threading.local()
         self._closed = False
         for level in self._levels:
@@ -189,7 +207,9 @@ class TieredStore:
     # ----------------------------------------------------------------------------- lookups
 
     def lookup(self, keys: Sequence[Key]) -> int:
-        """How many leading ``keys`` are present in some tier. No side effects on the policies."""
+        """How many leading ``keys`` are present in some tier. No side effects on the policies.
+        An invalid key (not a chunk key) ends the run like a missing one."""
+        keys = _valid_prefix(keys)
         with self._lock:
             n = 0
             for key in keys:
@@ -222,6 +242,8 @@ class TieredStore:
 
     def locate(self, key: Key) -> str | None:
         """Name of the first tier holding ``key`` (as far as the store knows), or None."""
+        if not is_valid_key(key):
+            return None
         with self._lock:
             for level in self._levels:
                 if level.managed and level.holds(key):
@@ -248,10 +270,15 @@ class TieredStore:
         """Hand ``key``'s payload to ``consume`` (segments valid during the call only).
 
         Returns the name of the tier it came from, or None on a miss (absent, corrupt, tier
-        fault). A lower-tier hit is promoted into the top tier.
+        fault, not a chunk key). A lower-tier hit is promoted into the top tier.
         """
         top = self._levels[0]
+        if not is_valid_key(key):
+            with self._lock:
+                self._counters.misses += 1
+            return None
         with self._lock:
+            deletes = self._delete_seq
             if top.holds(key):
                 segments = self._segments(top, key)
                 if segments is not None:
@@ -268,7 +295,7 @@ class TieredStore:
                 continue
             consume([got])
             if i > 0:
-                self._promote(key, got, level)
+                self._promote(key, got, level, deletes)
             with self._lock:
                 self._counters.hits += 1
             return level.tier.name
@@ -328,6 +355,9 @@ class TieredStore:
             size = level.tier.size_of(key)
             if size is None:
                 return None
+        if size > self._entry_bound(level):
+            self._drop_oversized(level, key, size)
+            return None
         buf = self._scratch_buffer(size)
         try:
             n = level.tier.get_into(key, buf)
@@ -349,6 +379,27 @@ class TieredStore:
                     level.policy.access(key)
         return buf[:n]
 
+    def _entry_bound(self, level: _Level) -> int:
+        """The largest entry the store reads from ``level``: the configured chunk bound and
+        what the tier can hold, whichever is smaller."""
+        tier_bound = getattr(level.tier, "max_entry_bytes", 0) or self.config.max_entry_bytes
+        return min(int(self.config.max_entry_bytes), int(tier_bound))
+
+    def _drop_oversized(self, level: _Level, key: Key, size: int) -> None:
+        """A stored length no chunk can have (forged or foreign): count it corrupt, remove it
+        from the tier and the index; the read is a miss. Nothing is allocated for it."""
+        log.warning("kvtier: tier %s holds %s with %d bytes, over the %d-byte entry bound: removed",
+                    level.tier.name, key.hex(), size, self._entry_bound(level))
+        level.tier.stats.add(corrupt=1)
+        try:
+            level.tier.delete(key)
+        except Exception:
+            level.tier.stats.add(errors=1)
+        with self._lock:
+            self._counters.corrupt += 1
+            if level.managed:
+                self._forget(level, key)
+
     def _scratch_buffer(self, size: int, slot: str = "io") -> np.ndarray:
         """A per-thread reusable buffer of at least ``size`` bytes (memory stays flat).
 
@@ -362,8 +413,9 @@ class TieredStore:
         return buf[:size]
 
     def prefetch(self, keys: Sequence[Key]) -> None:
-        """Promote lower-tier entries of ``keys`` into the top tier in the background."""
-        keys = [k for k in keys]
+        """Promote lower-tier entries of ``keys`` into the top tier in the background (up to the
+        first key that is not a chunk key)."""
+        keys = list(_valid_prefix(list(keys)))
         if keys:
             threading.Thread(target=self._prefetch, args=(keys,), name="kvtier-prefetch", daemon=True).start()
 
@@ -383,8 +435,12 @@ class TieredStore:
         ``parent`` is the key of the chunk before it in its prefix chain (None for the first),
         ``chunk_index`` its position; both feed chain-aware eviction and admission. Returns
         True if the top tier holds the entry afterwards. Lower tiers are written in the
-        background. ``fill`` runs under the store lock and must only copy.
+        background. ``fill`` runs under the store lock and must only copy. InvalidKey (a
+        ValueError) when ``key`` or ``parent`` is not a chunk key.
         """
+        check_key(key)
+        if parent is not None:
+            check_key(parent)
         top = self._levels[0]
         with self._lock:
             if self._closed:
@@ -444,11 +500,12 @@ class TieredStore:
             self._insert(top, key, nbytes, parent)
         return True
 
-    def _promote(self, key: Key, data: np.ndarray, source: _Level) -> None:
-        """Copy a lower-tier hit into the top tier (best effort)."""
+    def _promote(self, key: Key, data: np.ndarray, source: _Level, deletes: int) -> None:
+        """Copy a lower-tier hit into the top tier (best effort). Skipped when any delete ran
+        since the read began (``deletes``: the count then): the bytes may be of a deleted key."""
         with self._lock:
             top = self._levels[0]
-            if top.holds(key) or self._closed:
+            if top.holds(key) or self._closed or self._delete_seq != deletes:
                 return
             parent = source.parent.get(key)
 
@@ -470,13 +527,35 @@ class TieredStore:
                 if level.holds(key):
                     continue
                 self._queued[key] = self._queued.get(key, 0) + 1
+                gen = self._add_pending(key)
             try:
-                level.queue.put_nowait((key, parent, None))
+                level.queue.put_nowait((key, parent, None, gen))
             except queue.Full:
                 with self._lock:
                     self._release_queued(key)
+                    self._release_pending(key)
                     self._counters.write_drops += 1
                 level.tier.stats.add(dropped=1)
+
+    def _add_pending(self, key: Key) -> int:
+        """Count one more lower copy of ``key`` queued (lock held); the key's delete generation,
+        which the copy carries so that a later ``delete`` wins over it."""
+        self._pending[key] = self._pending.get(key, 0) + 1
+        return self._tombs.get(key, 0)
+
+    def _release_pending(self, key: Key) -> None:
+        """One lower copy of ``key`` is done, dropped or skipped (lock held); the key's tombstone
+        goes with its last pending copy, so tombstones never outlive the copies they guard."""
+        n = self._pending.get(key, 0) - 1
+        if n <= 0:
+            self._pending.pop(key, None)
+            self._tombs.pop(key, None)
+        else:
+            self._pending[key] = n
+
+    def _deleted_since(self, key: Key, gen: int) -> bool:
+        """Whether ``key`` was deleted after a copy carrying generation ``gen`` was queued (lock held)."""
+        return self._tombs.get(key, 0) != gen
 
     def _release_queued(self, key: Key) -> None:
         n = self._queued.get(key, 0) - 1
@@ -494,30 +573,37 @@ class TieredStore:
             if item is _STOP:
                 level.queue.task_done()
                 return
-            key, parent, data = item
+            key, parent, data, gen = item
             try:
-                self._write_lower(level, key, parent, data)
+                self._write_lower(level, key, parent, data, gen)
             except Exception:  # never let one bad write kill the worker
                 log.exception("kvtier: write to tier %s failed", level.tier.name)
                 level.tier.stats.add(errors=1)
             finally:
+                with self._lock:
+                    self._release_pending(key)
                 level.queue.task_done()
 
-    def _write_lower(self, level: _Level, key: Key, parent: Key | None, data) -> None:
-        """Copy ``key`` into a lower tier (from ``data`` or from the top tier)."""
+    def _write_lower(self, level: _Level, key: Key, parent: Key | None, data, gen: int) -> None:
+        """Copy ``key`` into a lower tier (from ``data`` or from the top tier), unless the key
+        was deleted since the copy was queued (``gen``: its delete generation then)."""
         if data is None:
             with self._lock:
                 try:
-                    data = self._snapshot_top(key)
+                    deleted = self._deleted_since(key, gen)
+                    data = None if deleted else self._snapshot_top(key)
                 finally:  # a failed snapshot must not pin the key's orphan bytes forever
                     self._release_queued(key)
+                if deleted:
+                    self._counters.cancelled_writes += 1
+                    return
                 if data is not None:  # until the put below lands, an eviction must not demote it again
                     self._in_flight[key] = self._in_flight.get(key, 0) + 1
             if data is None:
                 level.tier.stats.add(dropped=1)
                 return
             try:
-                self._put_lower(level, key, parent, data)
+                self._put_lower(level, key, parent, data, gen)
             finally:
                 with self._lock:
                     n = self._in_flight.pop(key) - 1
@@ -525,12 +611,20 @@ class TieredStore:
                         self._in_flight[key] = n
             return
         # a demotion carries its bytes (``bytes``); sizes below are read off an array
-        self._put_lower(level, key, parent, np.frombuffer(data, dtype=np.uint8))
+        self._put_lower(level, key, parent, np.frombuffer(data, dtype=np.uint8), gen)
 
-    def _put_lower(self, level: _Level, key: Key, parent: Key | None, data: np.ndarray) -> None:
-        """Make room in a lower tier and write ``data`` there (I/O outside the lock)."""
-        if level.managed:
-            with self._lock:
+    def _put_lower(self, level: _Level, key: Key, parent: Key | None, data: np.ndarray, gen: int) -> None:
+        """Make room in a lower tier and write ``data`` there (I/O outside the lock).
+
+        A delete of ``key`` wins: the copy is skipped if one came before the put, and what the
+        put wrote is removed again if one came during it. One worker writes each tier, so no
+        other copy of this key into this tier can land between the put and that removal.
+        """
+        with self._lock:
+            if self._deleted_since(key, gen):
+                self._counters.cancelled_writes += 1
+                return
+            if level.managed:
                 if level.holds(key):
                     return
                 if not level.policy.admit(key, data.size) or not self._make_room(self._levels.index(level), data.size):
@@ -538,10 +632,15 @@ class TieredStore:
                     return
         ok = level.tier.put(key, data)
         with self._lock:
-            if ok and level.managed and not level.holds(key):
+            undo = ok and self._deleted_since(key, gen)
+            if undo:
+                self._counters.cancelled_writes += 1
+            elif ok and level.managed and not level.holds(key):
                 self._insert(level, key, data.size, parent)
             elif ok and not level.managed:
                 self._event("stored", key, level)
+        if undo:
+            level.tier.delete(key)
 
     def _snapshot_top(self, key: Key):
         """A contiguous copy of a top-tier entry in this thread's scratch (lock held), or None."""
@@ -617,10 +716,12 @@ class TieredStore:
               and not self._in_flight.get(key)):
             snap = self._snapshot_top(key) if index == 0 else self._read_for_demotion(level, key)
             if snap is not None:
+                gen = self._add_pending(key)
                 try:
-                    nxt.queue.put_nowait((key, level.parent.get(key), snap.tobytes()))
+                    nxt.queue.put_nowait((key, level.parent.get(key), snap.tobytes(), gen))
                     self._counters.demotions += 1
                 except queue.Full:
+                    self._release_pending(key)
                     nxt.tier.stats.add(dropped=1)
                     self._counters.write_drops += 1
         level.tier.delete(key)
@@ -686,8 +787,13 @@ class TieredStore:
             self._events.append((kind, key, level.tier.medium))
 
     def delete(self, key: Key) -> None:
-        """Remove ``key`` from every tier."""
+        """Remove ``key`` from every tier; copies of it already queued or in flight do not bring
+        it back (see the module notes). InvalidKey when ``key`` is not a chunk key."""
+        check_key(key)
         with self._lock:
+            self._delete_seq += 1
+            if key in self._pending:  # queued or running copies: they check this and yield
+                self._tombs[key] = self._tombs.get(key, 0) + 1
             self._orphans.pop(key, None)  # a pending write-through must not bring it back
             for level in self._levels:
                 if level.managed:
@@ -756,10 +862,11 @@ class TieredStore:
             except queue.Empty:
                 return
             if item is not _STOP:
-                key, _parent, data = item
+                key, _parent, data, _gen = item
                 with self._lock:
                     if data is None:
                         self._release_queued(key)
+                    self._release_pending(key)
                     self._counters.write_drops += 1
                 level.tier.stats.add(dropped=1)
             level.queue.task_done()
@@ -769,3 +876,11 @@ class TieredStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _valid_prefix(keys: Sequence[Key]) -> Sequence[Key]:
+    """The leading run of ``keys`` that are chunk keys (all of them, uncopied, when all are)."""
+    for i, key in enumerate(keys):
+        if not is_valid_key(key):
+            return keys[:i]
+    return keys

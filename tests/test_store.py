@@ -653,3 +653,137 @@ def test_default_policy_keeps_a_subset_of_a_chain_loop_larger_than_the_cache(fra
     assert one_pass() >= floor
     assert one_pass() >= floor
     store.close()
+
+
+# ------------------------------------------------------------------------------------ hardening (issue 9)
+
+
+def test_delete_wins_over_a_write_through_copy_in_flight():
+    """The lower tier's put is under way (its bytes taken) when the key is deleted: the copy
+    must not land, and after flush no tier holds the key."""
+    lower = GatedRam(16 * PAGE)
+    store = store_over([ram(4), lower])
+    try:
+        store.put(key(1), payload(1))
+        assert lower.entered.wait(10)
+        store.delete(key(1))
+        lower.gate.set()
+        assert store.flush(10)
+        assert not lower.contains(key(1)) and store.get(key(1)) is None and store.lookup([key(1)]) == 0
+        assert store.stats()["cancelled_writes"] == 1
+        assert_accounting(store)
+        assert store._pending == {} and store._tombs == {}  # no tombstone outlives its copies
+    finally:
+        lower.gate.set()
+        store.close()
+
+
+def test_delete_wins_over_a_queued_demotion():
+    """An eviction queued the key's bytes for the next tier; a delete before they land wins."""
+    lower = GatedRam(16 * PAGE)
+    store = store_over([ram(1), lower], write_through=False)
+    try:
+        store.put(key(1), payload(1))
+        store.put(key(2), payload(2))  # evicts key 1: its demotion waits at the gate
+        assert lower.entered.wait(10)
+        store.delete(key(1))
+        lower.gate.set()
+        assert store.flush(10)
+        assert not lower.contains(key(1)) and store.get(key(1)) is None
+        assert store.get(key(2)) == payload(2)
+    finally:
+        lower.gate.set()
+        store.close()
+
+
+def test_deleted_keys_stay_deleted_in_every_tier_after_flush(tmp_path):
+    """Many keys written and deleted at once over ram + disk + fs: none is readable anywhere."""
+    cfg = config(tmp_path, ram_pages=64)
+    cfg["tiers"].append({"type": "fs", "path": str(tmp_path / "fs"), "capacity": "64MiB"})
+    with TieredStore.from_config(cfg) as store:
+        keys = [key(i, b"del") for i in range(300)]
+        for batch in range(0, len(keys), 20):  # deletes land while the batch's copies are under way
+            for i, k in enumerate(keys[batch : batch + 20], start=batch):
+                store.put(k, payload(i))
+            for k in keys[batch : batch + 20]:
+                store.delete(k)
+        assert store.flush(30)
+        back = [k for k in keys if store.get(k) is not None or any(t.contains(k) for t in store.tiers)]
+        assert back == [], f"{len(back)} of {len(keys)} deleted keys came back"
+        assert store._pending == {} and store._tombs == {}
+
+
+def test_forged_entry_length_in_a_shared_tier_is_a_counted_miss(tmp_path):
+    """An fs entry whose header (valid CRC) announces 2**50 bytes: TieredStore.get misses, counts
+    it corrupt and removes the file; before the fix it raised MemoryError into the engine."""
+    from tests.tiers.forge import forged_header
+
+    cfg = {"tiers": [{"type": "ram", "capacity": 4 * PAGE, "page_size": PAGE},
+                     {"type": "fs", "path": str(tmp_path / "fs"), "capacity": "64MiB"}]}
+    with TieredStore.from_config(cfg) as store:
+        fs = store.tiers[1]
+        k = key(1)
+        path = os.path.join(str(tmp_path / "fs"), k[:1].hex(), k.hex())
+        os.makedirs(os.path.dirname(path))
+        for length in (2**50, 2**20):  # over everything; within the tier but not the file
+            with open(path, "wb") as f:
+                f.write(forged_header(k, length) + b"x" * 64)
+            assert store.get(k) is None and store.get_into(k, bytearray(PAGE)) is None
+            assert not os.path.exists(path)
+        assert fs.stats.corrupt == 2
+
+
+def test_entries_over_max_entry_bytes_are_corrupt_misses(tmp_path):
+    """A well-formed entry larger than any chunk the store expects is not read (nor allocated)."""
+    cfg = {"tiers": [{"type": "ram", "capacity": 4 * PAGE, "page_size": PAGE},
+                     {"type": "fs", "path": str(tmp_path / "fs"), "capacity": "64MiB"}],
+           "max_entry_bytes": 2 * PAGE}
+    with TieredStore.from_config(cfg) as store:
+        fs = store.tiers[1]
+        assert fs.put(key(1), payload(1, 3 * PAGE)) and fs.put(key(2), payload(2, 2 * PAGE))
+        assert store.get(key(1)) is None and not fs.contains(key(1))
+        assert store.stats()["corrupt"] == 1
+        assert store.get(key(2)) == payload(2, 2 * PAGE)
+
+
+def test_keys_that_are_not_digests_are_refused_at_every_entry_point(make_store, caplog):
+    """A 3-byte or empty key: writes and deletes raise InvalidKey (nothing stored, no writer
+    traceback), reads and lookups are misses; a lookup stops at the first such key."""
+    from kvtier.errors import InvalidKey
+
+    store = make_store()
+    store.put(key(1), payload(1))
+    for bad in (b"", b"abc", b"x" * 31, "not bytes"):
+        with pytest.raises(InvalidKey):
+            store.put(bad, payload(2))
+        with pytest.raises(InvalidKey):
+            store.write(bad, PAGE, lambda segs: None)
+        with pytest.raises(InvalidKey):
+            store.put(key(2), payload(2), parent=bad)
+        with pytest.raises(InvalidKey):
+            store.delete(bad)
+        assert store.get(bad) is None and store.get_into(bad, bytearray(PAGE)) is None
+        assert store.read(bad, lambda segs: None) is None and store.locate(bad) is None
+        assert store.lookup([key(1), bad, key(1)]) == 1
+        store.prefetch([bad])
+    assert store.flush(10)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert all(len(k) == 32 for t in store.tiers for k in t.keys())
+    assert store.get(key(1)) == payload(1)
+
+
+def test_two_stores_never_manage_one_disk_directory(tmp_path, caplog):
+    """The second store over a locked disk directory leaves the disk tier out with a warning
+    naming the directory (a degraded store, as for any tier that cannot start)."""
+    with TieredStore.from_config(config(tmp_path)) as first:
+        with caplog.at_level(logging.WARNING, logger="kvtier.store"):
+            second = TieredStore.from_config(config(tmp_path))
+        try:
+            assert [t.name for t in second.tiers] == ["ram"]
+            assert any("in use by another kvtier store" in r.getMessage() and str(tmp_path / "disk") in r.getMessage()
+                       for r in caplog.records)
+        finally:
+            second.close()
+        assert [t.name for t in first.tiers] == ["ram", "disk"]
+    with TieredStore.from_config(config(tmp_path)) as third:  # released at close
+        assert [t.name for t in third.tiers] == ["ram", "disk"]
