@@ -41,7 +41,7 @@ VERSION = 1
 MAX_NDIM = 8
 _FIXED = struct.Struct("<4sHBBI32sQQ")  # up to and including the checksum
 _TAIL = struct.Struct("<II")  # hdr_crc, pad
-FIXED_BYTES = _FIXED.size + _TAIL.size  # 72
+FIXED_BYTES = _FIXED.size + _TAIL.size  # 68
 MAX_HEADER_BYTES = FIXED_BYTES + 8 * MAX_NDIM
 
 # name -> (code, itemsize). Codes are part of the format: never renumber.
