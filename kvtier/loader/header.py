@@ -172,7 +172,7 @@ def _tensor_info(name: str, entry: object, data_start: int, data_size: int, labe
         raise LoaderError(f"{where}: field {_name(entry.duplicate)} appears more than once")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise LoaderError(f"{where}: unknown dtype {str(dtype)[:20]!r}; known: {', '.join(DTYPES)}")
+        raise LoaderError(f"{where}: unknown dtype {_short(dtype)}; known: {', '.join(DTYPES)}")
     elements = _elements(shape, where)
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)
             or offsets[0] > offsets[1]):
@@ -180,7 +180,7 @@ def _tensor_info(name: str, entry: object, data_start: int, data_size: int, labe
                           f"got {_short(offsets)}")
     begin, end = offsets
     if end > data_size:
-        raise LoaderError(f"{where}: data_offsets [{begin}, {end}] run past the end of the data ({data_size} bytes)")
+        raise LoaderError(f"{where}: data_offsets {_short(offsets)} run past the end of the data ({data_size} bytes)")
     expected = elements * DTYPES[dtype][0]
     if expected != end - begin:
         raise LoaderError(f"{where}: shape {_short(shape)} x {dtype} is {expected} bytes "

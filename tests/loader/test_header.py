@@ -65,6 +65,8 @@ def test_valid_header_parses():
     ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "__metadata__": {"k": 1}}, 4, "key 'k' must map"),
     ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
       "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, 8, "overlap"),
+    ({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 10**4000]}}, 1, "run past the end"),  # stays short
+    ({"a": {"dtype": [[["U8"] * 50] * 50], "shape": [1], "data_offsets": [0, 1]}}, 1, "unknown dtype <array"),
 ])
 def test_bad_headers_get_one_line_errors(header, data, needle):
     err, _ = _parse(_file(header, bytes(data)), "m.safetensors")
