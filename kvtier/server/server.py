@@ -521,7 +521,8 @@ def _check_socket_dir(path: str) -> None:
         try:
             os.makedirs(parent, mode=0o700)
         except OSError as exc:
-            raise ServeError(f"serve.listen: cannot create the socket directory {parent}: {exc.strerror or exc}") from None
+            raise ServeError(f"serve.listen: cannot create the socket directory {parent}: "
+                             f"{exc.strerror or exc}") from None
     st = os.stat(parent)
     if not stat.S_ISDIR(st.st_mode):
         raise ServeError(f"serve.listen: {parent} is not a directory")
@@ -554,7 +555,8 @@ def _claim_socket_path(path: str) -> None:
         except (ConnectionRefusedError, FileNotFoundError):
             pass  # nobody listens: a socket left by a killed server
         except OSError as exc:
-            raise ServeError(f"serve.listen: cannot check whether a server answers on {path}: {exc.strerror or exc}") from None
+            raise ServeError(f"serve.listen: cannot check whether a server answers on {path}: "
+                             f"{exc.strerror or exc}") from None
         else:
             pid = _peer_pid(probe)
             raise ServeError(f"serve.listen: a server{f' (pid {pid})' if pid else ''} is already answering on {path}; "

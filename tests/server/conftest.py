@@ -75,9 +75,11 @@ class ServerProcess:
                 self.address, self.metrics_address = match.group(1), match.group(2)
                 return
             if self.proc.poll() is not None:
-                raise RuntimeError(f"kvtier serve exited ({self.proc.returncode}); log {self.log}: {self.output()[-2000:]}")
+                raise RuntimeError(f"kvtier serve exited ({self.proc.returncode}); log {self.log}: "
+                                   f"{self.output()[-2000:]}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"kvtier serve not ready after {timeout:.0f} s; log {self.log}: {self.output()[-2000:]}")
+                raise RuntimeError(f"kvtier serve not ready after {timeout:.0f} s; log {self.log}: "
+                                   f"{self.output()[-2000:]}")
             time.sleep(delay)  # polling interval
             delay = min(delay * 1.5, 0.2)
 

@@ -68,7 +68,8 @@ messages = st.builds(
 # well-typed requests with random contents: they exercise the store, leases and quotas
 typed = st.one_of(
     st.builds(lambda k: {"op": "get", "key": k}, st.binary(min_size=KEY_BYTES, max_size=KEY_BYTES)),
-    st.builds(lambda ks: {"op": "lookup", "keys": ks}, st.lists(st.binary(min_size=KEY_BYTES, max_size=KEY_BYTES), max_size=8)),
+    st.builds(lambda ks: {"op": "lookup", "keys": ks},
+              st.lists(st.binary(min_size=KEY_BYTES, max_size=KEY_BYTES), max_size=8)),
     st.builds(lambda k, n, i: {"op": "reserve", "key": k, "nbytes": n, "parent": None, "chunk_index": i},
               st.binary(min_size=KEY_BYTES, max_size=KEY_BYTES), st.integers(0, 3 << 20), st.integers(0, 2**63)),
     st.builds(lambda op, lease: {"op": op, "lease": lease}, st.sampled_from(["commit", "abort", "release"]),
@@ -88,7 +89,8 @@ raw_inputs = st.one_of(
     st.builds(lambda m: _frame(msgpack.packb(m, use_bin_type=True)), messages),  # maps before hello
     st.builds(lambda v: _frame(msgpack.packb(v, use_bin_type=True)), values),  # not even a map
     st.builds(lambda t, v: _frame(msgpack.packb({"op": "hello", "version": v, "token": t}, use_bin_type=True)),
-              st.text(max_size=30) | st.none() | st.integers(-(2**63), 2**63), st.integers(-3, 3) | st.text(max_size=3)),
+              st.text(max_size=30) | st.none() | st.integers(-(2**63), 2**63),
+              st.integers(-3, 3) | st.text(max_size=3)),
 )
 
 
