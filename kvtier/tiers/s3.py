@@ -346,7 +346,16 @@ class S3Tier(Tier):
 
     def _fetcher(self, key: Key) -> Callable[[], bytes]:
         name, bucket = self._obj(key), self.config.bucket
-        return lambda: self._client.get_object(Bucket=bucket, Key=name)["Body"].read()
+        limit = entry.MAX_HEADER_BYTES + self.max_entry_bytes
+
+        def fetch() -> bytes:
+            body = self._client.get_object(Bucket=bucket, Key=name)
+            if body["ContentLength"] > limit:  # no entry is this large: corrupt, never read whole
+                body["Body"].close()
+                return b""
+            return body["Body"].read()
+
+        return fetch
 
     def get_into(self, key: Key, out) -> int | None:
         """Fetch (within ``timeout_s``), verify, then copy into ``out`` in the caller's thread;
