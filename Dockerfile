@@ -1,0 +1,29 @@
+# kvtier images. Build from the repository root:
+#   docker build --target kvtier -t kvtier:0.1.0 .          # cache server, preloader (kvtier serve | pull)
+#   docker build --target kvtier-vllm -t kvtier-vllm:0.1.0 \
+#       --build-arg VLLM_IMAGE=vllm/vllm-openai:v0.32.0 .   # the engine: your vLLM image + kvtier
+# kvtier is layered onto the engine image without touching its vLLM or torch: kvtier's extras
+# never depend on vLLM, so pip keeps the image's own build.
+ARG PYTHON_IMAGE=python:3.11-slim
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
+
+FROM ${PYTHON_IMAGE} AS wheel
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY kvtier ./kvtier
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+FROM ${PYTHON_IMAGE} AS kvtier
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install --no-cache-dir "$(ls /wheels/kvtier-*.whl)[redis,s3,server]" \
+    && useradd --system --uid 10001 --user-group --no-create-home kvtier
+USER 10001:10001
+EXPOSE 9400
+ENTRYPOINT ["kvtier"]
+CMD ["serve", "--config", "/etc/kvtier/serve.yaml"]
+
+FROM ${VLLM_IMAGE} AS kvtier-vllm
+RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
+    pip install --no-cache-dir "$(ls /wheels/kvtier-*.whl)[redis,s3,vllm]"
+ENTRYPOINT ["vllm", "serve"]
+CMD ["--help"]
