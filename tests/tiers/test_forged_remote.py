@@ -78,7 +78,9 @@ def test_forged_length_in_s3_is_a_counted_corrupt_miss(s3_server, s3_bucket):
 
 @pytest.mark.s3
 def test_an_s3_object_larger_than_any_entry_is_not_downloaded(s3_server, s3_bucket):
-    """A planted object past the tier's capacity is a corrupt miss, removed without reading it."""
+    """A planted, well-formed entry past the tier's capacity is a corrupt miss, removed without
+    reading it (before the fix it was downloaded whole and served)."""
+    from kvtier import entry
     from kvtier.tiers.s3 import S3Tier
 
     config = S3Tier.Config(bucket=s3_bucket, endpoint_url=s3_server.endpoint_url, capacity=64 * 1024,
@@ -87,7 +89,7 @@ def test_an_s3_object_larger_than_any_entry_is_not_downloaded(s3_server, s3_buck
     client = s3_server.client()
     body = 256 * 1024
     try:
-        client.put_object(Bucket=s3_bucket, Key=config.prefix + K.hex(), Body=forged_header(K, body) + b"x" * body)
+        client.put_object(Bucket=s3_bucket, Key=config.prefix + K.hex(), Body=entry.encode(K, b"x" * body))
         assert tier.get(K) is None and tier.get_into(K, bytearray(body)) is None
         assert tier.stats.corrupt == 1 and tier.stats.bytes_read == 0
         assert client.list_objects_v2(Bucket=s3_bucket, Prefix=config.prefix).get("KeyCount", 0) == 0
