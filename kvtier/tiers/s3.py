@@ -80,11 +80,11 @@ class S3Config:
     capacity: Size = Size(100 * 1024**3)
     low_watermark: float = 0.9
     connect_timeout_s: float = 2.0
-    read_timeout_s: float = 10.0
+    read_timeout_s: float = 5.0
     max_attempts: int = 3
     max_workers: int = 8
     lookup_timeout_s: float = 0.5
-    timeout_s: float = 10.0
+    timeout_s: float = 5.0
     lookup_workers: int = 16
     lookup_cache_entries: int = 65536
     lookup_cache_ttl_s: float = 2.0
