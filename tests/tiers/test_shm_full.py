@@ -36,8 +36,8 @@ def _namespaces_unavailable() -> str | None:
     return None
 
 
-needs_mountns = pytest.mark.skipif(_namespaces_unavailable() is not None,
-                                 reason=str(_namespaces_unavailable()))
+_WHY_NOT = _namespaces_unavailable()
+needs_mountns = pytest.mark.skipif(_WHY_NOT is not None, reason=str(_WHY_NOT))
 
 
 def in_small_tmpfs(mount: Path, size: str, argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
