@@ -216,7 +216,8 @@ class S3Tier(Tier):
         or ``_FAULT`` (skipped by the open breaker, timed out, or failed; each counted in
         ``stats.errors``, a skipped batch once). A call still running at the deadline is left to
         finish on its own; its result is dropped. The breaker hears once per batch: a network
-        fault or a batch without any answer opens it; any answer closes it.
+        fault or a timeout opens it; else any answer (an error reply too) closes it; a batch that
+        failed only on the caller's own errors releases a half-open probe.
         """
         if not calls:
             return []
