@@ -781,7 +781,7 @@ class _Connection:
             events = [[kind, key, medium] for kind, key, medium in server.store.take_events()]
             return {"ok": True, "events": events}
         if op == "flush":
-            return {"ok": True, "done": server.store.flush(timeout=min(float(msg["timeout"]), 60.0))}
+            return {"ok": True, "done": server.store.flush(timeout=min(float(msg["timeout"]), P.MAX_FLUSH_S))}
         return P.error(P.MALFORMED, f"op {op!r} is not allowed after hello")
 
     def _try_send(self, reply: dict) -> None:
