@@ -204,6 +204,7 @@ class CacheServer:
         self._unauthenticated = 0  # admitted connections that have not completed hello
         self._socket_ident: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket we bound
         self._staging_quota = max(1, int(self.staging.capacity_bytes * config.client_staging_fraction))
+        self._warned_quota = False
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -433,6 +434,10 @@ class CacheServer:
         held = sum(item[1] for item in pending.values())
         if held + msg["nbytes"] > self._staging_quota:
             self.count(put_quota=1)
+            if msg["nbytes"] > self._staging_quota and not self._warned_quota:
+                self._warned_quota = True  # a chunk that can never fit: the operator must see it once
+                log.warning("kvtier serve: a %d-byte chunk exceeds one client's staging share of %d bytes; raise "
+                            "serve.staging or serve.client_staging_fraction", msg["nbytes"], self._staging_quota)
             return {"ok": True, "status": "quota"}
         lease = next(self._lease_ids)
         stage_key = lease.to_bytes(8, "little")
