@@ -533,12 +533,12 @@ def _check_socket_dir(path: str) -> None:
         raise ServeError(f"serve.listen: {parent} is not a directory")
     if st.st_uid not in (os.geteuid(), 0):
         raise ServeError(f"serve.listen: the socket directory {parent} belongs to uid {st.st_uid}, not to this "
-                         f"server's user (uid {os.geteuid()}) or root; use a directory of your own, e.g. "
-                         f"{default_listen()[len('unix://'):]}")
+                         f"server's user (uid {os.geteuid()}) or root; use a directory of your own (default listen: "
+                         f"{default_listen()})")
     if st.st_mode & 0o022:
         raise ServeError(f"serve.listen: the socket directory {parent} is writable by other users "
                          f"(mode {stat.S_IMODE(st.st_mode):04o}), so another user could bind the path first; use a "
-                         f"directory only this user can write, e.g. {default_listen()[len('unix://'):]}")
+                         f"directory only this user can write (default listen: {default_listen()})")
 
 
 def _claim_socket_path(path: str) -> None:
