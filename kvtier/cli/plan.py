@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 
 from kvtier.cli._common import emit_json, note, print_table
 from kvtier.config import format_bytes, parse_bandwidth, parse_size
