@@ -1,3 +1,4 @@
+# syntax=docker/dockerfile:1
 # kvtier images. Build from the repository root:
 #   docker build --target kvtier -t kvtier:0.1.0 .          # cache server, preloader (kvtier serve | pull)
 #   docker build --target kvtier-vllm -t kvtier-vllm:0.1.0 \
