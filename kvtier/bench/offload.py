@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import statistics
 import subprocess
 import sys
@@ -302,8 +303,7 @@ class _Engine:
                 self._log.write(line)
                 continue
             self._log.flush()
-            tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-15:])
-            raise KVTierError(f"setting {self.name}: {why}:\n{tail}")
+            raise KVTierError(f"setting {self.name}: {why}:\n{_log_summary(self.log_path)}")
 
     def __enter__(self) -> "_Engine":
         return self
@@ -320,6 +320,15 @@ class _Engine:
         finally:
             self._child.stop(grace=5.0)  # also ends what the engine left (vLLM's engine core)
             self._log.close()
+
+
+def _log_summary(path: Path, lines: int = 15) -> str:
+    """The last exception line of an engine log (vLLM's shutdown chatter often follows it), then
+    the log's last ``lines`` lines."""
+    text = path.read_text(errors="replace").splitlines()
+    errors = [ln for ln in text if re.match(r"^\s*[\w.]+(Error|Exception|Exit)\b.*:", ln)]
+    head = [f"last error: {errors[-1].strip()}"] if errors else []
+    return "\n".join(head + text[-lines:])
 
 
 def _lmcache_server(setting: Setting, args, work: Path, env: dict):

@@ -351,6 +351,7 @@ class Child:
             for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(self.popen.pid, sig)
+                    os.killpg(self.popen.pid, signal.SIGCONT)  # a stopped (SIGSTOP) child acts on SIGTERM
                 try:
                     self.popen.wait(timeout=wait)
                     break

@@ -315,6 +315,22 @@ def test_stop_kills_the_whole_group_and_drops_the_record(registry, tmp_path):
     assert registry.records() == []
 
 
+def test_stop_ends_a_stopped_child_gracefully(registry, tmp_path):
+    """A SIGSTOPped service (as the hung-server tests leave it) still gets its SIGTERM at once
+    and exits cleanly, instead of waiting out the grace period for a SIGKILL."""
+    code = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
+            f"open({str(tmp_path / 'up')!r}, 'w').close(); time.sleep(600)")
+    child = spawn([sys.executable, "-c", code], name="stoppable")
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "up").exists():
+        assert time.monotonic() < deadline and child.alive
+        time.sleep(0.05)
+    os.kill(child.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    assert child.stop(grace=8.0) == 0
+    assert time.monotonic() - t0 < 6.0
+
+
 def test_run_child_kills_the_child_on_timeout(registry, tmp_path):
     pid_file = tmp_path / "pid"
     code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
@@ -358,7 +374,7 @@ def test_engine_that_exits_reports_its_code_and_log(registry, tmp_path):
     from kvtier.bench.offload import _Engine
     from kvtier.errors import KVTierError
 
-    python = _fake_python(tmp_path, "echo 'CUDA? no: boom' >&2; exit 7")
-    with pytest.raises(KVTierError, match=r"setting crashy: engine exited \(code 7\):\n.*boom"):
+    python = _fake_python(tmp_path, "echo 'RuntimeError: boom' >&2; echo 'shutdown chatter' >&2; exit 7")
+    with pytest.raises(KVTierError, match=r"setting crashy: engine exited \(code 7\):\nlast error: RuntimeError: boom"):
         with _Engine("crashy", python, dict(os.environ), tmp_path / "spec.json", tmp_path) as engine:
             engine.wait_ready()
