@@ -151,3 +151,23 @@ def test_engine_never_serves_one_images_kv_for_another(tmp_path):
     assert got["a_again"]["hit_tokens"] == loadable
     assert got["b_same_text"]["hit_tokens"] == 0
     assert got["b_again"]["hit_tokens"] == loadable and got["a_third"]["hit_tokens"] == loadable
+
+
+def test_published_events_carry_the_image_hashes_of_each_chunk(connector):
+    """Stored-chunk events name each chunk's images as vLLM's own events do ((identifier, offset in
+    the chunk) in ``extra_keys``), so a router that maps chunks by token ids tells images apart."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvtier.integrations.vllm.connector import KVTierMetadata, KVTierWorkerMetadata
+
+    req = request([("img-e", 40, 30)])
+    state = connector._request_state(req)
+    state.block_ids = list(range(PROMPT // 16))
+    meta = KVTierMetadata()
+    connector._plan(meta, req.request_id, state, PROMPT)  # the prefill completes every chunk
+    assert [s.key for s in meta.saves] == state.keys
+    connector.take_events()  # drop events of earlier tests
+    stored = [("stored", k, "CPU") for k in state.keys]
+    connector.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=KVTierWorkerMetadata(stored)))
+    extras = [e.extra_keys for e in connector.take_events()]
+    assert extras == [None, [(("img-e", 8),)], [(("img-e", -24),)], None, None]

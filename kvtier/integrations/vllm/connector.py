@@ -146,6 +146,8 @@ class _Request:
     token_ids: Sequence[int]  # the prompt, then the generated tokens (vLLM's growing all_token_ids)
     namespace: bytes = b""
     mm: tuple[MMItem, ...] = ()  # the prompt's multimodal items, folded into the keys
+    lora_name: str | None = None  # for the extra keys of published events
+    cache_salt: str | None = None
     block_ids: list[int] = field(default_factory=list)
     hit_chunks: int = 0  # chunks found in the store at lookup
     local_tokens: int = 0  # tokens vLLM's own prefix cache had
@@ -179,7 +181,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._present: dict[bytes, set[str]] = {}  # chunk key -> media holding it (from events)
         self._probes: list = []
         self._server = None  # scheduler side with a cache server: lookups go to the server
-        self._chunk_tokens_of: deque = deque(maxlen=4096)  # recent (key, parent, tokens) for events
+        self._chunk_tokens_of: deque = deque(maxlen=4096)  # recent (key, parent, tokens, extra) for events
         self._events: list = []
         # worker side: the store and the engine's pages
         self.store: TieredStore | None = None
@@ -300,7 +302,9 @@ class KVTierConnector(KVConnectorBase_V1):
                 break
             parent = state.keys[c - 1] if c else None
             meta.saves.append(SaveSpec(req_id, state.keys[c], parent, c, blocks))
-            self._chunk_tokens_of.append((state.keys[c], parent, state.token_ids[c * self.chunk_tokens : (c + 1) * self.chunk_tokens]))
+            lo = c * self.chunk_tokens
+            self._chunk_tokens_of.append((state.keys[c], parent, state.token_ids[lo : lo + self.chunk_tokens],
+                                          _event_extra_keys(state, c, self.chunk_tokens)))
             state.saved_chunks = c + 1
 
     def _lookup(self, keys: list[bytes]) -> int:
@@ -351,14 +355,15 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def take_events(self):
         """BlockStored/BlockRemoved events for chunks entering/leaving kvtier's tiers."""
-        tokens = {key: (parent, toks) for key, parent, toks in self._chunk_tokens_of}
+        tokens = {key: (parent, toks, extra) for key, parent, toks, extra in self._chunk_tokens_of}
         events = []
         pending, self._events = self._events, []
         for kind, key, medium in pending:
             if kind == "stored":
-                parent, toks = tokens.get(key, (None, []))
+                parent, toks, (lora, extra) = tokens.get(key, (None, [], (None, None)))
                 events.append(BlockStored(block_hashes=[key], parent_block_hash=parent, token_ids=list(toks),
-                                          block_size=self.chunk_tokens, lora_id=None, medium=medium, lora_name=None))
+                                          block_size=self.chunk_tokens, lora_id=None, medium=medium, lora_name=lora,
+                                          extra_keys=[extra] if extra else None))
             else:
                 events.append(BlockRemoved(block_hashes=[key], medium=medium))
         return events
@@ -376,7 +381,9 @@ class KVTierConnector(KVConnectorBase_V1):
             prompt = list(request.prompt_token_ids) if keyed else []
             mm = tuple(mm or ())
             ns = self.namespace.with_lora(self._lora_identity(request)).with_salt(request.cache_salt).digest()
-            state = _Request(chunk_keys(prompt, ns, self.chunk_tokens, mm=mm), len(prompt), tokens, ns, mm)
+            lora_name = request.lora_request.lora_name if request.lora_request else None
+            state = _Request(chunk_keys(prompt, ns, self.chunk_tokens, mm=mm), len(prompt), tokens, ns, mm,
+                             lora_name, request.cache_salt)
             self._requests[request.request_id] = state
         return state
 
@@ -546,6 +553,19 @@ def mm_items(request: "Request") -> list[MMItem] | None:
             return None
         items.append(MMItem(str(ident), int(pos.offset), int(pos.length)))
     return items
+
+
+def _event_extra_keys(state: _Request, chunk: int, chunk_tokens: int) -> tuple[str | None, tuple | None]:
+    """(LoRA name, extra keys) of one chunk for a published ``BlockStored``, in vLLM's event
+    format: the LoRA name, then ``(mm identifier, offset in the chunk)`` for each multimodal item
+    the chunk overlaps, then the cache salt on chunk 0; None when there are none. A router that
+    maps chunks by ``token_ids`` needs them to tell two images behind the same tokens apart."""
+    lo = chunk * chunk_tokens
+    extra: list = [state.lora_name] if state.lora_name else []
+    extra += [(m.identifier, m.offset - lo) for m in state.mm if m.overlaps(lo, lo + chunk_tokens)]
+    if chunk == 0 and state.cache_salt:
+        extra.append(state.cache_salt)
+    return state.lora_name, (tuple(extra) if extra else None)
 
 
 def _namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None", chunk_tokens: int,
