@@ -23,9 +23,10 @@ Contracts
   ``Child.stop`` and ``reap_stale`` kill every process that carries the tag.
 * Every child is recorded in a registry directory (one JSON file per child: its pid and start
   time from ``/proc/PID/stat``, its tag, the owner's pid and start time, the boot id). The next
-  ``spawn`` (or a direct ``reap_stale``) kills the processes of records whose owner is dead;
-  a process is killed only when its start time is not earlier than the record's and its
-  environment carries the record's tag, so a reused pid is never killed.
+  ``spawn`` (or a direct ``reap_stale``) kills the processes of records whose owner is dead:
+  the recorded child and its process group if that pid still has the recorded start time, and
+  any process whose environment carries the record's tag and that started no earlier. A reused
+  pid (another start time, no tag) is never killed.
 * ``wait_ready`` polls the endpoint the caller will use with a deadline; on a timeout or an
   early exit it raises ``ServiceUnavailable`` naming the service and the tail of its log, and
   ``PortInUse`` when the log says a port could not be bound (``start_on_ports`` retries those
@@ -84,15 +85,31 @@ class PortInUse(ServiceUnavailable):
 # /proc facts
 
 
-def start_ticks(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22); None if gone."""
+def _stat(pid: int) -> list[str] | None:
+    """Fields 3.. of ``/proc/PID/stat`` (state, ppid, pgrp, ...); None if the process is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # the command name (field 2) may hold spaces and parentheses: split after its last ')'
-    fields = stat[stat.rindex(")") + 2:].split()
-    return int(fields[19])  # field 22 overall; fields here start at field 3
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def start_ticks(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22); None if gone."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None  # field 22 overall; fields here start at field 3
+
+
+def _group_members(pgid: int, not_before: int) -> list[int]:
+    """Live processes of process group ``pgid`` that started at or after ``not_before`` ticks."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            fields = _stat(int(entry.name))
+            if fields and int(fields[2]) == pgid and int(fields[19]) >= not_before:
+                found.append(int(entry.name))
+    return found
 
 
 def _boot_id() -> str:
@@ -127,13 +144,20 @@ def _tagged(tag: str, not_before: int) -> list[int]:
     return found
 
 
-def _kill_tagged(tag: str, not_before: int) -> list[int]:
-    """SIGKILL every live process carrying ``tag`` (see ``_tagged``); their pids."""
-    pids = _tagged(tag, not_before) if os.path.isdir("/proc") else []
-    for pid in pids:
+def _kill_tagged(tag: str, not_before: int, leader: int | None = None) -> list[int]:
+    """SIGKILL every live process carrying ``tag`` (see ``_tagged``) and, when ``leader`` is the
+    recorded child itself (same pid and start time), it and its process group: a program that
+    rewrites its environment area (redis-server sets its process title there) loses the tag.
+    The pids signalled."""
+    if not os.path.isdir("/proc"):
+        return []
+    pids = set(_tagged(tag, not_before))
+    if leader is not None and _is_same_process(leader, not_before):
+        pids |= {leader, *_group_members(leader, not_before)}  # a live leader: its group is its own
+    for pid in sorted(pids):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
-    return pids
+    return sorted(pids)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,7 +322,7 @@ def reap_stale(registry: Registry | None = None) -> list[int]:
         if rec is not None and rec.boot_id == boot and _is_same_process(rec.owner_pid, rec.owner_start):
             continue  # its owner is alive and will stop it
         if rec is not None and rec.boot_id == boot:
-            killed += _kill_tagged(rec.tag, rec.start)
+            killed += _kill_tagged(rec.tag, rec.start, leader=rec.pid)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
     return killed

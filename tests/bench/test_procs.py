@@ -182,6 +182,36 @@ def test_stale_services_of_a_killed_run_are_reaped_and_live_ones_kept(registry, 
     assert registry.records() == []
 
 
+def test_stale_service_without_parent_death_signal_is_reaped_by_its_record(registry, tmp_path):
+    """Where the parent-death signal is unavailable (injected: prctl missing), a redis-server
+    outlives its SIGKILLed parent; the next ``reap_stale`` kills it by its recorded pid and start
+    time (redis overwrites its environment area with its process title, so it carries no tag)."""
+    parent = _parent(
+        "import time\n"
+        "from kvtier.bench import procs\n"
+        "procs._libc_prctl = lambda: None\n"
+        "from kvtier.bench.services import redis_server, BinaryMissing\n"
+        "try:\n"
+        f"    cm = redis_server({str(tmp_path / 'redis')!r}); r = cm.__enter__()\n"
+        "except BinaryMissing:\n"
+        "    print(0, flush=True); raise SystemExit\n"
+        "print(r.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    (pid,) = _read_ints(parent)
+    if pid == 0:
+        pytest.skip("redis-server not installed")
+    ticks = start_ticks(pid)
+    try:
+        _sigkill(parent)
+        time.sleep(0.5)
+        assert _alive(pid, ticks), "setup: without the parent-death signal redis should survive"
+        assert procs.reap_stale(registry) == [pid]
+        assert _gone_within(pid, ticks, 5.0)
+        assert registry.records() == []
+    finally:
+        _kill_if_ours(pid, ticks)
+
+
 def test_reap_never_kills_a_process_that_only_reuses_a_recorded_pid(registry):
     """Records of a dead owner that point at a live process which is not theirs (the pid was
     reused: no tag, or a later start time) kill nothing."""
@@ -190,7 +220,7 @@ def test_reap_never_kills_a_process_that_only_reuses_a_recorded_pid(registry):
     bystander = subprocess.Popen(["sleep", "60"])  # not spawned by procs: carries no tag
     ticks = start_ticks(bystander.pid)
     try:
-        for tag, start in (("0" * 32, ticks), ("1" * 32, 0)):
+        for tag, start in (("0" * 32, ticks - 1), ("1" * 32, 0)):  # an earlier process had this pid
             registry.add(procs._Record(bystander.pid, start, tag, dead.pid, 1, procs._boot_id(), "reused"))
         tagged = spawn(["sleep", "60"], name="tagged", registry=Registry(registry.path / "other"))
         # a record for ``tagged``'s tag but claiming a start time after it began: not the same process
