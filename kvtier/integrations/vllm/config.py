@@ -132,10 +132,11 @@ class ConnectorConfig:
 
 def check_tier_spec(spec: Mapping[str, Any], where: str) -> None:
     """ConfigError (one line: the tier, the bad key or type, the valid choices) unless ``spec``
-    names a known tier type and only that tier's keys (plus ``type``, ``name``, ``policy``).
+    names a known tier type, a known policy, and only that tier's keys (plus ``type``, ``name``,
+    ``policy``) with values of the right types (sizes parse).
 
-    Only the spec's shape is checked here: nothing is opened or connected, so the scheduler can
-    reject a bad config before the engine loads weights.
+    Only the spec is checked here (the tier's Config is built, the tier is not): nothing is
+    opened or connected, so the scheduler side can reject a bad config at once.
     """
     from kvtier.policies.registry import POLICIES
     from kvtier.tiers.registry import TIERS
@@ -159,3 +160,4 @@ def check_tier_spec(spec: Mapping[str, Any], where: str) -> None:
     if unknown:
         valid = sorted(keys | {"type", "name", "policy"})
         raise ConfigError(f"{where}({kind}): unknown key {unknown[0]!r}; valid keys: {', '.join(valid)}")
+    build(tier_cls.Config, {k: v for k, v in spec.items() if k not in ("type", "name", "policy")}, f"{where}({kind})")
