@@ -48,7 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.pages import PageLayout
+from kvtier.integrations.vllm.pages import ENTRY_FORMAT, PageLayout
 from kvtier.keys import ROOT, MMItem, Namespace, chunk_keys, lora_identity, weights_digest, worker_key
 from kvtier.store import TieredStore
 
@@ -485,15 +485,17 @@ class KVTierConnector(KVConnectorBase_V1):
         if not isinstance(meta, KVTierMetadata) or self._layout is None:
             return
         layout = self._layout
-        for save in meta.saves:
+        step = layout.gather([save.block_ids for save in meta.saves])  # the step's pages, O(layers) copies
+        for i, save in enumerate(meta.saves):
             key = self._rank_key(save.key, self._rank)
             parent = self._rank_key(save.parent, self._rank) if save.parent else None
-            ok = self.store.write(key, layout.chunk_bytes, lambda segs, b=save.block_ids: layout.save(b, segs),
+            ok = self.store.write(key, layout.chunk_bytes, lambda segs, i=i: step.copy_to(i, segs),
                                   parent=parent, chunk_index=save.chunk_index)
             if ok:
                 self._stats.add(saved_chunks=1, saved_bytes=layout.chunk_bytes)
             else:
                 self._stats.add(save_skipped=1)
+        step.release()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """This step's store events for the scheduler's mirror (rank 0 of stage 0 speaks for all)."""
@@ -594,6 +596,7 @@ def _namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None
         getattr(spec, "head_size", ""),
         getattr(kv_cache_config, "kv_cache_layout", None) or "",
         f"chunk{chunk_tokens}",
+        ENTRY_FORMAT,  # entries of another byte order are misses
     ))
     pp = parallel.pipeline_parallel_size
     return Namespace(
