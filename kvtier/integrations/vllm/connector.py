@@ -20,6 +20,15 @@ wrong token.
 Saves and loads are synchronous within the step, so ``request_finished`` never needs to hold
 blocks: a partial prefill, a preemption or a request that finishes early leaves nothing behind.
 
+Keys (``kvtier.keys``): a request's chunk keys chain over its token ids under a namespace of
+everything that changes KV bytes: the model (path, revision, config digest, a sampled digest of
+its weights or the configured ``weights_id``, quantization, dtype), the KV dtype and layout, TP
+and PP sizes (and an explicit PP layer split), the LoRA adapter (name, path, weights digest) and
+the cache salt. Each multimodal item's content hash and placeholder span is folded into every
+chunk it overlaps, and through the chain into every later chunk; a prompt with an unhashed item
+or given as embeddings is not keyed at all. Each worker stores its share of a chunk under its own
+key (TP rank, PP stage: ``kvtier.keys.worker_key``).
+
 The worker process owns the TieredStore. The scheduler (another process) keeps a mirror of
 what the worker's private tiers hold, fed by the events the worker reports each step
 (``build_connector_worker_meta``), and asks persistent or shared tiers (disk, fs, redis, s3)
