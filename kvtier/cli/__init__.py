@@ -25,6 +25,7 @@ _COMMAND_MODULES = [
     "kvtier.cli.demo",
     "kvtier.cli.loader",
     "kvtier.cli.serve",
+    "kvtier.cli.route",
 ]
 
 

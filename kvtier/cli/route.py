@@ -1,0 +1,101 @@
+"""``kvtier route``: run the KV-cache-aware router in front of vLLM servers until SIGTERM/SIGINT.
+
+    kvtier route --engine http://a:8000 --engine http://b:8000 \\
+        --kv-events tcp://a:5557 --kv-events tcp://b:5557 --tokenizer /models/tok --port 9000
+
+``--kv-events``/``--kv-replay`` pair with ``--engine`` by position, or name it: URL=ENDPOINT.
+Config file (YAML/JSON; flags win)::
+
+    engines:
+      - {url: http://a:8000, kv_events: tcp://a:5557, kv_replay: tcp://a:5558}
+    tokenizer: /models/tok
+    prefix_weight: 2.0
+    load_weight: 1.0
+    tier_weights: {GPU: 1.0, CPU: 0.8, DISK: 0.5, SERVER: 0.4, FS: 0.3, REDIS: 0.3, S3: 0.25}
+    shared_media: [REDIS, S3, FS, SERVER]
+    speculative_ttl_s: 5
+    balance_ratio: 1.5
+    health_interval_s: 1
+
+When it listens it prints ``kvtier route: ready on http://HOST:PORT`` on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``route``."""
+    p = sub.add_parser("route", help="route OpenAI requests to the vLLM engine that holds their prefix",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", action="append", default=[], metavar="URL", help="an engine's base URL (repeat)")
+    p.add_argument("--kv-events", action="append", default=[], metavar="[URL=]ENDPOINT",
+                   help="an engine's ZMQ KV event endpoint (repeat; by position or URL=)")
+    p.add_argument("--kv-replay", action="append", default=[], metavar="[URL=]ENDPOINT",
+                   help="an engine's KV event replay endpoint (repeat; by position or URL=)")
+    p.add_argument("--config", help="YAML/JSON config file (flags override it)")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default 8000)")
+    p.add_argument("--tokenizer", help="tokenizer directory of the served model")
+    p.add_argument("--block-size", type=int, help="index block size in tokens (default: from the events)")
+    p.add_argument("--prefix-weight", type=float, help="weight of the prefix score (default 2.0)")
+    p.add_argument("--load-weight", type=float, help="weight of the load score (default 1.0)")
+    p.add_argument("--speculative-ttl", type=float, dest="speculative_ttl_s", help="seconds (default 5)")
+    p.add_argument("--balance-ratio", type=float, help="request-share guard, 0 = off (default 1.5)")
+    p.add_argument("--retries", type=int, help="other engines to try before the first byte (default 1)")
+    p.add_argument("--log-decisions", action="store_true", default=None,
+                   help="log one JSON line per decision (engine, each score)")
+    p.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="logging level (default INFO)")
+    p.set_defaults(func=run)
+
+
+_OVERRIDES = ("host", "port", "tokenizer", "block_size", "prefix_weight", "load_weight",
+              "speculative_ttl_s", "balance_ratio", "retries", "log_decisions")
+
+
+def build_config(args: argparse.Namespace):
+    """The ``RouteConfig`` from the file (if any) with the flags laid over it."""
+    from kvtier.route.config import load_file, merge_flags
+
+    base = load_file(args.config) if args.config else {}
+    return merge_flags(base, args.engine, args.kv_events, args.kv_replay,
+                       {name: getattr(args, name) for name in _OVERRIDES})
+
+
+def run(args: argparse.Namespace) -> int:
+    config = build_config(args)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from kvtier.route.tokens import PromptTokenizer
+
+    tokenizer = PromptTokenizer.load(config.tokenizer)
+    return asyncio.run(_main(config, tokenizer))
+
+
+async def _main(config, tokenizer) -> int:
+    from kvtier.route.proxy import serve
+
+    ready = asyncio.Event()
+    task = asyncio.create_task(serve(config, tokenizer, ready))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    waiter = asyncio.create_task(ready.wait())
+    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if ready.is_set():
+        print(f"kvtier route: ready on http://{config.host}:{config.port}", file=sys.stderr, flush=True)
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    except OSError as exc:
+        print(f"kvtier route: error: cannot listen on {config.host}:{config.port}: {exc.strerror}",
+              file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,236 @@
+"""Scoring: which engine a request goes to.
+
+score(e) = prefix_weight * prefix(e) + load_weight * load(e), both terms in [0, 1]:
+
+* ``prefix(e)``: the longest run of the prompt's leading blocks that engine e can load, each block
+  weighted by the best place it is in for e (its own pool > its kvtier RAM > its disk > a shared
+  medium, which counts for every engine), divided by the prompt's block count. A block the router
+  sent to e moments ago (a speculative entry, alive ``speculative_ttl_s``) counts as in e's pool.
+* ``load(e)``: 1 - L(e) / max L over candidates, with L = requests in flight + queued prefill
+  tokens / ``prefill_norm_tokens`` (both tracked by the router). 1 for every engine when idle.
+
+A request-share guard keeps prefix affinity from piling a hot prefix onto one engine: among the
+last ``balance_window`` decisions, an engine whose count + 1 exceeds ``balance_ratio`` x (the
+least-used candidate's count + 1) is passed over while another candidate is not. Ties go to the
+engine listed first among the lowest-load ones. Everything here is synchronous bookkeeping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping, Sequence
+
+from kvtier.route.config import RouteConfig
+from kvtier.route.index import GPU, PrefixIndex
+
+
+class Speculative:
+    """Short-lived entries "engine e will hold key k" for requests just routed (bounded, TTL)."""
+
+    def __init__(self, ttl_s: float, max_keys: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.max_keys = max_keys
+        self._clock = clock
+        self._keys: OrderedDict[bytes, dict[str, float]] = OrderedDict()
+
+    def add(self, engine: str, keys: Iterable[bytes]) -> None:
+        """Mark ``keys`` as about to be held by ``engine`` until now + TTL."""
+        if self.ttl_s <= 0:
+            return
+        expiry = self._clock() + self.ttl_s
+        for key in keys:
+            entry = self._keys.get(key)
+            if entry is None:
+                entry = self._keys[key] = {}
+            else:
+                self._keys.move_to_end(key)
+            entry[engine] = expiry
+        while len(self._keys) > self.max_keys:
+            self._keys.popitem(last=False)
+
+    def engines(self, key: bytes) -> set[str]:
+        """Engines with a live speculative entry for ``key`` (expired ones are dropped)."""
+        entry = self._keys.get(key)
+        if not entry:
+            return set()
+        now = self._clock()
+        for engine in [e for e, t in entry.items() if t <= now]:
+            del entry[engine]
+        if not entry:
+            del self._keys[key]
+        return set(entry)
+
+    def clear_engine(self, engine: str) -> None:
+        """Forget every entry of ``engine``."""
+        for key in list(self._keys):
+            entry = self._keys[key]
+            entry.pop(engine, None)
+            if not entry:
+                del self._keys[key]
+
+
+@dataclass
+class _Load:
+    in_flight: int = 0
+    queued_prefill: int = 0
+
+
+@dataclass
+class Ticket:
+    """One routed request's share of an engine's load (``LoadTracker.start`` hands it out)."""
+
+    engine: str
+    prefill_tokens: int
+    prefilled: bool = False
+    done: bool = False
+
+
+class LoadTracker:
+    """Per-engine requests in flight and prefill tokens not yet answered (first byte pending)."""
+
+    def __init__(self) -> None:
+        self._load: dict[str, _Load] = {}
+
+    def start(self, engine: str, prefill_tokens: int) -> Ticket:
+        load = self._load.setdefault(engine, _Load())
+        load.in_flight += 1
+        load.queued_prefill += prefill_tokens
+        return Ticket(engine, prefill_tokens)
+
+    def first_byte(self, ticket: Ticket) -> None:
+        """The engine answered: the request's prefill is done."""
+        if not ticket.prefilled and not ticket.done:
+            ticket.prefilled = True
+            self._load[ticket.engine].queued_prefill -= ticket.prefill_tokens
+
+    def finish(self, ticket: Ticket) -> None:
+        """The request ended (any outcome); idempotent."""
+        if ticket.done:
+            return
+        self.first_byte(ticket)
+        ticket.done = True
+        self._load[ticket.engine].in_flight -= 1
+
+    def in_flight(self, engine: str) -> int:
+        return self._load.get(engine, _Load()).in_flight
+
+    def queued_prefill(self, engine: str) -> int:
+        return self._load.get(engine, _Load()).queued_prefill
+
+
+@dataclass(frozen=True)
+class EngineScore:
+    """One candidate's terms in a decision."""
+
+    engine: str
+    prefix: float
+    matched_blocks: int
+    load: float
+    score: float
+    held_back: bool = False
+
+    def as_dict(self) -> dict:
+        return {"engine": self.engine, "prefix": round(self.prefix, 4), "matched_blocks": self.matched_blocks,
+                "load": round(self.load, 4), "score": round(self.score, 4), "held_back": self.held_back}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The chosen engine and every candidate's score (for the decision log)."""
+
+    engine: str
+    blocks: int
+    scores: tuple[EngineScore, ...]
+
+    def matched_blocks(self) -> int:
+        return next(s.matched_blocks for s in self.scores if s.engine == self.engine)
+
+
+def prefix_matches(keys: Sequence[bytes], engines: Sequence[str], index: PrefixIndex,
+                   speculative: Speculative | None, weight_of: Callable[[str], float],
+                   shared_media: frozenset[str]) -> dict[str, tuple[float, int]]:
+    """Per engine: (sum of tier weights over its longest consecutive run of ``keys``, run length)."""
+    result = {e: (0.0, 0) for e in engines}
+    alive = set(engines)
+    for i, key in enumerate(keys):
+        holders = index.holders(key) or {}
+        spec = speculative.engines(key) if speculative is not None else set()
+        shared = max((weight_of(m) for media in holders.values() for m in media if m in shared_media), default=0.0)
+        for engine in list(alive):
+            w = max((weight_of(m) for m in holders.get(engine, ())), default=0.0)
+            if engine in spec:
+                w = max(w, weight_of(GPU))
+            w = max(w, shared)
+            if w <= 0:
+                alive.discard(engine)
+                continue
+            total, _ = result[engine]
+            result[engine] = (total + w, i + 1)
+        if not alive:
+            break
+    return result
+
+
+@dataclass
+class Scorer:
+    """Chooses an engine per request from the index, speculative entries and load."""
+
+    config: RouteConfig
+    index: PrefixIndex
+    load: LoadTracker
+    speculative: Speculative
+    _recent: deque = field(default_factory=deque)
+
+    def choose(self, candidates: Sequence[str], keys: Sequence[bytes], prompt_tokens: int) -> Decision | None:
+        """Score ``candidates`` (in preference order for ties) for a prompt with ``keys``; None when
+        there is no candidate. Does not record the decision (``commit`` does)."""
+        if not candidates:
+            return None
+        cfg = self.config
+        matches = prefix_matches(keys, candidates, self.index, self.speculative, cfg.weight_of,
+                                 frozenset(cfg.shared_media))
+        raw = {e: self.load.in_flight(e) + self.load.queued_prefill(e) / cfg.prefill_norm_tokens for e in candidates}
+        top = max(raw.values())
+        held = self._held_back(candidates)
+        scores = []
+        for e in candidates:
+            weighted, run = matches[e]
+            prefix = weighted / len(keys) if keys else 0.0
+            load = 1.0 - raw[e] / top if top > 0 else 1.0
+            score = cfg.prefix_weight * prefix + cfg.load_weight * load
+            scores.append(EngineScore(e, prefix, run, load, score, e in held))
+        eligible = [s for s in scores if not s.held_back] or scores
+        best = max(eligible, key=lambda s: (round(s.score, 9), -raw[s.engine]))
+        return Decision(best.engine, len(keys), tuple(scores))
+
+    def commit(self, decision: Decision, keys: Sequence[bytes]) -> None:
+        """Record that the request went to ``decision.engine`` (share window, speculative keys)."""
+        self._recent.append(decision.engine)
+        while len(self._recent) > self.config.balance_window:
+            self._recent.popleft()
+        self.speculative.add(decision.engine, keys)
+
+    def uncached_tokens(self, decision: Decision, prompt_tokens: int) -> int:
+        """Prompt tokens the chosen engine still has to prefill (by the index's estimate)."""
+        return max(0, prompt_tokens - decision.matched_blocks() * max(self.index.block_size, 0))
+
+    def _held_back(self, candidates: Sequence[str]) -> set[str]:
+        ratio = self.config.balance_ratio
+        if ratio <= 0 or len(candidates) < 2:
+            return set()
+        counts = {e: 0 for e in candidates}
+        for e in self._recent:
+            if e in counts:
+                counts[e] += 1
+        low = min(counts.values())
+        held = {e for e, c in counts.items() if c + 1 > ratio * (low + 1)}
+        return held if len(held) < len(candidates) else set()
+
+    def shares(self) -> Mapping[str, int]:
+        """Decisions per engine in the current window."""
+        out: dict[str, int] = {}
+        for e in self._recent:
+            out[e] = out.get(e, 0) + 1
+        return out

@@ -1,0 +1,56 @@
+"""Config from flags and YAML; every mistake is one line through the CLI."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.cli import main
+from kvtier.errors import ConfigError
+from kvtier.route.config import RouteConfig, merge_flags
+
+
+def test_flags_pair_event_endpoints_by_position_or_name():
+    cfg = merge_flags({}, ["http://a:1", "http://b:2"], ["tcp://a:5", "tcp://b:6"], ["http://b:2=tcp://b:7"], {"port": 9})
+    assert [(e.url, e.kv_events, e.kv_replay) for e in cfg.engines] == [
+        ("http://a:1", "tcp://a:5", None), ("http://b:2", "tcp://b:6", "tcp://b:7")]
+    assert cfg.port == 9 and cfg.prefix_weight == 2.0 and cfg.load_weight == 1.0
+
+
+def test_yaml_file_and_flags_override(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("engines:\n  - {url: http://a:1, kv_events: tcp://a:5}\nprefix_weight: 3\n"
+                    "tier_weights: {gpu: 1, disk: 0.1}\nshared_media: [s3]\n")
+    from kvtier.route.config import load_file
+
+    cfg = merge_flags(load_file(path), [], [], [], {"load_weight": 0.5})
+    assert cfg.prefix_weight == 3.0 and cfg.load_weight == 0.5
+    assert cfg.weight_of("DISK") == 0.1 and cfg.weight_of("nvme") == 0.1 and cfg.shared_media == ("S3",)
+
+
+@pytest.mark.parametrize("data, fragment", [
+    ({"engines": ["http://a"], "bogus": 1}, "unknown key(s) bogus; valid:"),
+    ({"engines": []}, "at least one --engine"),
+    ({"engines": ["a:1"]}, "must start with http://"),
+    ({"engines": ["http://a", "http://a"]}, "twice"),
+    ({"engines": [{"url": "http://a", "kv_events": "udp://x"}]}, "tcp://"),
+    ({"engines": ["http://a"], "prefix_weight": "x"}, "prefix_weight must be a number"),
+    ({"engines": ["http://a"], "balance_ratio": 0.5}, "balance_ratio"),
+    ({"engines": ["http://a"], "health_interval_s": 0}, "health_interval_s"),
+    ({"engines": [{"uri": "http://a"}]}, "engine: unknown key(s) uri"),
+])
+def test_bad_config_is_one_config_error(data, fragment):
+    with pytest.raises(ConfigError) as info:
+        RouteConfig.from_dict(data)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["route", "--engine", "http://a", "--kv-events", "tcp://a:1", "--kv-events", "tcp://b:1"], "2 endpoints for 1 engines"),
+    (["route", "--engine", "http://a", "--kv-events", "http://z=tcp://a:1"], "not one of the --engine URLs"),
+    (["route", "--config", "/nonexistent/r.yaml"], "cannot read config"),
+    (["route"], "at least one --engine"),
+])
+def test_cli_errors_are_one_line_exit_2(argv, fragment, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert fragment in err and "\n" not in err and err.startswith("kvtier route: error:")
