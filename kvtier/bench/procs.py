@@ -107,7 +107,7 @@ def _group_members(pgid: int, not_before: int) -> list[int]:
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             fields = _stat(int(entry.name))
-            if fields and int(fields[2]) == pgid and int(fields[19]) >= not_before:
+            if fields and fields[0] not in "ZX" and int(fields[2]) == pgid and int(fields[19]) >= not_before:
                 found.append(int(entry.name))
     return found
 
@@ -120,8 +120,10 @@ def _boot_id() -> str:
 
 
 def _is_same_process(pid: int, ticks: int | None) -> bool:
-    """True while the process ``pid`` that started at ``ticks`` is alive (a reused pid is not)."""
-    return ticks is not None and start_ticks(pid) == ticks
+    """True while the process ``pid`` that started at ``ticks`` runs (a reused pid does not, nor a
+    zombie: it is dead, only not yet reaped)."""
+    fields = _stat(pid)
+    return ticks is not None and fields is not None and fields[0] not in "ZX" and int(fields[19]) == ticks
 
 
 def _tagged(tag: str, not_before: int) -> list[int]:
