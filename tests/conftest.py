@@ -28,6 +28,17 @@ def pytest_sessionstart(session) -> None:
     reap_stale()
 
 
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Stop (and name) services this session started and never stopped: each one is a leak."""
+    from kvtier.bench.procs import reap_owned
+
+    leaked = reap_owned()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if leaked and reporter is not None:
+        reporter.write_line(f"warning: services left running by the tests, now killed: {', '.join(leaked)}",
+                            yellow=True)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """A ``RedisService`` (``.url``, ``.port``, ``.stop()``, ``.start()``) for the session."""

@@ -59,7 +59,7 @@ from kvtier.errors import KVTierError
 
 __all__ = [
     "ServiceUnavailable", "BinaryMissing", "PortInUse", "Child", "Registry", "spawn", "wait_ready",
-    "start_on_ports", "pick_ports", "die_with_parent", "default_registry", "reap_stale",
+    "start_on_ports", "pick_ports", "die_with_parent", "default_registry", "reap_stale", "reap_owned",
     "start_ticks", "run_child", "TAG_ENV",
 ]
 
@@ -328,6 +328,22 @@ def reap_stale(registry: Registry | None = None) -> list[int]:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
     return killed
+
+
+def reap_owned(registry: Registry | None = None) -> list[str]:
+    """Kill the children this process spawned and never stopped; drop their records. Their names.
+
+    For the end of a test session or benchmark: anything returned is a leak of the caller's."""
+    registry = registry or default_registry()
+    me, my_start = os.getpid(), start_ticks(os.getpid())
+    names = []
+    for path, rec in registry.records():
+        if rec is not None and rec.owner_pid == me and rec.owner_start == my_start:
+            _kill_tagged(rec.tag, rec.start, leader=rec.pid)
+            names.append(f"{rec.name} (pid {rec.pid})")
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    return names
 
 
 # ---------------------------------------------------------------------------------------------

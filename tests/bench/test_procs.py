@@ -408,3 +408,16 @@ def test_engine_that_exits_reports_its_code_and_log(registry, tmp_path):
     with pytest.raises(KVTierError, match=r"setting crashy: engine exited \(code 7\):\nlast error: RuntimeError: boom"):
         with _Engine("crashy", python, dict(os.environ), tmp_path / "spec.json", tmp_path) as engine:
             engine.wait_ready()
+
+
+def test_reap_owned_kills_only_this_process_s_forgotten_children(registry):
+    forgotten = spawn(["sleep", "60"], name="forgotten")
+    other = Registry(registry.path / "elsewhere")
+    kept = spawn(["sleep", "60"], name="kept", registry=other)
+    try:
+        assert procs.reap_owned(registry) == [f"forgotten (pid {forgotten.pid})"]
+        forgotten.popen.wait(timeout=5)
+        assert kept.alive and registry.records() == []
+    finally:
+        forgotten.stop()
+        kept.stop()
