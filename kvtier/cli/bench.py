@@ -16,6 +16,7 @@ BENCHMARKS = {
     "tiers": ("kvtier.bench.tiers", "put/get throughput of each tier beside memcpy and plain file I/O"),
     "load": ("kvtier.bench.load", "weight-loading throughput beside safetensors, dd, Run:ai streamer"),
     "gpu": ("kvtier.bench.gpu", "KV page copies (PageLayout) per step beside one pinned memcpy; GPU device check"),
+    "serve": ("kvtier.bench.serve", "concurrent streaming clients against one vLLM engine: TTFT, ITL, tok/s"),
 }
 
 

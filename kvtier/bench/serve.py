@@ -1,0 +1,393 @@
+"""``kvtier bench serve``: N concurrent clients against one vLLM engine, per setting, in one run.
+
+Each setting gets a fresh engine in its own process (``python -m kvtier.bench.serve SPEC``),
+with the same CPU thread binding for every setting. Inside it, vLLM's ``AsyncLLM`` runs
+in-process and each client streams its requests (``RequestOutputKind.DELTA``): the time of
+every streamed token is taken where it arrives, so TTFT and inter-token gaps are measured per
+request while other requests prefill or load.
+
+Workload, per concurrency level (1, 2, 4, 8 by default), with fresh random documents each level:
+
+- warm-up (untimed, one request at a time): the level's long documents in the order shared,
+  disk, RAM, so that with kvtier's tiers sized for it (RAM holds one group, disk two, the
+  shared ``fs`` tier all) the RAM group is in RAM, the disk group on disk and the shared group
+  only in the shared tier; then vLLM's own prefix cache is reset (every setting re-reads
+  documents the engine has lost, the document's cliff);
+- timed: the documents re-read (RAM group first, then disk, then shared; reads promote entries,
+  so a later read may come from a higher tier than intended) interleaved with as many short
+  prompts that decode ``--decode-tokens`` (64) tokens, pulled by N clients from one queue.
+
+Per setting and concurrency: TTFT p50/p95 (all requests), inter-token latency p50/p99 (the
+short prompts' decodes, which stall while other requests prefill or load), output tokens/s
+(all output tokens / the level's wall time), hit tokens (vLLM's external prefix-cache hits:
+kvtier's loads) and query tokens. ``--json`` prints ``{"rows": [...]}``; ``--plot FILE`` writes
+one PNG per metric (``FILE`` with ``-<metric>`` before its suffix).
+
+Settings (``SETTINGS``): ``vllm`` (no connector), ``kvtier`` (today's synchronous transfers),
+and the hook ``kvtier-async`` (kvtier with ``transfer_mode: async``), which works once the
+connector accepts that key; add a setting by adding one builder to ``SETTINGS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+if __name__ in ("__main__", "__mp_main__"):
+    # the engine processes die with the benchmark (see kvtier.bench.engine_run)
+    from kvtier.bench.procs import die_with_parent
+
+    die_with_parent()
+
+MARKER = "@@kvtier-serve "
+CONNECTOR = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+             "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+METRICS = ("ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p99_ms", "output_tok_s", "hit_tokens")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Sizes of one run (see the module docstring)."""
+
+    doc_tokens: int = 3000
+    docs_per_group: int = 2  # per tier group (RAM, disk, shared) and level
+    short_tokens: int = 64
+    decode_tokens: int = 64
+    doc_decode_tokens: int = 8
+    bytes_per_token: int = 4096
+
+    @property
+    def doc_bytes(self) -> int:
+        return self.doc_tokens * self.bytes_per_token
+
+
+def _kvtier(work: Path, load: Workload, extra: dict | None = None) -> dict:
+    """kvtier with RAM (one group), disk (two groups) and a shared fs tier (everything)."""
+    group = int(load.docs_per_group * load.doc_bytes * 1.25) + (8 << 20)
+    tiers = [{"type": "ram", "capacity": group},
+             {"type": "disk", "path": str(work / "disk"), "capacity": 2 * group},
+             {"type": "fs", "path": str(work / "shared"), "capacity": 64 * group}]
+    return {**CONNECTOR, "kv_connector_extra_config": {"tiers": tiers, **(extra or {})}}
+
+
+# setting name -> builder(work dir, workload) -> kv_transfer_config (None: vLLM alone)
+SETTINGS: dict[str, Callable[[Path, Workload], dict | None]] = {
+    "vllm": lambda work, load: None,
+    "kvtier": lambda work, load: _kvtier(work, load),  # today's synchronous transfers
+    "kvtier-async": lambda work, load: _kvtier(work, load, {"transfer_mode": "async"}),
+}
+DEFAULT_SETTINGS = ("vllm", "kvtier")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvtier bench serve``."""
+    parser.add_argument("--variant", default="small", choices=("small", "kv-heavy", "both"),
+                        help="random model(s) to run (default: small)")
+    parser.add_argument("--model", help="a local model directory instead of a random one")
+    parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
+                        help=f"comma-separated settings (default: {','.join(DEFAULT_SETTINGS)}; all: {','.join(SETTINGS)})")
+    parser.add_argument("--concurrency", default="1,2,4,8", help="client counts (default: 1,2,4,8)")
+    parser.add_argument("--doc-tokens", type=int, default=3000, help="tokens per long document (default 3000)")
+    parser.add_argument("--docs-per-group", type=int, default=2,
+                        help="documents per tier group (RAM, disk, shared) and level (default 2)")
+    parser.add_argument("--decode-tokens", type=int, default=64, help="tokens each short prompt decodes (default 64)")
+    parser.add_argument("--work-dir", help="where tiers and specs go (default: a temp dir, removed)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per setting (default 1800)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a small run: 1,024-token documents, one per group, concurrency 1,2")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument("--plot", metavar="FILE", help="write a PNG per metric vs concurrency (FILE-<metric>.png)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run every setting (and variant); print tables or JSON."""
+    from kvtier.cli._common import emit_json, note
+    from kvtier.errors import ConfigError
+
+    names = [s for s in args.settings.split(",") if s]
+    unknown = [s for s in names if s not in SETTINGS]
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {unknown}; valid: {', '.join(SETTINGS)}")
+    levels = [int(c) for c in ("1,2" if args.quick and args.concurrency == "1,2,4,8" else args.concurrency).split(",")]
+    doc_tokens = min(args.doc_tokens, 1024) if args.quick else args.doc_tokens
+    per_group = 1 if args.quick else args.docs_per_group
+    variants = ["small", "kv-heavy"] if args.variant == "both" else [args.variant]
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="kvtier-serve-"))
+    rows: list[dict] = []
+    try:
+        for variant in variants:
+            model = args.model or str(_model(variant))
+            load = Workload(doc_tokens=doc_tokens, docs_per_group=per_group, decode_tokens=args.decode_tokens,
+                            bytes_per_token=_bytes_per_token(model))
+            spec = _spec(model, load, levels)
+            for name in names:
+                setting_dir = work / f"{variant}-{name}"
+                shutil.rmtree(setting_dir, ignore_errors=True)
+                setting_dir.mkdir(parents=True)
+                result = _run_setting(dict(spec, kv_transfer_config=SETTINGS[name](setting_dir, load)),
+                                      setting_dir, args.timeout)
+                for level in result["levels"]:
+                    rows.append({"setting": name, "model": variant if not args.model else model,
+                                 **_summary(level)})
+                if not args.json:
+                    note(f"{variant}/{name}: done")
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    report = {"rows": rows, "workload": {"doc_tokens": doc_tokens, "docs_per_group": per_group,
+                                         "short_tokens": Workload.short_tokens, "decode_tokens": args.decode_tokens,
+                                         "concurrency": levels},
+              "thread_binding": _engine_env()["VLLM_CPU_OMP_THREADS_BIND"]}
+    if args.plot:
+        report["plots"] = plot(rows, args.plot)
+    if args.json:
+        emit_json(report)
+    else:
+        _print(rows)
+    return 0
+
+
+def _model(variant: str) -> Path:
+    from kvtier.bench.models import make_random_model
+
+    return make_random_model(variant)
+
+
+def _bytes_per_token(model: str) -> int:
+    from kvtier.plan import kv_shape, load_model_config
+
+    return kv_shape(load_model_config(model)).bytes_per_token
+
+
+def _spec(model: str, load: Workload, levels: list[int]) -> dict:
+    """The engine's spec: model, pool, and per level the warm-up and the timed requests."""
+    import numpy as np
+
+    rng = np.random.default_rng(20261201)
+
+    def tokens(n: int) -> list[int]:
+        return rng.integers(100, 31000, n).tolist()
+
+    spec_levels = []
+    for concurrency in levels:
+        groups = {g: [tokens(load.doc_tokens) for _ in range(load.docs_per_group)] for g in ("shared", "disk", "ram")}
+        warm = groups["shared"] + groups["disk"] + groups["ram"]
+        docs = [{"kind": f"doc-{g}", "tokens": d, "max_tokens": load.doc_decode_tokens}
+                for g in ("ram", "disk", "shared") for d in groups[g]]
+        requests = []
+        for doc in docs:
+            requests += [doc, {"kind": "short", "tokens": tokens(load.short_tokens), "max_tokens": load.decode_tokens}]
+        spec_levels.append({"concurrency": concurrency, "warm": warm, "requests": requests})
+    per_request = load.doc_tokens + load.doc_decode_tokens + 128
+    max_len = -(-per_request // 128) * 128
+    pool_tokens = max(levels) * max_len + 4 * 128  # every client's request resident at once
+    return {"model": model, "max_model_len": max_len, "pool_blocks": -(-pool_tokens // 128),
+            "warmup": tokens(600), "levels": spec_levels}
+
+
+def _engine_env() -> dict:
+    """The same CPU thread binding for every setting's engine."""
+    env = dict(os.environ)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0]))
+    env.setdefault("OMP_NUM_THREADS", str(len(cores)))
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return env
+
+
+def _run_setting(spec: dict, work: Path, timeout: float) -> dict:
+    """One setting's engine in its own process; its per-level records."""
+    from kvtier.bench.procs import run_child
+    from kvtier.errors import KVTierError
+
+    path = work / "spec.json"
+    path.write_text(json.dumps(spec))
+    out = run_child([sys.executable, "-m", "kvtier.bench.serve", str(path)], timeout=timeout, env=_engine_env(),
+                    name="kvtier-bench-serve")
+    for line in out.stdout.splitlines():
+        if line.startswith(MARKER):
+            return json.loads(line[len(MARKER):])
+    tail = (out.stderr or "").strip().splitlines()[-15:]
+    raise KVTierError(f"serve engine exited {out.returncode} without results:\n" + "\n".join(tail))
+
+
+# ------------------------------------------------------------------------ the engine's process
+
+
+def _counters() -> dict[str, float]:
+    """vLLM's prefix-cache hit counters (this process's Prometheus registry)."""
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+
+    totals = {"vllm:external_prefix_cache_hits": 0.0, "vllm:prefix_cache_hits": 0.0}
+    for metric in get_metrics_snapshot():
+        if metric.name in totals and hasattr(metric, "value"):
+            totals[metric.name] += metric.value
+    return totals
+
+
+async def _request(llm, tokens: list[int], max_tokens: int, request_id: str) -> dict:
+    """Stream one request; TTFT and the per-token gaps as they arrive."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
+                            output_kind=RequestOutputKind.DELTA)
+    start = time.perf_counter()
+    last, gaps, produced, ttft = start, [], 0, None
+    async for out in llm.generate(TokensPrompt(prompt_token_ids=tokens), params, request_id=request_id):
+        now = time.perf_counter()
+        n = len(out.outputs[0].token_ids) if out.outputs else 0
+        if not n:
+            continue
+        if ttft is None:
+            ttft = now - start
+            n_gaps = n - 1  # tokens after the first in the same delta came with no gap
+            gaps.extend([0.0] * n_gaps)
+        else:
+            gaps.extend([(now - last) / n] * n)
+        produced += n
+        last = now
+    return {"ttft_ms": (ttft or 0.0) * 1e3, "gaps_ms": [g * 1e3 for g in gaps], "output_tokens": produced,
+            "query_tokens": len(tokens)}
+
+
+async def _level(llm, level: dict, tag: str) -> dict:
+    """Warm up the level's documents, reset the engine's prefix cache, run the timed requests."""
+    for i, tokens in enumerate(level["warm"]):
+        await _request(llm, tokens, 1, f"{tag}-warm-{i}")
+    await llm.reset_prefix_cache()
+    await asyncio.sleep(0.5)
+    before = _counters()
+    queue: asyncio.Queue = asyncio.Queue()
+    for i, req in enumerate(level["requests"]):
+        queue.put_nowait((i, req))
+    records: list[dict] = []
+
+    async def client() -> None:
+        while not queue.empty():
+            i, req = queue.get_nowait()
+            rec = await _request(llm, req["tokens"], req["max_tokens"], f"{tag}-{i}")
+            records.append(dict(rec, kind=req["kind"]))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(level["concurrency"])))
+    wall = time.perf_counter() - start
+    await asyncio.sleep(1.0)  # the last iteration's stats reach the registry
+    after = _counters()
+    return {"concurrency": level["concurrency"], "wall_s": wall, "records": records,
+            "hit_tokens": int(after["vllm:external_prefix_cache_hits"] - before["vllm:external_prefix_cache_hits"]),
+            "local_hit_tokens": int(after["vllm:prefix_cache_hits"] - before["vllm:prefix_cache_hits"])}
+
+
+async def _serve(spec: dict) -> dict:
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    transfer = spec.get("kv_transfer_config")
+    engine_args = AsyncEngineArgs(
+        model=spec["model"], skip_tokenizer_init=True, gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.3),
+        num_gpu_blocks_override=spec["pool_blocks"], max_model_len=spec["max_model_len"],
+        kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
+        enable_prefix_caching=True, disable_log_stats=False, seed=0)
+    llm = AsyncLLM.from_engine_args(engine_args)
+    try:
+        await _request(llm, spec["warmup"], 4, "warmup")  # one-off costs
+        return {"levels": [await _level(llm, level, f"c{level['concurrency']}") for level in spec["levels"]]}
+    finally:
+        llm.shutdown()
+
+
+def _summary(level: dict) -> dict:
+    """One row of the report from a level's records."""
+    records = level["records"]
+    ttft = [r["ttft_ms"] for r in records]
+    gaps = [g for r in records if r["kind"] == "short" for g in r["gaps_ms"]]
+    docs = [r["ttft_ms"] for r in records if r["kind"].startswith("doc")]
+    return {
+        "concurrency": level["concurrency"],
+        "ttft_p50_ms": _pct(ttft, 50), "ttft_p95_ms": _pct(ttft, 95),
+        "itl_p50_ms": _pct(gaps, 50), "itl_p99_ms": _pct(gaps, 99),
+        "output_tok_s": round(sum(r["output_tokens"] for r in records) / level["wall_s"], 2),
+        "hit_tokens": level["hit_tokens"],
+        "query_tokens": sum(r["query_tokens"] for r in records),
+        "local_hit_tokens": level["local_hit_tokens"],
+        "doc_ttft_p50_ms": _pct(docs, 50),
+        **{f"doc_ttft_{kind[4:]}_ms": _pct([r["ttft_ms"] for r in records if r["kind"] == kind], 50)
+           for kind in ("doc-ram", "doc-disk", "doc-shared")},
+        "requests": len(records),
+        "wall_s": round(level["wall_s"], 2),
+    }
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    """The q-th percentile (linear interpolation), None without values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return round(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo), 2)
+
+
+def plot(rows: list[dict], path: str) -> list[str]:
+    """One PNG per metric: the metric against concurrency, a line per (model, setting)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stem, suffix = os.path.splitext(path)
+    written = []
+    series = sorted({(r["model"], r["setting"]) for r in rows})
+    for metric in METRICS:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for model, setting in series:
+            pts = sorted((r["concurrency"], r[metric]) for r in rows
+                         if r["model"] == model and r["setting"] == setting and r[metric] is not None)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{model} / {setting}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(metric)
+        ax.set_title(f"{metric} vs concurrency")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        out = f"{stem}-{metric}{suffix or '.png'}"
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        written.append(out)
+    return written
+
+
+def _print(rows: list[dict]) -> None:
+    from kvtier.cli._common import print_table
+
+    cols = ("model", "setting", "concurrency", "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p99_ms",
+            "output_tok_s", "hit_tokens", "query_tokens", "doc_ttft_ram_ms", "doc_ttft_disk_ms", "doc_ttft_shared_ms")
+    print_table(cols, [[r.get(c) for c in cols] for r in rows])
+
+
+def main(argv: list[str]) -> int:
+    """Engine process: run the spec's levels and print the records on one marker line."""
+    spec = json.loads(Path(argv[0]).read_text())
+    result = asyncio.run(_serve(spec))
+    sys.stdout.write(MARKER + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
