@@ -421,3 +421,36 @@ def test_reap_owned_kills_only_this_process_s_forgotten_children(registry):
     finally:
         forgotten.stop()
         kept.stop()
+
+
+def test_seaweedfs_start_retries_when_its_s3_port_is_taken(registry, tmp_path, monkeypatch):
+    """``weed mini`` refuses to start when a port it was given is taken; the start is retried on
+    new ports and S3 answers on the endpoint the service reports."""
+    pytest.importorskip("boto3")
+    services = pytest.importorskip("kvtier.bench.services")
+    try:
+        services.find_binary("weed", "")
+    except procs.BinaryMissing:
+        pytest.skip("weed not installed")
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    calls = []
+    real = procs.pick_ports
+
+    def s3_port_taken(n: int) -> list[int]:
+        calls.append(n)
+        ports = real(n)
+        if len(calls) == 1:
+            ports[6] = blocker.getsockname()[1]  # the S3 port (see services._weed_argv)
+        return ports
+
+    monkeypatch.setattr(procs, "pick_ports", s3_port_taken)
+    try:
+        with services.seaweedfs(tmp_path / "weed") as s3:
+            assert len(calls) == 2
+            assert not s3.endpoint_url.endswith(f":{blocker.getsockname()[1]}")
+            s3.client().put_object(Bucket=s3.bucket, Key="k", Body=b"v")
+            assert s3.client().get_object(Bucket=s3.bucket, Key="k")["Body"].read() == b"v"
+    finally:
+        blocker.close()
