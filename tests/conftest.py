@@ -13,9 +13,30 @@ Other fixture groups may be appended below; keep one section per concern.
 from __future__ import annotations
 
 import itertools
+import random
 import uuid
 
 import pytest
+
+# ---------------------------------------------------------------------------------------------
+# Shuffled order (the race check: tests must not depend on the order they run in)
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--shuffle", metavar="SEED", type=int, default=None,
+                     help="run the tests in a random order drawn from SEED (print it to repeat an order)")
+
+
+def pytest_report_header(config) -> str | None:
+    seed = config.getoption("--shuffle")
+    return None if seed is None else f"test order shuffled with --shuffle {seed}"
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    seed = config.getoption("--shuffle")
+    if seed is not None:
+        random.Random(seed).shuffle(items)
+
 
 # ---------------------------------------------------------------------------------------------
 # Real servers

@@ -454,3 +454,14 @@ def test_seaweedfs_start_retries_when_its_s3_port_is_taken(registry, tmp_path, m
             assert s3.client().get_object(Bucket=s3.bucket, Key="k")["Body"].read() == b"v"
     finally:
         blocker.close()
+
+
+def test_cpu_hog_runs_the_command_under_load_and_leaves_nothing(registry, tmp_path):
+    """The race-check wrapper passes the command's exit code through and stops its loops."""
+    probe = f"import os; open({str(tmp_path / 'load')!r}, 'w').write(str(os.getloadavg()[0])); raise SystemExit(3)"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    rc = subprocess.call([sys.executable, "-m", "kvtier.bench.cpu_hog", "--procs", "2", "--",
+                          sys.executable, "-c", "import time; time.sleep(2); " + probe], env=env, timeout=120)
+    assert rc == 3
+    assert (tmp_path / "load").read_text()
+    assert registry.records() == []  # every loop was stopped (its record dropped)
