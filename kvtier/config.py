@@ -2,7 +2,9 @@
 
 Every component has a frozen dataclass config. ``build(cls, mapping)`` turns a dict (from YAML,
 JSON or the CLI) into one, rejecting unknown keys with a message that lists the valid ones and
-checking each value against the field's type and range.
+checking each value against the field's type and range. A field type with a classmethod
+``from_config_value(value, where)`` parses its own values (so a layer above, e.g. the tier
+registry, can type a field without this module importing it).
 
 Ranges are declared on the field (``ranged(default, ge=1)``) and checked by ``validate`` (which
 ``build`` calls, and components call on configs built by hand): one ``ConfigError`` line naming
@@ -218,6 +220,9 @@ def _coerce(hint: Any, value: Any, what: str) -> Any:
         return value
     if hint is Size:
         return parse_size(value, what)
+    if isinstance(hint, type) and hasattr(hint, "from_config_value"):
+        # a type that parses itself (e.g. a tier spec, checked through its registry)
+        return hint.from_config_value(value, what)
     if dataclasses.is_dataclass(hint):
         if isinstance(value, hint):
             return value

@@ -24,6 +24,8 @@ import numpy as np
 from kvtier.errors import ConfigError
 
 ChunkKey = NewType("ChunkKey", bytes)
+# The one key type of every layer that stores chunks (tiers, store, server): a chunk key digest.
+Key = ChunkKey
 KEY_BYTES = 32
 ROOT = ChunkKey(b"\x00" * KEY_BYTES)  # the "previous key" of chunk 0
 DEFAULT_CHUNK_TOKENS = 256

@@ -1,8 +1,8 @@
-"""ServerStore: a TieredStore look-alike that talks to a per-node ``kvtier serve``.
+"""ServerStore: a ``KVStore`` (``kvtier.store.base``) that talks to a per-node ``kvtier serve``.
 
-It offers the methods the vLLM connector uses on a TieredStore (``lookup``, ``read``, ``write``,
-``take_events``, ``stats``, ``flush``, ``close``) plus ``get_into``/``get``/``put``/``delete``.
-Payloads are never sent over the socket: ``read`` hands ``consume`` read-only uint8 views of the
+It implements the store primitives (``lookup``, ``read``, ``write``, ``delete``, ``take_events``,
+``stats``, ``flush``, ``close``) over the server's protocol; ``get_into``/``get``/``put`` come
+from ``KVStore``. Payloads are never sent over the socket: ``read`` hands ``consume`` read-only uint8 views of the
 server's shared arena (valid during the call only; the pages are leased meanwhile), and
 ``write`` hands ``fill`` writable views of the shared staging area. The arena is mapped
 read-only: a stray write of this process cannot corrupt what another engine reads.
@@ -53,12 +53,13 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from kvtier.errors import KVTierError
+from kvtier.keys import Key
 from kvtier.server import protocol as P
+from kvtier.store.base import KVStore
+from kvtier.store.events import StoreEvent
 from kvtier.tiers.breaker import CircuitBreaker
 
 log = logging.getLogger(__name__)
-
-Key = bytes
 
 
 class UntrustedServer(KVTierError):
@@ -99,7 +100,7 @@ class _Mapping:
     lease_timeout_s: float = math.inf
 
 
-class ServerStore:
+class ServerStore(KVStore):
     """Client of a ``kvtier serve`` process (see the module docstring).
 
     address: ``unix:///path.sock`` or ``tcp://host:port``.
@@ -153,6 +154,10 @@ class ServerStore:
         """The server's tiers, fastest first (empty while not connected)."""
         m = self._map
         return list(m.tiers) if m is not None else []
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [t.name for t in self.tiers]
 
     def _connect(self, deadline: float) -> None:
         """Connect, check the peer, say hello, map the shared files, all by ``deadline``.
@@ -392,39 +397,8 @@ class ServerStore:
             return None
         return views
 
-    def get_into(self, key: Key, out) -> int | None:
-        """Copy ``key``'s payload into the writable buffer ``out``; the byte count or None."""
-        dst = np.frombuffer(out, dtype=np.uint8)
-        written = [0]
-
-        def consume(segments: list) -> None:
-            pos = 0
-            for seg in segments:
-                if pos + seg.size > dst.size:
-                    raise ValueError("output buffer too small for the entry")
-                dst[pos : pos + seg.size] = seg
-                pos += seg.size
-            written[0] = pos
-
-        return written[0] if self.read(key, consume) is not None else None
-
-    def get(self, key: Key) -> bytes | None:
-        """The payload of ``key`` as new bytes, or None."""
-        chunks: list[bytes] = []
-        found = self.read(key, lambda segs: chunks.extend(s.tobytes() for s in segs))
-        return b"".join(chunks) if found is not None else None
-
-    def put(self, key: Key, data, parent: Key | None = None, chunk_index: int = 0) -> bool:
-        """Store a copy of the bytes-like ``data`` (see ``write``)."""
-        src = np.frombuffer(data, dtype=np.uint8)
-
-        def fill(segments: list) -> None:
-            pos = 0
-            for seg in segments:
-                seg[:] = src[pos : pos + seg.size]
-                pos += seg.size
-
-        return self.write(key, src.size, fill, parent, chunk_index)
+    def _count_error(self) -> None:
+        self._counters.errors += 1
 
     def delete(self, key: Key) -> bool:
         """Remove ``key`` from every server tier; False when unreachable."""
@@ -434,14 +408,14 @@ class ServerStore:
     def enable_events(self, maxlen: int = 100_000) -> None:
         """Nothing to do: the server always records events (bounded) for whoever asks."""
 
-    def take_events(self) -> list[tuple[str, Key, str]]:
-        """The server's ("stored"|"removed", key, medium) events since anyone last asked
+    def take_events(self) -> list[StoreEvent]:
+        """The server's StoreEvents since anyone last asked
         (``[]`` while unreachable or past ``lookup_timeout``: this runs on every engine step)."""
         with self._session(self._lookup_timeout) as deadline:
             answer = self._call({"op": "events"}, deadline) if deadline else None
         if answer is None:
             return []
-        return [(kind, bytes(key), medium) for kind, key, medium in answer["events"]]
+        return [StoreEvent(kind, bytes(key), medium) for kind, key, medium in answer["events"]]
 
     def stats(self) -> dict:
         """The server's stats (``{}`` while unreachable) plus this client's counters under "client"."""

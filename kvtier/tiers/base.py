@@ -17,6 +17,19 @@ Contract for every implementation:
   ``max_entry_bytes`` (by default what the tier can hold) is a corrupt entry (counted, removed, a
   miss), as is one that does not match the stored size.
 - All methods are thread-safe.
+
+Capabilities are declared on the class, never guessed from a tier's type name elsewhere:
+- ``scheduler_view()``: how a process that does not own the tier (vLLM's scheduler) learns what
+  it holds: ``MIRRORED`` from the owner's store events (process-private memory), ``PROBED``
+  through a lookup-only ``scheduler_probe`` (a directory), ``SHARED`` by opening the tier itself
+  (a server other processes write too). A store-managed tier must declare it (ConfigError).
+- ``for_rank(config, share)``: one worker's configuration when tensor/pipeline-parallel workers
+  each own a store (split a process-local capacity, give each its own directory).
+- ``for_engine_pages(config, page_bytes, given)``: the configuration fitted to an engine's page
+  size (options the user gave, ``given``, are kept).
+- The RAM arena's zero-copy methods form ``kvtier.tiers.ram.ArenaTier``.
+
+Imports: ``kvtier.keys``, ``kvtier.entry``, ``kvtier.config``, ``kvtier.errors`` only.
 """
 
 from __future__ import annotations
@@ -24,12 +37,12 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
-from typing import ClassVar, Iterable, Iterator
+from enum import Enum
+from typing import Any, ClassVar, Iterable, Iterator, Protocol
 
 from kvtier.entry import check_key, decode, decode_header, encode_header
-from kvtier.errors import CorruptEntry
-
-Key = bytes
+from kvtier.errors import ConfigError, CorruptEntry
+from kvtier.keys import Key
 # The entry bound of a tier with no byte budget: Redis's own limit on one value (512 MB).
 UNBOUNDED_ENTRY_BYTES = 512 * 1024**2
 
@@ -63,6 +76,44 @@ class TierStats:
             return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
 
 
+class SchedulerView(Enum):
+    """How a process that does not own a tier learns which keys it holds."""
+
+    MIRRORED = "mirrored"  # process-private: known only from the owning store's events
+    PROBED = "probed"  # visible to other processes: asked through ``Tier.scheduler_probe``
+    SHARED = "shared"  # shared by design: the other process opens the tier and asks it
+
+
+class Probe(Protocol):
+    """A lookup-only view of a tier (``contains_many`` and ``close``)."""
+
+    def contains_many(self, keys: Iterable[Key]) -> list[bool]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """One worker among ``world`` tensor-parallel ranks x ``stages`` pipeline stages."""
+
+    rank: int
+    world: int
+    stage: int = 0
+    stages: int = 1
+
+    @property
+    def workers(self) -> int:
+        """Workers that each own a store (a process-local capacity is split over them)."""
+        return self.world * self.stages
+
+    @property
+    def subdir(self) -> str:
+        """This worker's own subdirectory name: ``tp{world}-rank{rank}``, or with several
+        stages ``pp{stages}-stage{stage}-tp{world}-rank{rank}``."""
+        tp = f"tp{self.world}-rank{self.rank}"
+        return tp if self.stages == 1 else f"pp{self.stages}-stage{self.stage}-{tp}"
+
+
 class Tier(ABC):
     """Base class of every tier. Subclasses implement the abstract methods; the rest is built on them."""
 
@@ -72,6 +123,42 @@ class Tier(ABC):
     def __init__(self, name: str):
         self.name = name
         self.stats = TierStats()
+
+    # Capabilities (class-level: answered from a configuration, before any tier is opened).
+
+    @classmethod
+    def scheduler_view(cls) -> SchedulerView:
+        """How another process sees this tier's keys. Shared (self-managed) tiers are
+        ``SHARED``; a store-managed tier must override this: ConfigError if it does not (it
+        would otherwise be invisible to vLLM's scheduler, a silent 0% hit rate)."""
+        if cls.self_managed:
+            return SchedulerView.SHARED
+        raise ConfigError(f"tier class {cls.__name__} is store-managed but does not declare how another "
+                          f"process sees its keys (override Tier.scheduler_view)")
+
+    @classmethod
+    def scheduler_probe(cls, config: Any, name: str) -> Probe | None:
+        """A lookup-only view for a process that does not own the tier, per ``scheduler_view``:
+        None for ``MIRRORED``; the tier itself for ``SHARED``; a ``PROBED`` tier overrides
+        this. May raise KVTierError (TierUnavailable, ConfigError) when it cannot be had."""
+        view = cls.scheduler_view()
+        if view is SchedulerView.MIRRORED:
+            return None
+        if view is SchedulerView.SHARED:
+            return cls(config, name=name)
+        raise ConfigError(f"tier class {cls.__name__} is probed but offers no scheduler_probe")
+
+    @classmethod
+    def for_rank(cls, config: Any, share: RankShare) -> Any:
+        """The configuration of one worker's tier (``share``) when each worker owns a store.
+        By default the same one: a shared tier is shared anyway (workers use different keys)."""
+        return config
+
+    @classmethod
+    def for_engine_pages(cls, config: Any, page_bytes: int, given: frozenset[str]) -> Any:
+        """The configuration fitted to an engine whose KV pages are ``page_bytes`` each;
+        options named in ``given`` were set by the user and are kept. By default unchanged."""
+        return config
 
     @property
     @abstractmethod

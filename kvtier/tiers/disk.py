@@ -37,13 +37,14 @@ import queue
 import re
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 from kvtier.config import Size, ranged, validate
 from kvtier.entry import MAX_HEADER_BYTES, check_key, decode_header, encode_header, verify
 from kvtier.errors import CorruptEntry, TierUnavailable
-from kvtier.tiers.base import Key, Tier
+from kvtier.keys import Key
+from kvtier.tiers.base import RankShare, SchedulerView, Tier
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,25 @@ class DiskTier(Tier):
         except BaseException:
             self._release_lock()
             raise
+
+    # --- capabilities --------------------------------------------------------------------------
+
+    @classmethod
+    def scheduler_view(cls) -> SchedulerView:
+        """Files other processes can see: probed by existence (``DiskProbe``)."""
+        return SchedulerView.PROBED
+
+    @classmethod
+    def scheduler_probe(cls, config: DiskConfig, name: str) -> "DiskProbe":
+        """Existence checks on the directory without opening the tier (no scan, no lock)."""
+        return DiskProbe(config)
+
+    @classmethod
+    def for_rank(cls, config: DiskConfig, share: RankShare) -> DiskConfig:
+        """Each worker gets its share of the capacity and a subdirectory of its own
+        (``path/<share.subdir>``), so no two stores manage one directory."""
+        path = os.path.join(config.path, share.subdir) if config.path else config.path
+        return replace(config, capacity=int(config.capacity) // share.workers, path=path)
 
     # --- start ---------------------------------------------------------------------------------
 
@@ -593,3 +613,6 @@ class DiskProbe:
     def contains_many(self, keys) -> list[bool]:
         """Whether a file exists for each key, in order."""
         return [os.path.exists(entry_path(self.root, k, self.fanout)) for k in keys]
+
+    def close(self) -> None:
+        """Nothing to release (the probe holds no file open)."""

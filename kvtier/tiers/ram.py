@@ -21,16 +21,18 @@ import logging
 import mmap
 import os
 import threading
-from contextlib import contextmanager
-from dataclasses import dataclass
+from abc import abstractmethod
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, replace
 from typing import Iterator, Literal
 
 import numpy as np
 
 from kvtier.config import Size, out_of_range, ranged, validate
 from kvtier.entry import DTYPES, MAX_NDIM
-from kvtier.errors import OutOfSpace
-from kvtier.tiers.base import Key, Tier
+from kvtier.errors import ConfigError, OutOfSpace
+from kvtier.keys import Key
+from kvtier.tiers.base import RankShare, SchedulerView, Tier
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,62 @@ class _Entry:
         self.dead = False  # deleted or replaced while readers were still copying
 
 
-class RamTier(Tier):
+class ArenaTier(Tier):
+    """A store-managed tier over one arena of fixed pages that a caller can read and fill in
+    place (the top tier of a store: a write is one memcpy into its pages).
+
+    The store checks for this base once, when it is built; a top tier without it is read and
+    written through the plain ``Tier`` methods (a copy more per call).
+    """
+
+    @abstractmethod
+    def views(self, key: Key, count: bool = True) -> list[np.ndarray] | None:
+        """Read-only views of ``key``'s extents, valid until the key is deleted or replaced
+        (the caller keeps that from happening meanwhile); None when absent."""
+
+    @abstractmethod
+    def borrow(self, key: Key) -> AbstractContextManager[list[np.ndarray] | None]:
+        """Like ``views``, but the pages stay untouched until the ``with`` block ends."""
+
+    @abstractmethod
+    def reserve(self, key: Key, nbytes: int, dtype: str = "uint8",
+                shape: tuple[int, ...] | None = None) -> list[np.ndarray] | None:
+        """Writable views of pages reserved for ``nbytes`` under ``key`` (``commit`` or
+        ``abort`` follows); None when there is no room."""
+
+    @abstractmethod
+    def commit(self, key: Key) -> bool:
+        """Publish ``key``'s reservation; False if there was none."""
+
+    @abstractmethod
+    def abort(self, key: Key) -> bool:
+        """Free ``key``'s reservation; False if there was none."""
+
+    @abstractmethod
+    def footprint(self, nbytes: int) -> int:
+        """Arena bytes an entry of ``nbytes`` occupies (whole pages)."""
+
+    @abstractmethod
+    def free_bytes(self) -> int:
+        """Bytes in free pages: the most one more entry could take."""
+
+    @abstractmethod
+    def offset_of(self, view: np.ndarray) -> int:
+        """Byte offset in the arena of a view this tier handed out."""
+
+    @classmethod
+    def shared_file(cls, config) -> str | None:
+        """The shared-memory file another process maps the arena from (None: private)."""
+        return None
+
+    @classmethod
+    def share_at(cls, config, path: str):
+        """The configuration with the arena in the new shared-memory file ``path``;
+        ConfigError when this arena cannot be shared."""
+        raise ConfigError(f"tier class {cls.__name__} cannot share its arena with other processes")
+
+
+class RamTier(ArenaTier):
     """A RAM tier over one preallocated arena.
 
     Thread-safety: every method may be called from any thread. Bookkeeping happens under one lock;
@@ -110,6 +167,37 @@ class RamTier(Tier):
         self._reserved: dict[Key, _Entry] = {}
         self._used = 0  # payload bytes of committed entries and reservations
         self._lock = threading.Lock()
+
+    # --- capabilities --------------------------------------------------------------------------
+
+    @classmethod
+    def scheduler_view(cls) -> SchedulerView:
+        """Process-private memory: another process knows it only from the store's events."""
+        return SchedulerView.MIRRORED
+
+    @classmethod
+    def for_rank(cls, config: RamConfig, share: RankShare) -> RamConfig:
+        """Each worker's arena holds its share of the total capacity."""
+        return replace(config, capacity=int(config.capacity) // share.workers)
+
+    @classmethod
+    def for_engine_pages(cls, config: RamConfig, page_bytes: int, given: frozenset[str]) -> RamConfig:
+        """One arena page per engine page (every page copy a single memcpy), and the arena
+        touched at start (its page faults out of the first requests); given options stay."""
+        changes = {}
+        if "page_size" not in given:
+            changes["page_size"] = page_bytes
+        if "prefault" not in given:
+            changes["prefault"] = True
+        return replace(config, **changes)
+
+    @classmethod
+    def shared_file(cls, config: RamConfig) -> str | None:
+        return config.shm_path
+
+    @classmethod
+    def share_at(cls, config: RamConfig, path: str) -> RamConfig:
+        return replace(config, shm_path=path)
 
     # --- sizes ---------------------------------------------------------------------------------
 

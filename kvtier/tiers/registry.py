@@ -1,13 +1,25 @@
-"""The tier registry: ``{"type": NAME, ...config}`` -> a Tier."""
+"""The tier registry: ``{"type": NAME, ...config}`` -> a typed ``TierSpec`` -> a Tier.
+
+A configuration names its tiers as plain mappings; ``parse_tier_spec`` turns one into a
+``TierSpec`` when the configuration is read (the tier type exists, every key is one of that
+tier's keys, every value has the right type and range, the tier declares its capabilities), so
+a mistake fails at parse time, with one line naming it and the valid choices, before anything
+is opened. ``TierSpec.build`` then makes the tier.
+
+Imports: ``kvtier.registry``, ``kvtier.config``, ``kvtier.errors``, ``kvtier.tiers.base``;
+tier backends only lazily, through ``TIERS``.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Iterator
 
 from kvtier.config import build
 from kvtier.errors import ConfigError
 from kvtier.registry import Registry
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import Probe, RankShare, SchedulerView, Tier
 
 TIERS: Registry[Tier] = Registry(
     "tier",
@@ -20,17 +32,131 @@ TIERS: Registry[Tier] = Registry(
     },
 )
 
+_SPEC_KEYS = frozenset({"type", "name", "policy"})  # keys of a spec beside the tier's own
 
-def make_tier(spec: Mapping[str, Any], where: str = "tier") -> Tier:
-    """Build a tier from ``{"type": NAME, "name": optional, **config}``.
 
-    Each tier class has a ``Config`` dataclass; unknown keys raise ConfigError listing valid ones.
+class TierSpec(Mapping):
+    """One tier of a store configuration, parsed and typed (immutable).
+
+    ``type``, ``name``, ``policy`` (None: the store's default), ``tier_class`` and ``config``
+    (the tier's own typed Config) are attributes. As a read-only mapping it is the options as
+    given (``spec["capacity"]`` is ``"1GiB"`` if that is what was written), so it prints,
+    compares and round-trips like the dict it came from.
     """
-    spec = dict(spec)
-    kind = spec.pop("type", None)
+
+    __slots__ = ("type", "name", "policy", "tier_class", "config", "_options")
+
+    def __init__(self, kind: str, tier_class: type[Tier], config: Any, options: Mapping[str, Any]):
+        self.type = kind
+        self.tier_class = tier_class
+        self.config = config
+        self.name: str = options.get("name", kind)
+        self.policy: str | None = options.get("policy")
+        self._options = dict(options)
+
+    # the mapping view: the options as given
+    def __getitem__(self, key: str) -> Any:
+        return self._options[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._options)
+
+    def __len__(self) -> int:
+        return len(self._options)
+
+    def __repr__(self) -> str:
+        return f"TierSpec({self._options!r})"
+
+    # capabilities
+    @property
+    def self_managed(self) -> bool:
+        """Whether the tier enforces its own capacity (a shared tier)."""
+        return self.tier_class.self_managed
+
+    @property
+    def scheduler_view(self) -> SchedulerView:
+        """How another process learns this tier's keys (``Tier.scheduler_view``)."""
+        return self.tier_class.scheduler_view()
+
+    @property
+    def medium(self) -> str:
+        """What KV events call this tier's medium."""
+        return self.tier_class.medium
+
+    def build(self) -> Tier:
+        """Open the tier. TierUnavailable when it cannot start now."""
+        return self.tier_class(self.config, name=self.name)
+
+    def probe(self) -> Probe | None:
+        """A lookup-only view for a process that does not own the tier (None: mirrored)."""
+        return self.tier_class.scheduler_probe(self.config, self.name)
+
+    # derived specs
+    def with_config(self, config: Any) -> "TierSpec":
+        """The same spec with the tier's config replaced; options that changed are written
+        out (as values, not as given)."""
+        if config == self.config:
+            return self
+        options = dict(self._options)
+        for f in dataclasses.fields(config):
+            new = getattr(config, f.name)
+            if f.init and new != getattr(self.config, f.name):
+                options[f.name] = new
+        return TierSpec(self.type, self.tier_class, config, options)
+
+    def for_rank(self, share: RankShare) -> "TierSpec":
+        """This tier as one worker of ``share`` configures it (``Tier.for_rank``)."""
+        return self.with_config(self.tier_class.for_rank(self.config, share))
+
+    def for_engine_pages(self, page_bytes: int) -> "TierSpec":
+        """This tier fitted to an engine's page size (``Tier.for_engine_pages``)."""
+        given = frozenset(self._options) - _SPEC_KEYS
+        return self.with_config(self.tier_class.for_engine_pages(self.config, page_bytes, given))
+
+    @classmethod
+    def from_config_value(cls, value: Any, where: str) -> "TierSpec":
+        """The hook ``kvtier.config.build`` calls for a field typed ``TierSpec``."""
+        return parse_tier_spec(value, where)
+
+
+def parse_tier_spec(spec: Any, where: str = "tier") -> TierSpec:
+    """Parse ``{"type": NAME, "name": optional, "policy": optional, **tier config}``.
+
+    ConfigError, one line naming ``where``, the problem and the valid choices: not a mapping,
+    missing or unknown type, a missing package, an unknown key or policy, a bad value, or a
+    tier class that does not declare how other processes see it. Opens nothing.
+    """
+    if isinstance(spec, TierSpec):
+        return spec
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"{where}: expected a mapping with a 'type'; valid types: {', '.join(TIERS.names())}")
+    kind = spec.get("type")
     if kind is None:
         raise ConfigError(f"{where}: missing 'type'; valid types: {', '.join(TIERS.names())}")
-    cls = TIERS.get(kind)
-    name = spec.pop("name", kind)
-    config = build(cls.Config, spec, f"{where}({kind})")
-    return cls(config, name=name)
+    if not isinstance(kind, str) or kind not in TIERS.names():
+        raise ConfigError(f"{where}: unknown tier type {kind!r}; valid types: {', '.join(TIERS.names())}")
+    try:
+        cls = TIERS.get(kind)
+    except ConfigError as exc:  # the tier's package is missing
+        raise ConfigError(f"{where}: {exc}") from None
+    keys = {f.name for f in dataclasses.fields(cls.Config) if f.init}
+    unknown = sorted(set(spec) - keys - _SPEC_KEYS, key=str)
+    if unknown:
+        valid = sorted(keys | _SPEC_KEYS)
+        raise ConfigError(f"{where}({kind}): unknown key {unknown[0]!r}; valid keys: {', '.join(valid)}")
+    _check_policy(spec.get("policy"), f"{where}({kind})")
+    config = build(cls.Config, {k: v for k, v in spec.items() if k not in _SPEC_KEYS}, f"{where}({kind})")
+    cls.scheduler_view()  # a store-managed tier that declares nothing is refused here
+    return TierSpec(kind, cls, config, spec)
+
+
+def _check_policy(policy: Any, where: str) -> None:
+    from kvtier.policies.registry import POLICIES  # policies sit beside tiers; imported when used
+
+    if policy is not None and policy not in POLICIES.names():
+        raise ConfigError(f"{where}: unknown policy {policy!r}; valid policies: {', '.join(POLICIES.names())}")
+
+
+def make_tier(spec: Mapping[str, Any], where: str = "tier") -> Tier:
+    """Build a tier from ``{"type": NAME, "name": optional, **config}`` (see ``parse_tier_spec``)."""
+    return parse_tier_spec(spec, where).build()

@@ -32,11 +32,10 @@ valid choices, on the scheduler side too, instead of a tier silently left out.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kvtier.config import build, load_mapping, parse_size
+from kvtier.config import build, load_mapping
 from kvtier.errors import ConfigError
 from kvtier.store import StoreConfig
 
@@ -90,13 +89,7 @@ class ConnectorConfig:
         +6% TTFT on a first pass with an untouched arena, +1% with it touched). Explicit
         ``page_size``/``prefault`` settings are kept.
         """
-        tiers = []
-        for spec in self.store.tiers:
-            spec = dict(spec)
-            if spec.get("type") == "ram":
-                spec.setdefault("page_size", page_bytes)
-                spec.setdefault("prefault", True)
-            tiers.append(spec)
+        tiers = [spec.for_engine_pages(page_bytes) for spec in self.store.tiers]  # each tier fits itself
         return dataclasses.replace(self, store=dataclasses.replace(self.store, tiers=tiers))
 
     def for_rank(self, rank: int, world: int, stage: int = 0, stages: int = 1) -> "ConnectorConfig":
@@ -112,21 +105,10 @@ class ConnectorConfig:
         """
         if world == 1 and stages == 1:
             return self
-        sub = f"tp{world}-rank{rank}" if stages == 1 else f"pp{stages}-stage{stage}-tp{world}-rank{rank}"
-        workers = world * stages
-        from kvtier.tiers.registry import TIERS
+        from kvtier.tiers.base import RankShare
 
-        tiers = []
-        for i, spec in enumerate(self.store.tiers):
-            spec = dict(spec)
-            kind = spec.get("type")
-            if kind in ("ram", "disk"):
-                default = {f.name: f.default for f in dataclasses.fields(TIERS.get(kind).Config)}.get("capacity")
-                total = parse_size(spec.get("capacity", default), f"tiers[{i}].capacity")
-                spec["capacity"] = total // workers
-            if kind == "disk" and spec.get("path"):
-                spec["path"] = os.path.join(spec["path"], sub)
-            tiers.append(spec)
+        share = RankShare(rank, world, stage, stages)
+        tiers = [spec.for_rank(share) for spec in self.store.tiers]  # each tier splits itself
         return dataclasses.replace(self, store=dataclasses.replace(self.store, tiers=tiers))
 
 
@@ -135,29 +117,9 @@ def check_tier_spec(spec: Mapping[str, Any], where: str) -> None:
     names a known tier type, a known policy, and only that tier's keys (plus ``type``, ``name``,
     ``policy``) with values of the right types (sizes parse).
 
-    Only the spec is checked here (the tier's Config is built, the tier is not): nothing is
-    opened or connected, so the scheduler side can reject a bad config at once.
+    Nothing is opened or connected, so the scheduler side can reject a bad config at once.
+    (``StoreConfig`` parses its tiers this same way, through the tier registry.)
     """
-    from kvtier.policies.registry import POLICIES
-    from kvtier.tiers.registry import TIERS
+    from kvtier.tiers.registry import parse_tier_spec
 
-    if not isinstance(spec, Mapping):
-        raise ConfigError(f"{where}: expected a mapping with a 'type'; valid types: {', '.join(TIERS.names())}")
-    kind = spec.get("type")
-    if kind is None:
-        raise ConfigError(f"{where}: missing 'type'; valid types: {', '.join(TIERS.names())}")
-    if not isinstance(kind, str) or kind not in TIERS.names():
-        raise ConfigError(f"{where}: unknown tier type {kind!r}; valid types: {', '.join(TIERS.names())}")
-    try:
-        tier_cls = TIERS.get(kind)
-    except ConfigError as exc:  # the tier's package is missing
-        raise ConfigError(f"{where}: {exc}") from None
-    keys = {f.name for f in dataclasses.fields(tier_cls.Config) if f.init}
-    policy = spec.get("policy")
-    if policy is not None and policy not in POLICIES.names():
-        raise ConfigError(f"{where}({kind}): unknown policy {policy!r}; valid policies: {', '.join(POLICIES.names())}")
-    unknown = sorted(set(spec) - keys - {"type", "name", "policy"}, key=str)
-    if unknown:
-        valid = sorted(keys | {"type", "name", "policy"})
-        raise ConfigError(f"{where}({kind}): unknown key {unknown[0]!r}; valid keys: {', '.join(valid)}")
-    build(tier_cls.Config, {k: v for k, v in spec.items() if k not in ("type", "name", "policy")}, f"{where}({kind})")
+    parse_tier_spec(spec, where)

@@ -59,7 +59,8 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.pages import ENTRY_FORMAT, PageLayout
 from kvtier.keys import ROOT, MMItem, Namespace, chunk_keys, lora_identity, weights_digest, worker_key
-from kvtier.store import TieredStore
+from kvtier.store import KVStore, StoreEvent, TieredStore
+from kvtier.tiers.base import SchedulerView
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -107,9 +108,9 @@ class KVTierMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: ("stored"|"removed", chunk key, medium) events of this step."""
+    """Worker -> scheduler: the store's events of this step."""
 
-    events: list[tuple[str, bytes, str]] = field(default_factory=list)
+    events: list[StoreEvent] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierWorkerMetadata":
         if isinstance(other, KVTierWorkerMetadata):
@@ -192,8 +193,11 @@ class KVTierConnector(KVConnectorBase_V1):
         self._server = None  # scheduler side with a cache server: lookups go to the server
         self._chunk_tokens_of: deque = deque(maxlen=4096)  # recent (key, parent, tokens, extra) for events
         self._events: list = []
+        # media the worker's store knows only privately: the scheduler mirrors them from events
+        self._mirrored = frozenset(spec.medium for spec in self.config.store.tiers
+                                   if spec.scheduler_view is SchedulerView.MIRRORED)
         # worker side: the store and the engine's pages
-        self.store: TieredStore | None = None
+        self.store: KVStore | None = None
         self._layout: PageLayout | None = None
         self._load_pool: ThreadPoolExecutor | None = None
         self._num_blocks = kv_cache_config.num_blocks if kv_cache_config else 0
@@ -214,7 +218,7 @@ class KVTierConnector(KVConnectorBase_V1):
             if self._rank == 0 and self._stage == 0:
                 self.store.enable_events()
             log.info("kvtier: worker rank %d stage %d store tiers %s", self._rank, self._stage,
-                     [t.name for t in self.store.tiers])
+                     self.store.tier_names)
         elif self.config.server:
             from kvtier.server.client import ServerStore
 
@@ -344,7 +348,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if not isinstance(meta, KVTierWorkerMetadata):
             return
         for kind, key, medium in meta.events:
-            if medium not in _MIRRORED_MEDIA:
+            if medium not in self._mirrored:
                 continue  # persistent and shared tiers are asked directly (probes)
             media = self._present.get(key)
             if kind == "stored":
@@ -464,10 +468,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def _in_top_tier(self, keys: list[bytes]) -> list[bool]:
         """Which chunks the store's top tier holds (copied inline; the others go to the pool)."""
-        probe = getattr(self.store, "in_top_tier", None)
-        if probe is None:
-            return [False] * len(keys)
-        return probe([self._rank_key(k, self._rank) for k in keys])
+        return self.store.in_top_tier([self._rank_key(k, self._rank) for k in keys])
 
     def _load_chunk(self, load: LoadSpec, i: int) -> str | None:
         """Load the ``i``-th planned chunk into its blocks; the serving tier's name or None."""
@@ -540,9 +541,7 @@ class KVTierConnector(KVConnectorBase_V1):
             self.store.close()
             self.store = None
         for probe in self._probes:
-            close = getattr(probe, "close", None)
-            if close is not None:
-                close()
+            probe.close()
         self._probes = []
         if self._server is not None:
             self._server.close()
@@ -624,29 +623,22 @@ def _namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None
     )
 
 
-_MIRRORED_MEDIA = frozenset({"CPU"})  # the worker's process-private RAM: known only through its events
-
-
-def _make_probes(tier_specs: list[dict]) -> list:
-    """Lookup-only views of the tiers a scheduler process can see: disk directories (by file
-    existence) and shared tiers (their own ``contains_many``). Process-private RAM is skipped:
-    the mirror covers it. A tier that cannot be reached is left out with a warning."""
-    from kvtier.config import build
+def _make_probes(tier_specs: list) -> list:
+    """Lookup-only views of the tiers a scheduler process can see, as each tier declares
+    (``Tier.scheduler_view``/``scheduler_probe``): a probe of a directory, a shared tier itself.
+    Process-private tiers have none: the mirror covers them. A tier that cannot be reached is
+    left out with a warning."""
     from kvtier.errors import KVTierError
-    from kvtier.tiers.disk import DiskConfig, DiskProbe
-    from kvtier.tiers.registry import TIERS, make_tier
 
     probes = []
-    for i, spec in enumerate(tier_specs):
-        spec = {k: v for k, v in spec.items() if k != "policy"}
-        kind = spec.get("type")
+    for spec in tier_specs:
         try:
-            if kind == "disk":
-                probes.append(DiskProbe(build(DiskConfig, {k: v for k, v in spec.items() if k not in ("type", "name")})))
-            elif kind != "ram" and TIERS.get(kind).self_managed:
-                probes.append(make_tier(spec, f"tiers[{i}]"))
+            probe = spec.probe()
         except KVTierError as exc:
-            log.warning("kvtier: scheduler cannot look up tier %s: %s", kind, exc)
+            log.warning("kvtier: scheduler cannot look up tier %s: %s", spec.type, exc)
+            continue
+        if probe is not None:
+            probes.append(probe)
     return probes
 
 

@@ -1,0 +1,106 @@
+"""Buffer helpers: copies between contiguous buffers and lists of segments.
+
+An entry's bytes often sit in several segments (the extents of arena pages, staging pages,
+a reservation): a *segment list* is a list of flat uint8 arrays (or buffers numpy can view)
+whose concatenation is the payload. These helpers are the only place that walks such lists,
+so every copy in the store, the server and its client is one of them.
+
+Imports: numpy only (this is the ground floor). No global state.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+Segments = Sequence[Any]  # flat uint8 arrays or bytes-like objects, in payload order
+
+
+class BufferTooSmall(ValueError):
+    """A destination cannot hold the bytes to copy (raised before anything is copied)."""
+
+
+def byte_view(buf: Any) -> np.ndarray:
+    """A flat uint8 view of a contiguous bytes-like object or array (no copy)."""
+    if isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1:
+        return buf
+    return np.frombuffer(buf, dtype=np.uint8)  # refuses a non-contiguous buffer (never a silent copy)
+
+
+def total_bytes(segments: Segments) -> int:
+    """The payload size of a segment list."""
+    return sum(memoryview(seg).nbytes for seg in segments)
+
+
+def gather_into(segments: Segments, out: Any) -> int:
+    """Copy the concatenation of ``segments`` into the start of the writable buffer ``out``.
+
+    Returns the byte count. BufferTooSmall, with ``out`` untouched, when it cannot hold them all.
+    """
+    dst = byte_view(out)
+    if total_bytes(segments) > dst.size:
+        raise BufferTooSmall(f"buffer of {dst.size} bytes too small for {total_bytes(segments)} bytes")
+    pos = 0
+    for seg in segments:
+        seg = byte_view(seg)
+        dst[pos : pos + seg.size] = seg
+        pos += seg.size
+    return pos
+
+
+def gather(segments: Segments) -> bytes:
+    """The concatenation of ``segments`` as new bytes."""
+    if len(segments) == 1:
+        return bytes(memoryview(segments[0]))
+    return b"".join(bytes(memoryview(seg)) for seg in segments)
+
+
+def scatter(src: Any, segments: Segments) -> int:
+    """Copy the contiguous ``src`` into the writable ``segments`` in order (each filled whole
+    while bytes last); returns the bytes copied."""
+    data = byte_view(src)
+    pos = 0
+    for seg in segments:
+        seg = byte_view(seg)
+        seg[:] = data[pos : pos + seg.size]
+        pos += seg.size
+    return pos
+
+
+def copy_segments(src: Segments, dst: Segments) -> None:
+    """Copy the concatenation of uint8 segments ``src`` into segments ``dst`` (same total size),
+    whatever the two lists' boundaries are."""
+    si = so = 0
+    for seg in dst:
+        pos = 0
+        while pos < seg.size:
+            s = src[si]
+            n = min(seg.size - pos, s.size - so)
+            seg[pos : pos + n] = s[so : so + n]
+            pos += n
+            so += n
+            if so == s.size:
+                si += 1
+                so = 0
+
+
+class Scratch:
+    """Reusable per-thread buffers, so a hot path allocates once per thread (memory stays flat).
+
+    ``slot`` names uses that can be live at once in one thread. A buffer is valid until the same
+    thread asks for the same slot again. Thread-safe by construction (thread-local storage).
+    """
+
+    def __init__(self, minimum: int = 1 << 20):
+        self._minimum = minimum
+        self._local = threading.local()
+
+    def get(self, size: int, slot: str = "io") -> np.ndarray:
+        """A uint8 array of exactly ``size`` bytes from this thread's ``slot`` buffer."""
+        buf = getattr(self._local, slot, None)
+        if buf is None or buf.size < size:
+            buf = np.empty(max(size, self._minimum), dtype=np.uint8)
+            setattr(self._local, slot, buf)
+        return buf[:size]

@@ -1,0 +1,132 @@
+"""KVStore: the one interface of a KV chunk store, in-process (``TieredStore``) or through a
+per-node server (``kvtier.server.client.ServerStore``).
+
+A few methods are abstract; the conveniences (``get``, ``get_into``, ``put``, ``__contains__``,
+``in_top_tier``, the context manager) are built on them, as fsspec builds its file system on a
+handful of primitives. Callers (the vLLM connector, the server) speak only this interface.
+
+Contract shared by every implementation:
+- A key is a ``KEY_BYTES``-byte digest. A miss is a value: ``read`` returns None, ``write``
+  False, ``lookup`` a shorter count. A storage fault is a counted miss, never an exception.
+- ``read`` hands the payload to ``consume`` as a list of read-only uint8 segments, valid only
+  during the call; an exception from ``consume`` propagates. ``write`` hands ``fill`` writable
+  segments of ``nbytes`` in all; ``fill`` must only copy.
+- Every method may be called from any thread.
+
+Imports: ``kvtier.buffers``, ``kvtier.keys``, ``kvtier.store.events``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Sequence
+
+from kvtier.buffers import BufferTooSmall, byte_view, gather, gather_into, scatter
+from kvtier.keys import Key
+from kvtier.store.events import StoreEvent
+
+Segments = list
+# A fill/consume callback gets the entry's bytes as a list of writable/readable uint8 segments
+# whose concatenation is the payload, valid only during the call.
+Fill = Callable[[Segments], None]
+Consume = Callable[[Segments], None]
+
+
+class KVStore(ABC):
+    """A store of KV chunks under chunk keys (see the module contract)."""
+
+    # ----------------------------------------------------------------------------- primitives
+
+    @abstractmethod
+    def lookup(self, keys: Sequence[Key]) -> int:
+        """How many leading ``keys`` the store holds (a chain is worth its leading run only).
+        No side effects on what is kept; an invalid key ends the run like a missing one."""
+
+    @abstractmethod
+    def read(self, key: Key, consume: Consume) -> str | None:
+        """Hand ``key``'s payload to ``consume``; the name of the tier that served it, or None
+        on a miss (absent, corrupt, a fault, not a chunk key)."""
+
+    @abstractmethod
+    def write(self, key: Key, nbytes: int, fill: Fill, parent: Key | None = None, chunk_index: int = 0) -> bool:
+        """Store a chunk of ``nbytes`` that ``fill`` copies in. ``parent`` is the previous
+        chunk's key in its prefix chain (None for the first), ``chunk_index`` its position.
+        True if the store holds the entry afterwards (also when it already did)."""
+
+    @abstractmethod
+    def delete(self, key: Key) -> bool:
+        """Remove ``key`` from every tier (copies of it under way do not bring it back);
+        False when the store could not be reached."""
+
+    @abstractmethod
+    def take_events(self) -> list[StoreEvent]:
+        """Events recorded since the last call (each event is handed out once)."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """Counters of the store and of each tier (a snapshot)."""
+
+    @abstractmethod
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until queued lower-tier writes are done; False on timeout or fault."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release every resource; further calls are not allowed."""
+
+    @property
+    @abstractmethod
+    def tier_names(self) -> list[str]:
+        """Names of the tiers, fastest first (for logs)."""
+
+    # ----------------------------------------------------------------------------- built on them
+
+    def enable_events(self, maxlen: int = 100_000) -> None:
+        """Start recording events for ``take_events`` (stores that always record: nothing)."""
+
+    def in_top_tier(self, keys: Sequence[Key]) -> list[bool]:
+        """For each key, whether it is a memcpy away now (the store's top tier in this
+        process). No side effects. By default: none is."""
+        return [False] * len(keys)
+
+    def get_into(self, key: Key, out: Any) -> int | None:
+        """Copy ``key``'s payload into the writable buffer ``out``; the byte count or None.
+
+        A buffer smaller than the entry is a miss (None, counted as an error); ``out`` is then
+        left untouched.
+        """
+        written = 0
+
+        def consume(segments: Segments) -> None:
+            nonlocal written
+            written = gather_into(segments, out)
+
+        try:
+            found = self.read(key, consume)
+        except BufferTooSmall:
+            self._count_error()
+            return None
+        return written if found is not None else None
+
+    def get(self, key: Key) -> bytes | None:
+        """The payload of ``key`` as new bytes, or None."""
+        chunks: list[bytes] = []
+        found = self.read(key, lambda segments: chunks.append(gather(segments)))
+        return chunks[0] if found is not None else None
+
+    def put(self, key: Key, data: Any, parent: Key | None = None, chunk_index: int = 0) -> bool:
+        """Store a copy of the bytes-like ``data`` (see ``write``)."""
+        src = byte_view(data)
+        return self.write(key, src.size, lambda segments: scatter(src, segments), parent, chunk_index)
+
+    def __contains__(self, key: Key) -> bool:
+        return self.lookup([key]) == 1
+
+    def _count_error(self) -> None:
+        """Count one caller-side error (a buffer too small); implementations keep counters."""
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
