@@ -245,7 +245,7 @@ class CacheServer:
             from kvtier.server.metrics import start_metrics
 
             try:
-                self._metrics = start_metrics(self, *_parse_hostport(self.config.metrics, "serve.metrics"))
+                self._metrics = start_metrics(self.stats, *_parse_hostport(self.config.metrics, "serve.metrics"))
             except OSError as exc:
                 raise ServeError(f"serve.metrics: cannot bind {self.config.metrics}: {exc.strerror or exc}") from None
         self._wait_ready()
@@ -317,8 +317,7 @@ class CacheServer:
             conns = list(self._conns)
         self._stop.set()
         if self._metrics is not None:
-            self._metrics.shutdown()
-            self._metrics.server_close()
+            self._metrics.close()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -598,9 +597,13 @@ def _ignore(segments) -> None:
 
 
 def _parse_hostport(value: str, what: str) -> tuple[str, int]:
+    """(host, port) of ``HOST:PORT`` (an empty host: 127.0.0.1); ConfigError (one line) unless
+    the port is a number in 0..65535 (0: any free port)."""
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit():
         raise ConfigError(f"{what}: expected HOST:PORT, got {value!r}")
+    if int(port) > 65535:
+        raise ConfigError(f"{what}: port {int(port)} is out of range 0..65535 (0: any free port)")
     return host or "127.0.0.1", int(port)
 
 
