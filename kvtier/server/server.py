@@ -53,11 +53,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.buffers import copy_segments
 from kvtier.config import Size, build
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.server import protocol as P
 from kvtier.store import StoreConfig, TieredStore
-from kvtier.tiers.ram import RamConfig, RamTier
+from kvtier.tiers.ram import ArenaTier, RamConfig, RamTier
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +127,9 @@ class ServeConfig:
         _check_range("serve.max_leases_per_client", self.max_leases_per_client, 1, 1 << 20)
         _check_range("serve.client_staging_fraction", self.client_staging_fraction, 1e-6, 1.0)
         first = self.store.tiers[0]
-        if first.get("type") != "ram":
+        if not issubclass(first.tier_class, ArenaTier):
             raise ConfigError("serve.store.tiers[0]: the server's top tier must be 'ram' (the shared arena)")
-        if "shm_path" in first:
+        if first.tier_class.shared_file(first.config) is not None:
             raise ConfigError("serve.store.tiers[0].shm_path: set by the server; use serve.shm_dir")
         if self.metrics is not None:
             _parse_hostport(self.metrics, "serve.metrics")
@@ -177,11 +178,11 @@ class CacheServer:
         base = os.path.join(config.shm_dir, f"kvtier-{os.getpid()}-{self.server_id[:12]}")
         self.arena_path = base + "-arena"
         self.staging_path = base + "-staging"
-        tiers = [dict(t) for t in config.store.tiers]
-        tiers[0]["shm_path"] = self.arena_path
+        top = config.store.tiers[0]
+        tiers = [top.with_config(top.tier_class.share_at(top.config, self.arena_path)), *config.store.tiers[1:]]
         self.store = TieredStore.from_config(dataclasses.replace(config.store, tiers=tiers))
         self.arena = self.store.tiers[0]
-        if not isinstance(self.arena, RamTier) or self.arena.config.shm_path != self.arena_path:
+        if not isinstance(self.arena, ArenaTier) or type(self.arena).shared_file(self.arena.config) != self.arena_path:
             self.store.close()
             raise ConfigError("serve: the shared RAM tier could not start; see the warnings above")
         self.store.enable_events()
@@ -478,22 +479,6 @@ class CacheServer:
         stats["server"]["leases_open"] = sum(len(c.leases) for c in conns)
         stats["server"]["staging_used_bytes"] = self.staging.used_bytes()
         return stats
-
-
-def copy_segments(src: list, dst: list) -> None:
-    """Copy the concatenation of uint8 segments ``src`` into segments ``dst`` (same total)."""
-    si = so = 0
-    for seg in dst:
-        pos = 0
-        while pos < seg.size:
-            s = src[si]
-            n = min(seg.size - pos, s.size - so)
-            seg[pos : pos + n] = s[so : so + n]
-            pos += n
-            so += n
-            if so == s.size:
-                si += 1
-                so = 0
 
 
 def _remove_stale(shm_dir: str) -> None:
