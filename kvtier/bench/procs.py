@@ -18,9 +18,18 @@ Contracts
   the process. ``spawn`` therefore forks on the calling thread only when it is the main thread;
   from any other thread it hands the fork to one long-lived daemon thread of this module, which
   ends only with the process. A child never dies early because a worker thread finished.
+* The signal is armed by a ``preexec_fn`` (between fork and exec), which Python calls unsafe
+  when other threads hold locks; it only calls ``prctl`` and ``getppid`` through a ctypes
+  function resolved before the fork (no import, no lock). If the parent died before the
+  signal was armed, the child exits at once.
 * The parent-death signal reaches only the direct child. Grandchildren (vLLM's engine core,
   a server's workers) carry a tag in their environment (``KVTIER_PROC_TAG``, inherited), and
-  ``Child.stop`` and ``reap_stale`` kill every process that carries the tag.
+  ``Child.stop`` and ``reap_stale`` kill every process that carries the tag (a program that
+  overwrites its environment area, as redis-server does for its process title, loses the tag:
+  it is then found by its recorded pid and start time, or as a member of the child's group).
+* A script started by code that does not use ``spawn`` can arm the signal itself with
+  ``die_with_parent()``; in a module vLLM's spawned processes re-import (as ``__mp_main__``),
+  calling it at import makes them die with their parent too.
 * Every child is recorded in a registry directory (one JSON file per child: its pid and start
   time from ``/proc/PID/stat``, its tag, the owner's pid and start time, the boot id). The next
   ``spawn`` (or a direct ``reap_stale``) kills the processes of records whose owner is dead:
@@ -211,6 +220,7 @@ class _Spawner:
     process exits, so the parent-death signal of its children fires only then)."""
 
     def __init__(self) -> None:
+        self.pid = os.getpid()  # a forked copy of this process has no such thread: it makes its own
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._loop, name="kvtier-spawner", daemon=True).start()
 
@@ -244,7 +254,7 @@ def _on_forking_thread(fn: Callable[[], T]) -> T:
     if threading.current_thread() is threading.main_thread():
         return fn()
     with _spawner_lock:
-        if _spawner is None:
+        if _spawner is None or _spawner.pid != os.getpid():
             _spawner = _Spawner()
     return _spawner.call(fn)
 
