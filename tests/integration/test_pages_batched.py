@@ -178,3 +178,37 @@ def test_bad_block_ids_raise_before_copying():
     with pytest.raises(ValueError):
         layout.gather([[0]])
     layout.close()
+
+
+@pytest.mark.parametrize("group_chunks", [1, 2, 3])
+def test_staging_is_bounded_steps_move_in_groups(group_chunks):
+    """With staging for fewer chunks than a step holds, the step moves in groups (each one
+    indexed copy per layer) and still round trips bit-exactly, skipped blocks untouched."""
+    kv = _cpu_layout(num_blocks=24)
+    probe = PageLayout(kv, 24, blocks_per_chunk=2, engine="torch")
+    layout = PageLayout(kv, 24, blocks_per_chunk=2, engine="torch",
+                        max_staging_bytes=group_chunks * probe.chunk_bytes)
+    probe.close()
+    assert layout.group_chunks == group_chunks
+    src = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with _CountCopies() as count:
+        step = layout.gather(src)
+    groups = -(-4 // group_chunks)
+    assert count.calls == {"index_select": 4 * groups}
+    entries = [np.zeros(layout.chunk_bytes, dtype=np.uint8) for _ in src]
+    for i, entry in enumerate(entries):
+        step.copy_to(i, [entry])
+    step.release()
+    before = {name: t.clone() for name, t in kv.items()}
+    load = layout.begin_load(4)
+    dst = [[12, 13], [14, 15], [16, 17], [18, 19]]
+    for i in (3, 0, 2):  # slot 1 never filled (a miss)
+        load.fill(i, [entries[i]], dst[i], first=1 if i == 2 else 0)
+    load.scatter()
+    load.release()
+    for name, t in kv.items():
+        assert torch.equal(t[12:14].view(torch.int16), t[0:2].view(torch.int16))
+        assert torch.equal(t[14:17].view(torch.int16), before[name][14:17].view(torch.int16))  # miss, skip
+        assert torch.equal(t[17].view(torch.int16), t[5].view(torch.int16))
+        assert torch.equal(t[18:20].view(torch.int16), t[6:8].view(torch.int16))
+    layout.close()

@@ -44,6 +44,7 @@ from kvtier.errors import ConfigError
 
 ENTRY_FORMAT = "entry:block-major-v1"
 ENGINES = ("host", "torch")
+DEFAULT_STAGING_BYTES = 256 << 20  # per staging buffer (device and pinned host each, torch engine)
 _PARALLEL_BYTES = 4 << 20  # below this one thread is as fast (thread hand-off costs ~10-50 us)
 
 
@@ -64,7 +65,8 @@ class PageLayout:
     """
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, blocks_per_chunk: int,
-                 copy_threads: int | None = None, engine: str | None = None):
+                 copy_threads: int | None = None, engine: str | None = None,
+                 max_staging_bytes: int = DEFAULT_STAGING_BYTES):
         if not kv_caches:
             raise ConfigError("vLLM registered no KV cache tensors")
         self.layers = [_wrap(name, t, num_blocks) for name, t in kv_caches.items()]
@@ -80,6 +82,9 @@ class PageLayout:
             raise ConfigError(f"copy engine {engine!r} is not valid for {self.device.type} tensors; valid: "
                               f"{', '.join(ENGINES) if self.on_cpu else 'torch'}")
         self.engine = engine
+        # chunks staged together (torch engine): a step larger than this moves in several groups,
+        # each O(layers) copies, so staging never holds more than max_staging_bytes per buffer
+        self.group_chunks = max(1, max_staging_bytes // max(1, self.chunk_bytes))
         self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         self._buffers = _Buffers(self)
         # Host copies of a large chunk are split over a few threads (numpy releases the GIL while
@@ -215,65 +220,96 @@ class SaveStep:
     def __init__(self, layout: PageLayout, chunks: list[list[int]]):
         self._layout = layout
         self._chunks = chunks
-        self._staging: _Staging | None = None
-        self._event = None
+        self._groups: list[_Group] = []  # torch engine: chunks [g * group_chunks, ...) each
 
     def _start(self) -> None:
-        layout = self._layout
-        blocks = [b for chunk in self._chunks for b in chunk]
-        staging = self._staging = layout._buffers.take(len(blocks))
-        index = layout._index(blocks)
-        with _on_side_stream(layout) as stream:
-            for i, layer in enumerate(layout.layers):  # one indexed copy per layer
-                torch.index_select(layer.rows, 0, index, out=staging.device[: len(blocks), i])
-            if staging.host is not staging.device:  # one device-to-host copy for the step
-                staging.host[: len(blocks)].copy_(staging.device[: len(blocks)], non_blocking=True)
-            if stream is not None:
-                self._event = torch.cuda.Event()
-                self._event.record(stream)
+        layout, size = self._layout, self._layout.group_chunks
+        for first in range(0, len(self._chunks), size):
+            blocks = [b for chunk in self._chunks[first : first + size] for b in chunk]
+            group = _Group(layout._buffers.take(len(blocks)))
+            self._groups.append(group)
+            index = layout._index(blocks)
+            staging = group.staging
+            with _on_side_stream(layout) as stream:
+                for i, layer in enumerate(layout.layers):  # one indexed copy per layer
+                    torch.index_select(layer.rows, 0, index, out=staging.device[: len(blocks), i])
+                if staging.host is not staging.device:  # one device-to-host copy for the group
+                    staging.host[: len(blocks)].copy_(staging.device[: len(blocks)], non_blocking=True)
+                group.record(stream)
 
     def ready(self) -> bool:
         """Whether the gather has completed (never blocks)."""
-        return self._event is None or bool(self._event.query())
+        return all(group.ready() for group in self._groups)
 
     def wait(self) -> None:
         """Block until the gather has completed; the pages may change after this."""
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
+        for group in self._groups:
+            group.wait()
 
     def copy_to(self, i: int, segments: Sequence) -> None:
         """Copy chunk ``i``'s entry bytes into ``segments`` (ValueError, before any byte is
         copied, unless they hold exactly one chunk)."""
         layout = self._layout
         arrays = layout._arrays(segments)
-        if self._staging is None:  # host engine: straight from the pages
+        if not self._groups:  # host engine: straight from the pages
             layout._copy(layout._page_pairs(self._chunks[i], arrays, 0, to_entry=True))
             return
-        self.wait()
-        bpc = layout.blocks_per_chunk
-        src = self._staging.host_bytes(i * bpc, (i + 1) * bpc)
-        layout._copy(_split_copy(arrays, src, to_segments=True))
+        group = self._groups[i // layout.group_chunks]
+        group.wait()
+        j, bpc = i % layout.group_chunks, layout.blocks_per_chunk
+        layout._copy(_split_copy(arrays, group.staging.host_bytes(j * bpc, (j + 1) * bpc), to_segments=True))
 
     def release(self) -> None:
-        """Return the staging buffer (waits for the gather first)."""
-        if self._staging is not None:
-            self.wait()
-            self._layout._buffers.give(self._staging)
-            self._staging = None
+        """Return the staging buffers (waits for the gather first)."""
+        for group in self._groups:
+            group.wait()
+            self._layout._buffers.give(group.staging)
+        self._groups = []
+
+
+class _Group:
+    """One staging buffer in use and the event that marks its copies done (CUDA)."""
+
+    def __init__(self, staging: "_Staging"):
+        self.staging = staging
+        self.event = None
+
+    def record(self, stream) -> None:
+        if stream is not None:
+            self.event = torch.cuda.Event()
+            self.event.record(stream)
+
+    def ready(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
 
 
 class LoadStep:
     """A batch of chunk loads (see ``PageLayout.begin_load``): ``fill`` each chunk (from any
-    thread), then ``scatter`` once from the engine's thread, then ``release``."""
+    thread), then ``scatter`` once from the engine's thread, then ``release``.
+
+    ``torch`` engine: slots are staged in groups of ``layout.group_chunks`` chunks, each group's
+    staging buffer taken when its first slot is filled; ``scatter`` moves each group with one
+    host-to-device copy and one indexed copy per layer."""
 
     def __init__(self, layout: PageLayout, n_chunks: int):
         self._layout = layout
         self._n = n_chunks
         self._filled: dict[int, tuple[list[int], int]] = {}  # chunk slot -> (block ids, first)
+        self._groups: dict[int, _Group] = {}
         self._lock = threading.Lock()
-        self._staging = layout._buffers.take(n_chunks * layout.blocks_per_chunk) if layout.engine == "torch" else None
-        self._event = None
+
+    def _group(self, g: int) -> "_Group":
+        with self._lock:
+            group = self._groups.get(g)
+            if group is None:
+                blocks = self._layout.group_chunks * self._layout.blocks_per_chunk
+                group = self._groups[g] = _Group(self._layout._buffers.take(blocks))
+            return group
 
     def fill(self, i: int, segments: Sequence, block_ids: Sequence[int], first: int = 0) -> None:
         """Take chunk ``i``'s entry (``segments``) for the pages of ``block_ids[first:]``.
@@ -289,56 +325,63 @@ class LoadStep:
             raise ValueError(f"first={first} outside [0, {layout.blocks_per_chunk}]")
         layout._check_blocks(block_ids)
         arrays = layout._arrays(segments)
-        if self._staging is None:
+        if layout.engine == "host":
             layout._copy(layout._page_pairs(block_ids, arrays, first, to_entry=False))
         else:
-            bpc = layout.blocks_per_chunk
-            dst = self._staging.host_bytes(i * bpc + first, (i + 1) * bpc)
+            staging = self._group(i // layout.group_chunks).staging
+            j, bpc = i % layout.group_chunks, layout.blocks_per_chunk
+            dst = staging.host_bytes(j * bpc + first, (j + 1) * bpc)
             layout._copy(_split_copy(arrays, dst, to_segments=False, skip=first * layout.block_bytes))
         with self._lock:
             self._filled[i] = (list(block_ids), first)
 
     def scatter(self, slots: Iterable[int] | None = None) -> None:
-        """Write the staged chunks ``slots`` (default: every filled one) into their pages: one
-        host-to-device copy and one indexed copy per layer (``torch`` engine); returns once the
-        pages hold the bytes (the compute stream also waits for them). Nothing to do for the
-        ``host`` engine, whose ``fill`` wrote the pages."""
-        if self._staging is None:
+        """Write the staged chunks ``slots`` (default: every filled one) into their pages: per
+        group one host-to-device copy and one indexed copy per layer (``torch`` engine); returns
+        once the pages hold the bytes (the compute stream also waits for them). Nothing to do
+        for the ``host`` engine, whose ``fill`` wrote the pages."""
+        layout = self._layout
+        if layout.engine == "host":
             return
-        layout, bpc = self._layout, self._layout.blocks_per_chunk
         with self._lock:
             chosen = sorted(self._filled if slots is None else set(slots) & set(self._filled))
             plan = [(i, self._filled[i]) for i in chosen]
-        rows = [i * bpc + j for i, (blocks, first) in plan for j in range(first, bpc)]
-        dst = [blocks[j] for _, (blocks, first) in plan for j in range(first, bpc)]
-        if not rows:
-            return
-        staging = self._staging
-        dst_index = layout._index(dst)
-        with _on_side_stream(layout) as stream:
-            top = rows[-1] + 1
-            if staging.host is not staging.device:  # one host-to-device copy for the step
-                staging.device[:top].copy_(staging.host[:top], non_blocking=True)
-            src = staging.device[:top]
-            if rows != list(range(len(rows))):  # skipped blocks or empty slots: compact once
-                src = src.index_select(0, layout._index(rows))
-            for li, layer in enumerate(layout.layers):  # one indexed copy per layer
-                layer.rows.index_copy_(0, dst_index, src[:, li])
-            if stream is not None:
-                self._event = torch.cuda.Event()
-                self._event.record(stream)
-                torch.cuda.current_stream(layout.device).wait_event(self._event)
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
+            groups = dict(self._groups)
+        size = layout.group_chunks
+        for g, group in sorted(groups.items()):
+            _scatter_group(layout, group, [(i - g * size, f) for i, f in plan if i // size == g])
 
     def release(self) -> None:
-        """Return the staging buffer."""
-        if self._staging is not None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._layout._buffers.give(self._staging)
-            self._staging = None
+        """Return the staging buffers."""
+        with self._lock:
+            groups, self._groups = list(self._groups.values()), {}
+        for group in groups:
+            group.wait()
+            self._layout._buffers.give(group.staging)
+
+
+def _scatter_group(layout: PageLayout, group: "_Group", plan: list[tuple[int, tuple[list[int], int]]]) -> None:
+    """One group's staged chunks into their pages: (slot in group, (block ids, first)) each."""
+    bpc = layout.blocks_per_chunk
+    rows = [j * bpc + k for j, (blocks, first) in plan for k in range(first, bpc)]
+    dst = [blocks[k] for _, (blocks, first) in plan for k in range(first, bpc)]
+    if not rows:
+        return
+    staging = group.staging
+    dst_index = layout._index(dst)
+    with _on_side_stream(layout) as stream:
+        top = rows[-1] + 1
+        if staging.host is not staging.device:  # one host-to-device copy for the group
+            staging.device[:top].copy_(staging.host[:top], non_blocking=True)
+        src = staging.device[:top]
+        if rows != list(range(len(rows))):  # skipped blocks or empty slots: compact once
+            src = src.index_select(0, layout._index(rows))
+        for li, layer in enumerate(layout.layers):  # one indexed copy per layer
+            layer.rows.index_copy_(0, dst_index, src[:, li])
+        group.record(stream)
+        if stream is not None:
+            torch.cuda.current_stream(layout.device).wait_event(group.event)
+    group.wait()
 
 
 @dataclass
