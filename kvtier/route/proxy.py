@@ -322,11 +322,10 @@ async def serve(config: RouteConfig, tokenizer: PromptTokenizer, ready: asyncio.
     router = Router(config, tokenizer)
     runner = web.AppRunner(router.app(), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    if ready is not None:
-        ready.set()
     try:
+        await web.TCPSite(runner, config.host, config.port).start()
+        if ready is not None:
+            ready.set()
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()

