@@ -191,7 +191,7 @@ class PageLayout:
 
     def _copy(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
         """``np.copyto(dst, src)`` for each pair; large batches are split over the copy threads."""
-        if self._pool is None or len(pairs) < 2 or sum(src.nbytes for _, src in pairs) < _PARALLEL_BYTES:
+        if self._pool is None or sum(src.nbytes for _, src in pairs) < _PARALLEL_BYTES:
             _copy_all(pairs)
             return
         n = self._threads
@@ -202,9 +202,11 @@ class PageLayout:
             future.result()
 
     def _index(self, ids: Sequence[int]) -> torch.Tensor:
-        """An int64 index tensor on the engine's device (one small host-to-device copy on CUDA)."""
+        """An int64 index tensor on the engine's device. On CUDA one small ``non_blocking`` copy
+        from pinned memory on the current stream (call it on the side stream: a pageable copy
+        would wait for the compute stream's queued work)."""
         index = torch.tensor(list(ids), dtype=torch.int64)
-        return index if self.on_cpu else index.to(self.device)
+        return index if self.on_cpu else index.pin_memory().to(self.device, non_blocking=True)
 
     def close(self) -> None:
         """Stop the copy threads and drop the staging buffers."""
@@ -228,9 +230,9 @@ class SaveStep:
             blocks = [b for chunk in self._chunks[first : first + size] for b in chunk]
             group = _Group(layout._buffers.take(len(blocks)))
             self._groups.append(group)
-            index = layout._index(blocks)
             staging = group.staging
             with _on_side_stream(layout) as stream:
+                index = layout._index(blocks)
                 for i, layer in enumerate(layout.layers):  # one indexed copy per layer
                     torch.index_select(layer.rows, 0, index, out=staging.device[: len(blocks), i])
                 if staging.host is not staging.device:  # one device-to-host copy for the group
@@ -368,8 +370,8 @@ def _scatter_group(layout: PageLayout, group: "_Group", plan: list[tuple[int, tu
     if not rows:
         return
     staging = group.staging
-    dst_index = layout._index(dst)
     with _on_side_stream(layout) as stream:
+        dst_index = layout._index(dst)
         top = rows[-1] + 1
         if staging.host is not staging.device:  # one host-to-device copy for the group
             staging.device[:top].copy_(staging.host[:top], non_blocking=True)
