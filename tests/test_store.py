@@ -346,6 +346,19 @@ def test_prefetch_promotes_in_the_background(make_store):
     assert store.locate(chain[4]) == "disk"
 
 
+def test_prefetch_is_one_worker_with_a_bounded_queue(make_store):
+    """Requests queue for one prefetch thread (not a thread per call); while it is busy, a full
+    queue drops requests and counts them, and the caller never waits."""
+    store = make_store(ram_pages=4, write_queue_depth=2)
+    store.put(key(0), payload(0))
+    threads = threading.active_count()
+    with store._lock:  # the worker blocks on its first request
+        answers = [store.prefetch([key(0)]) for _ in range(10)]
+        assert threading.active_count() <= threads + 1
+    assert answers[0] and not all(answers)
+    assert store.stats()["prefetch_drops"] == answers.count(False) >= 10 - 3
+
+
 def test_stats_per_tier(make_store):
     store = make_store(ram_pages=4, disk="1MiB")
     sizes = [100, PAGE, 3000, PAGE + 5, 17, 2 * PAGE]
