@@ -18,6 +18,10 @@ Keys (all optional)::
                        replaces the sampled weights digest in the key namespace (see
                        kvtier.keys.weights_digest). Set it when the model is not a local
                        directory, or to share entries between differently laid out copies
+    require_recompute  refuse to start unless vLLM's kv_load_failure_policy is "recompute"
+                       (false: start with a one-line warning). vLLM's default, "fail", fails a
+                       request whenever a chunk cannot be loaded (a tier down, a corrupt entry);
+                       "recompute" recomputes it instead, as kvtier intends
 
 With tensor or pipeline parallelism the ``capacity`` of a ``ram`` or ``disk`` tier is the total
 over all workers (TP x PP), as vLLM's own ``kv_offloading_size`` is: each worker's store gets its
@@ -52,6 +56,7 @@ class ConnectorConfig:
     server: str | None = None
     server_token: str | None = field(default=None, repr=False)
     weights_id: str | None = None
+    require_recompute: bool = False
 
     def __post_init__(self):
         if self.chunk_tokens is not None and self.chunk_tokens <= 0:
@@ -110,6 +115,19 @@ class ConnectorConfig:
         share = RankShare(rank, world, stage, stages)
         tiers = [spec.for_rank(share) for spec in self.store.tiers]  # each tier splits itself
         return dataclasses.replace(self, store=dataclasses.replace(self.store, tiers=tiers))
+
+
+def check_load_failure_policy(policy: str, require_recompute: bool) -> str | None:
+    """None when vLLM's ``kv_load_failure_policy`` is ``"recompute"``; otherwise a one-line
+    warning to log, or ConfigError (one line) when ``require_recompute`` is set."""
+    if policy == "recompute":
+        return None
+    message = (f"kv_load_failure_policy is {policy!r}: a KV chunk kvtier cannot load (tier down, corrupt "
+               f"entry) fails its request instead of being recomputed; set "
+               f"\"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config")
+    if require_recompute:
+        raise ConfigError(f"kv_connector_extra_config.require_recompute: {message}")
+    return f"kvtier: {message} (or \"require_recompute\": true to refuse to start)"
 
 
 def check_tier_spec(spec: Mapping[str, Any], where: str) -> None:

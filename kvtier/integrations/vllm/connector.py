@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -56,7 +57,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.config import ConnectorConfig, check_load_failure_policy
+from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics, TierDeltas
+from kvtier.integrations.vllm.plugin import route_logs_to_vllm
 from kvtier.integrations.vllm.pages import ENTRY_FORMAT, PageLayout
 from kvtier.keys import ROOT, MMItem, Namespace, chunk_keys, lora_identity, weights_digest, worker_key
 from kvtier.store import KVStore, StoreEvent, TieredStore
@@ -118,32 +121,6 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
         return self
 
 
-# ---------------------------------------------------------------------------------- stats
-
-
-@dataclass
-class KVTierConnectorStats(KVConnectorStats):
-    """Counters of one interval: chunks/bytes loaded per tier, saved, load errors."""
-
-    def reset(self) -> None:
-        self.data = {}
-
-    def add(self, **deltas: int) -> None:
-        for name, delta in deltas.items():
-            self.data[name] = self.data.get(name, 0) + delta
-
-    def aggregate(self, other: KVConnectorStats) -> "KVTierConnectorStats":
-        for name, value in (other.data or {}).items():
-            self.data[name] = self.data.get(name, 0) + value
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
-
-
 # ---------------------------------------------------------------------------------- connector
 
 
@@ -170,8 +147,12 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        route_logs_to_vllm()  # kvtier's log lines under vLLM's logging configuration
         transfer = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        warning = check_load_failure_policy(transfer.kv_load_failure_policy, self.config.require_recompute)
+        if warning and role == KVConnectorRole.SCHEDULER:  # once per engine
+            log.warning("%s", warning)
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_tokens = self.config.chunk_tokens or -(-128 // self.block_size) * self.block_size
         if self.chunk_tokens % self.block_size:
@@ -205,6 +186,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._stage = 0  # pipeline stage of this worker
         self._failed_blocks: set[int] = set()
         self._stats = KVTierConnectorStats()
+        self._tier_deltas = TierDeltas()  # the in-process store's tier counters, as deltas
+        self._tier_poll_at = 0.0  # monotonic time of the next tier-counter poll
         if role == KVConnectorRole.WORKER:
             self._rank, self._stage = _tp_rank(), _pp_stage()
             cfg = self.config.for_rank(self._rank, self.tp_size, self._stage, self.pp_size)
@@ -435,8 +418,11 @@ class KVTierConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if not isinstance(meta, KVTierMetadata) or self._layout is None:
             return
+        t0 = time.perf_counter()
         for load in meta.loads:
             self._load(load)
+        if meta.loads:
+            self._stats.observe("load_seconds", time.perf_counter() - t0)
 
     def _load(self, load: LoadSpec) -> None:
         """Copy a request's planned chunks into its blocks.
@@ -458,13 +444,13 @@ class KVTierConnector(KVConnectorBase_V1):
             tiers[i] = future.result()
         bad = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
         for tier in tiers[:bad]:
-            self._stats.add(loaded_chunks=1, loaded_bytes=self._layout.chunk_bytes, **{f"hits_{tier}": 1})
+            self._stats.count_tier(tier, loaded_chunks=1, loaded_bytes=self._layout.chunk_bytes)
         if bad < len(tiers):
             bpc = self.blocks_per_chunk
             first = load.skip_blocks if bad == 0 else 0
             end = (load.first_chunk + len(load.keys)) * bpc
             self._failed_blocks.update(load.block_ids[(load.first_chunk + bad) * bpc + first : end])
-            self._stats.add(load_errors=1, load_error_chunks=len(tiers) - bad)
+            self._stats.count(load_error_chunks=len(tiers) - bad)
 
     def _in_top_tier(self, keys: list[bytes]) -> list[bool]:
         """Which chunks the store's top tier holds (copied inline; the others go to the pool)."""
@@ -495,6 +481,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if not isinstance(meta, KVTierMetadata) or self._layout is None:
             return
         layout = self._layout
+        t0 = time.perf_counter()
         step = layout.gather([save.block_ids for save in meta.saves])  # the step's pages, O(layers) copies
         for i, save in enumerate(meta.saves):
             key = self._rank_key(save.key, self._rank)
@@ -502,10 +489,12 @@ class KVTierConnector(KVConnectorBase_V1):
             ok = self.store.write(key, layout.chunk_bytes, lambda segs, i=i: step.copy_to(i, segs),
                                   parent=parent, chunk_index=save.chunk_index)
             if ok:
-                self._stats.add(saved_chunks=1, saved_bytes=layout.chunk_bytes)
+                self._stats.count(saved_chunks=1, saved_bytes=layout.chunk_bytes)
             else:
-                self._stats.add(save_skipped=1)
+                self._stats.count(save_dropped=1)
         step.release()
+        if meta.saves:
+            self._stats.observe("save_seconds", time.perf_counter() - t0)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """This step's store events for the scheduler's mirror (rank 0 of stage 0 speaks for all)."""
@@ -520,7 +509,13 @@ class KVTierConnector(KVConnectorBase_V1):
         return failed
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """This interval's counters (then reset)."""
+        """This interval's counters (then reset); about once a second, the in-process store's
+        per-tier counters since the last poll too (a cache server reports its own)."""
+        now = time.monotonic()
+        if self.store is not None and not self.config.server and now >= self._tier_poll_at:
+            self._tier_poll_at = now + 1.0
+            for tier, deltas in self._tier_deltas.take(self.store.stats()).items():
+                self._stats.count_tier(tier, **deltas)
         if self._stats.is_empty():
             return None
         stats, self._stats = self._stats, KVTierConnectorStats()
@@ -528,7 +523,14 @@ class KVTierConnector(KVConnectorBase_V1):
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        """vLLM rebuilds a worker's stats payload with this (see kvtier.integrations.vllm.metrics)."""
         return KVTierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVTierPromMetrics:
+        """kvtier's metrics on vLLM's ``/metrics`` (names in kvtier.integrations.vllm.metrics)."""
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         """Close the store (worker) or the probes (scheduler)."""

@@ -8,7 +8,9 @@ logs one warning per registration and returns. After it ran:
 - ``--load-format kvtier`` selects :class:`kvtier.integrations.vllm.loader.KVTierModelLoader`;
 - ``{"kv_connector": "KVTierConnector"}`` resolves through vLLM's ``KVConnectorFactory`` to
   :class:`kvtier.integrations.vllm.connector.KVTierConnector` without
-  ``kv_connector_module_path`` (the connector module is imported only when an engine builds it).
+  ``kv_connector_module_path`` (the connector module is imported only when an engine builds it);
+- kvtier's log records (the ``kvtier`` logger and its children) go to vLLM's own handlers at
+  vLLM's level, as vLLM's own modules' records do (``route_logs_to_vllm``).
 """
 
 from __future__ import annotations
@@ -22,9 +24,46 @@ _log = logging.getLogger("kvtier.integrations.vllm")
 
 
 def register() -> None:
-    """Register the load format and the KV connector with vLLM (idempotent, never raises)."""
+    """Register the load format and the KV connector with vLLM and route kvtier's logs to vLLM's
+    handlers (idempotent, never raises)."""
+    route_logs_to_vllm()
     register_load_format()
     register_connector()
+
+
+class _ToVllmHandler(logging.Handler):
+    """Hands each record to the ``vllm`` logger's handlers as they are at that moment (vLLM may
+    reconfigure them, e.g. in a spawned engine process), if vLLM's level lets it through."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        target = logging.getLogger("vllm")
+        if record.levelno >= target.getEffectiveLevel():
+            target.handle(record)
+
+
+def route_logs_to_vllm() -> bool:
+    """Make the ``kvtier`` logger follow vLLM's logging configuration; True when it does.
+
+    vLLM configures only its ``vllm`` logger (handler, format, ``VLLM_LOGGING_LEVEL``), so
+    without this kvtier's INFO lines vanish and its warnings reach stderr unformatted. Done only
+    when vLLM configured logging (its logger has handlers) and nobody configured kvtier's or the
+    root logger (no handlers there): an application's own logging setup is left alone. The
+    ``kvtier`` logger then takes vLLM's current level and stops propagating (as ``vllm`` does).
+    Idempotent; never raises.
+    """
+    try:
+        ours, vllm_logger = logging.getLogger("kvtier"), logging.getLogger("vllm")
+        if any(isinstance(h, _ToVllmHandler) for h in ours.handlers):
+            return True
+        if not vllm_logger.handlers or ours.handlers or logging.getLogger().handlers:
+            return False
+        ours.addHandler(_ToVllmHandler())
+        if ours.level == logging.NOTSET:
+            ours.setLevel(vllm_logger.getEffectiveLevel())
+        ours.propagate = False
+        return True
+    except Exception:  # logging must never break vLLM's start
+        return False
 
 
 def register_load_format() -> None:
