@@ -263,14 +263,13 @@ def _batched_load(layout: PageLayout, entries, chunks) -> None:
 
 def _per_page_save(layout: PageLayout, chunks, entries) -> None:
     """The pre-batching algorithm: one copy per (layer, block, piece), layer-major entries; on
-    CUDA ``non_blocking`` copies on a side stream, then a synchronize."""
+    CPU split over the layout's copy threads as the old code did, on CUDA ``non_blocking``
+    copies on a side stream, then a synchronize."""
     for blocks, entry in zip(chunks, entries):
         pieces = iter(_split(entry, layout.piece_bytes))
-        if layout.on_cpu:
-            for layer in layout.layers:
-                for block in blocks:
-                    for p in range(layout.pieces):
-                        np.copyto(next(pieces), layer.array[p, block])
+        if layout.on_cpu:  # as the old code: the page pairs, split over the copy threads
+            layout._copy([(next(pieces), layer.array[p, block])
+                          for layer in layout.layers for block in blocks for p in range(layout.pieces)])
             continue
         with torch.cuda.stream(layout._stream):
             for layer in layout.layers:
@@ -284,10 +283,8 @@ def _per_page_load(layout: PageLayout, entries, chunks) -> None:
     for blocks, entry in zip(chunks, entries):
         pieces = iter(_split(entry, layout.piece_bytes))
         if layout.on_cpu:
-            for layer in layout.layers:
-                for block in blocks:
-                    for p in range(layout.pieces):
-                        np.copyto(layer.array[p, block], next(pieces))
+            layout._copy([(layer.array[p, block], next(pieces))
+                          for layer in layout.layers for block in blocks for p in range(layout.pieces)])
             continue
         with torch.cuda.stream(layout._stream):
             for layer in layout.layers:
