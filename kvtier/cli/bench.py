@@ -25,7 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add ``bench`` and its benchmarks."""
     parser = sub.add_parser("bench", help="run a benchmark (kvtier beside its baselines)",
                             description=DESCRIPTION)
-    bench_sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    bench_sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True,
+                                      help="the benchmark to run ('kvtier bench BENCHMARK --help': its options)")
     for name, (module_name, help_text) in BENCHMARKS.items():
         p = bench_sub.add_parser(name, help=help_text, description=help_text)
         module = importlib.import_module(module_name)
