@@ -17,6 +17,13 @@ import sys
 
 import psutil
 
+if __name__ in ("__main__", "__mp_main__"):
+    # this script and vLLM's engine processes (spawned: they re-import it as __mp_main__) die
+    # with their parent, so a killed test run leaves no engine behind
+    from kvtier.bench.procs import die_with_parent
+
+    die_with_parent()
+
 
 def tree_rss() -> int:
     """Resident bytes of this process and all its descendants."""

@@ -12,7 +12,7 @@ import pytest
 
 redis = pytest.importorskip("redis", reason="redis-py not installed (pip install kvtier[redis])")
 
-from kvtier.bench.services import ServiceUnavailable, redis_server  # noqa: E402
+from kvtier.bench.services import BinaryMissing, redis_server  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.tiers.redis import RedisTier  # noqa: E402
 
@@ -29,12 +29,17 @@ def make(url: str, **options) -> RedisTier:
 
 @pytest.fixture
 def own_server(tmp_path):
-    """A private redis-server this test may stop and restart."""
+    """A private redis-server this test may stop and restart (skips only when the binary is
+    missing: an installed server that never gets ready is an error, not a skip)."""
+    server = redis_server(tmp_path)
     try:
-        with redis_server(tmp_path) as srv:
-            yield srv
-    except ServiceUnavailable as exc:
+        srv = server.__enter__()
+    except BinaryMissing as exc:
         pytest.skip(f"redis-server unavailable: {exc}")
+    try:
+        yield srv
+    finally:
+        server.__exit__(None, None, None)
 
 
 def test_server_down_gives_counted_misses_then_hits_resume(own_server):
