@@ -104,3 +104,19 @@ def test_serve_metrics_port_out_of_range_is_one_line_exit_2(tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "serve.metrics" in lines[0] and "99999" in lines[0], proc.stderr
+
+
+def test_serve_metrics_port_taken_is_one_line_exit_2(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = tmp_path / "serve.json"
+        config.write_text('{"listen": "unix://%s/s.sock", "metrics": "127.0.0.1:%d"}' % (tmp_path, port))
+        proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "serve", "--config", str(config)],
+                              capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "serve.metrics: cannot bind" in lines[0], proc.stderr
