@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, KVTierError
 
 EXPERIMENTS = ("zipf", "length", "disk", "chunk", "concurrency", "breakeven")
 BLOCK = 128
@@ -106,6 +107,7 @@ class Run:
     started: float = 0.0
     seconds: float = 0.0
     pools: dict[str, int] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)  # engine groups that failed (their rows are missing)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experiment", action="append", metavar="NAME",
                         help=f"one of {', '.join(EXPERIMENTS)} (repeatable or comma-separated; default: all)")
     parser.add_argument("--quick", action="store_true", help="a reduced run (small model only), under 5 minutes on two cores")
+    parser.add_argument("--variants", metavar="LIST",
+                        help="models for the length and disk experiments: small, kv-heavy (default: both; --quick: small)")
     parser.add_argument("--json", action="store_true", help="print one JSON document: rows, targets, scale, machine")
     parser.add_argument("--plot", metavar="DIR", help="write one PNG per experiment (seed-NAME.png) into DIR")
     parser.add_argument("--markdown", metavar="PATH", help="write the tables as Markdown (docs/seed-results.md)")
@@ -141,7 +145,8 @@ def parse_experiments(values: list[str] | None) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the experiments, print tables (or JSON), write plots and Markdown; 0."""
+    """Run the experiments, print tables (or JSON), write plots and Markdown. 0, or 1 when an
+    engine group failed (its error is in the report, the other groups' figures are kept)."""
     from kvtier.bench import seed_report
 
     experiments = parse_experiments(args.experiment)
@@ -150,9 +155,21 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         Path(args.plot).mkdir(parents=True, exist_ok=True)
     scale = Scale.quick() if args.quick else Scale()
+    if args.variants:
+        variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+        for v in variants:
+            if v not in ("small", "kv-heavy"):
+                raise ConfigError(f"unknown model variant {v!r}; valid: small, kv-heavy")
+        if "small" not in variants:
+            variants = ("small", *variants)  # zipf, chunk and concurrency run on the small model
+        scale = replace(scale, variants=variants)
     result = Run(experiments, scale, started=time.time())
-    with tempfile.TemporaryDirectory(prefix="kvtier-seed-", dir=args.work_dir) as work:
-        _measure(result, args, Path(work))
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvtier-seed-", dir=args.work_dir) as work:
+            _measure(result, args, Path(work))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     result.seconds = time.time() - result.started
     report = seed_report.build(result, command=_command_line(args))
     if args.plot:
@@ -165,7 +182,16 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         seed_report.print_text(report)
-    return 0
+    return 1 if result.errors else 0
+
+
+class Interrupted(KVTierError):
+    """SIGTERM or Ctrl-C: the running group stops, later groups are skipped, the report of what
+    was measured is still written."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Interrupted("interrupted by SIGTERM")
 
 
 def _command_line(args: argparse.Namespace) -> str:
@@ -174,6 +200,8 @@ def _command_line(args: argparse.Namespace) -> str:
         parts += [f"--experiment {','.join(args.experiment)}"]
     if args.quick:
         parts.append("--quick")
+    if args.variants:
+        parts.append(f"--variants {args.variants}")
     if args.compiled:
         parts.append("--compiled")
     return " ".join(parts)
@@ -289,10 +317,21 @@ def _measure(result: Run, args: argparse.Namespace, work: Path) -> None:
         plans += [(variant, model, g) for g in groups]
     total = sum(_requests(role, scale, variant) for variant, _m, g in plans for role in g)
     quiet = args.json and not sys.stderr.isatty()
+    stopped = ""
     with tqdm(total=total, desc="kvtier bench seed", unit="req", file=sys.stderr, disable=quiet) as bar:
         for variant, model, group in plans:
-            bar.set_postfix_str(f"{variant}: starting {', '.join(r.spec.name for r in group)}")
-            _run_group(result, variant, model, group, args, work, bar)
+            names = ", ".join(r.spec.name for r in group)
+            bar.set_postfix_str(f"{variant}: starting {names}")
+            if stopped:
+                result.errors.append(f"{variant} [{names}]: skipped ({stopped})")
+                continue
+            try:
+                _run_group(result, variant, model, group, args, work, bar)
+            except (KVTierError, KeyboardInterrupt) as exc:  # one group's failure must not discard the others' figures
+                if isinstance(exc, (Interrupted, KeyboardInterrupt)):
+                    stopped = str(exc) or "interrupted"
+                result.errors.append(f"{variant} [{names}]: {(str(exc) or 'interrupted').splitlines()[0]}")
+                print(f"error: {variant} [{names}]: {exc}", file=sys.stderr)
 
 
 def _requests(role: Role, scale: Scale, variant: str) -> int:

@@ -377,7 +377,8 @@ def build(run: "S.Run", command: str) -> dict:
                        "RAM X GB -> X / 1.49 x working set)"}
     return {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(run.started)),
             "seconds": round(run.seconds, 1), "experiments": list(run.experiments), "scale": sc.__dict__ | {},
-            "scaling": scaling, "machine": _machine(), "rows": rows, "tables": tables, "targets": _targets(rows, run)}
+            "scaling": scaling, "machine": _machine(), "rows": rows, "tables": tables, "targets": _targets(rows, run),
+            "errors": list(run.errors)}
 
 
 def print_text(report: dict) -> None:
@@ -391,6 +392,8 @@ def print_text(report: dict) -> None:
         print()
         print_table(t["headers"], t["rows"], title=f"[{t['experiment']}] {t['title']}")
         print(f"  {t['note']}")
+    for error in report["errors"]:
+        print(f"\nfailed engine group (its rows are missing): {error}")
     if report["targets"]:
         print()
         print_table(["target", "measured", "met"],
@@ -424,6 +427,8 @@ def markdown(report: dict, plot_dir: str | None, md_path: str) -> str:
             link = f"![{t['experiment']}]({rel})"
             if link not in out:
                 out += [link, ""]
+    if report["errors"]:
+        out += ["## Engine groups that failed (their rows are missing)", ""] + [f"- {e}" for e in report["errors"]] + [""]
     if report["targets"]:
         out += ["## Targets (issue 12)", "", "| target | measured | met |", "|---|---|---|"]
         out += [f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'no'} |" for t in report["targets"]]

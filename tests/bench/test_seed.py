@@ -147,3 +147,18 @@ def test_quick_json_on_vllm(tmp_path):
     assert loads and all(r["value"] > 0 for r in loads), loads  # the RAM tier served every re-read
     cold = [r for r in rows if r["experiment"] == "disk" and "cold" in r["setting"] and r["metric"] == "ttft_p50_ms"]
     assert cold and cold[0]["value"] > 0
+
+
+def test_interrupted_run_still_writes_the_report(fake_engines, tmp_path, capsys, monkeypatch):
+    calls = []
+
+    def interrupted(result, variant, *a, **kw):
+        calls.append(variant)
+        raise seed.Interrupted("interrupted by SIGTERM")
+
+    monkeypatch.setattr(seed, "_run_group", interrupted)
+    assert seed.run(_args(tmp_path)) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert len(calls) == 1  # the later groups are skipped, not started
+    assert len(report["errors"]) == 2 and "skipped" in report["errors"][1]
+    assert "failed" in (tmp_path / "seed-results.md").read_text()
