@@ -386,17 +386,26 @@ def run_kill(engines: list[Engine], requests: list[Request], args, tokenizer: Pa
     state: dict[str, Any] = {}
 
     async def on_done(finished: int) -> None:
-        if "killed_at" in state or finished < len(requests) // 3:
-            return
-        health = json.loads(await asyncio.to_thread(_get, base + "/health"))
-        state["in_flight_on_victim"] = health["engines"][victim.url]["in_flight"]
+        state["finished"] = finished
+
+    async def kill_when_busy() -> None:
+        """After a third of the requests, SIGKILL the victim as soon as it has one in flight."""
+        while state.get("finished", 0) < len(requests) // 3:
+            await asyncio.sleep(0.02)
+        deadline = time.monotonic() + 30
+        while True:
+            health = json.loads(await asyncio.to_thread(_get, base + "/health"))
+            busy = health["engines"][victim.url]["in_flight"]
+            if busy or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.02)
         os.killpg(victim.child.pid, signal.SIGKILL)
-        state["killed_at"] = finished
+        state["in_flight_on_victim"] = busy
+        state["killed_at"] = state.get("finished", 0)
         state["t_kill"] = time.monotonic()
 
     async def watch_ejection() -> None:
-        while "t_kill" not in state:
-            await asyncio.sleep(0.05)
+        await kill_when_busy()
         while victim.url in json.loads(await asyncio.to_thread(_get, base + "/health"))["healthy"]:
             await asyncio.sleep(0.1)
         state["ejected_after_s"] = round(time.monotonic() - state["t_kill"], 2)
