@@ -12,7 +12,9 @@ Workload, per concurrency level (1, 2, 4, 8 by default), with fresh random docum
   disk, RAM, so that with kvtier's tiers sized for it (RAM holds one group, disk two, the
   shared ``fs`` tier all) the RAM group is in RAM, the disk group on disk and the shared group
   only in the shared tier; then vLLM's own prefix cache is reset (every setting re-reads
-  documents the engine has lost, the document's cliff);
+  documents the engine has lost, the document's cliff), and every setting waits ``settle_s``
+  (2 s + 1 s per GB the warm-up wrote, twice: disk and shared) so kvtier's background
+  write-through to the lower tiers is not timed as part of the level;
 - timed: the documents re-read (RAM group first, then disk, then shared; reads promote entries,
   so a later read may come from a higher tier than intended) interleaved with as many short
   prompts that decode ``--decode-tokens`` (64) tokens, pulled by N clients from one queue.
@@ -102,6 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="documents per tier group (RAM, disk, shared) and level (default 2)")
     parser.add_argument("--decode-tokens", type=int, default=64, help="tokens each short prompt decodes (default 64)")
     parser.add_argument("--work-dir", help="where tiers and specs go (default: a temp dir, removed)")
+    parser.add_argument("--settle-s", type=float, default=None,
+                        help="seconds to wait after each warm-up (default: 2 + 2 x warm-up GB)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per setting (default 1800)")
     parser.add_argument("--quick", action="store_true",
                         help="a small run: 1,024-token documents, one per group, concurrency 1,2")
@@ -130,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
             load = Workload(doc_tokens=doc_tokens, docs_per_group=per_group, decode_tokens=args.decode_tokens,
                             bytes_per_token=_bytes_per_token(model))
             spec = _spec(model, load, levels)
+            warm_gb = 3 * per_group * load.doc_bytes / 1e9
+            spec["settle_s"] = args.settle_s if args.settle_s is not None else round(2 + 2 * warm_gb, 1)
             for name in names:
                 setting_dir = work / f"{variant}-{name}"
                 shutil.rmtree(setting_dir, ignore_errors=True)
@@ -147,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     report = {"rows": rows, "workload": {"doc_tokens": doc_tokens, "docs_per_group": per_group,
                                          "short_tokens": Workload.short_tokens, "decode_tokens": args.decode_tokens,
                                          "concurrency": levels},
-              "thread_binding": _engine_env()["VLLM_CPU_OMP_THREADS_BIND"]}
+              "thread_binding": _engine_env()["VLLM_CPU_OMP_THREADS_BIND"], "settle_s": args.settle_s}
     if args.plot:
         report["plots"] = plot(rows, args.plot)
     if args.json:
@@ -262,12 +268,12 @@ async def _request(llm, tokens: list[int], max_tokens: int, request_id: str) -> 
             "query_tokens": len(tokens)}
 
 
-async def _level(llm, level: dict, tag: str) -> dict:
+async def _level(llm, level: dict, tag: str, settle_s: float) -> dict:
     """Warm up the level's documents, reset the engine's prefix cache, run the timed requests."""
     for i, tokens in enumerate(level["warm"]):
         await _request(llm, tokens, 1, f"{tag}-warm-{i}")
     await llm.reset_prefix_cache()
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(settle_s)
     before = _counters()
     queue: asyncio.Queue = asyncio.Queue()
     for i, req in enumerate(level["requests"]):
@@ -304,7 +310,8 @@ async def _serve(spec: dict) -> dict:
     llm = AsyncLLM.from_engine_args(engine_args)
     try:
         await _request(llm, spec["warmup"], 4, "warmup")  # one-off costs
-        return {"levels": [await _level(llm, level, f"c{level['concurrency']}") for level in spec["levels"]]}
+        settle = spec.get("settle_s", 2.0)
+        return {"levels": [await _level(llm, level, f"c{level['concurrency']}", settle) for level in spec["levels"]]}
     finally:
         llm.shutdown()
 
