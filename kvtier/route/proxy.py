@@ -12,8 +12,8 @@ Contracts
   and its index and speculative entries are dropped. After ``healthy_after`` good probes in a row
   it is re-admitted and its index is rebuilt from its event replay.
 * A request that fails before the first byte of the engine's response (cannot connect, the
-  connection drops, or HTTP 502/503/504) is sent to the next-best engine, up to ``retries`` more
-  times; once bytes have reached the client, a failure ends the client's response (the client
+  connection drops, HTTP 502/503/504, or the engine is taken out while the request waits) is
+  sent to the next-best engine, up to ``retries`` more times; once bytes have reached the client, a failure ends the client's response (the client
   sees it), never a duplicate.
 * With ``log_decisions``, one JSON line per decision on the ``kvtier.route.decisions`` logger.
 """
@@ -89,6 +89,7 @@ class Router:
         self.subscribers: dict[str, EventSubscriber] = {}
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
+        self._out: dict[str, asyncio.Event] = {}
         for url in self.engines:
             self.metrics.healthy.labels(url).set(1)
 
@@ -138,6 +139,7 @@ class Router:
             return
         state.healthy = False
         state.ejected_at = time.monotonic()
+        self._out_event(url).set()
         dropped = self.index.clear_engine(url)
         self.speculative.clear_engine(url)
         sub = self.subscribers.get(url)
@@ -153,6 +155,7 @@ class Router:
         if state.healthy:
             return
         state.healthy, state.fails, state.ejected_at = True, 0, None
+        self._out.pop(url, None)
         sub = self.subscribers.get(url)
         if sub is not None:
             sub.paused = False
@@ -207,10 +210,10 @@ class Router:
         assert self._session is not None
         for url in self.healthy():
             try:
-                async with self._session.get(url + "/v1/models") as resp:
+                async with self._session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
                     body = await resp.read()
                     return web.Response(body=body, status=resp.status, content_type="application/json")
-            except (aiohttp.ClientError, OSError):
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 self.eject(url, "no answer to /v1/models")
         return _error(503, "no healthy engine")
 
@@ -275,41 +278,84 @@ class Router:
 
     async def _forward(self, request: web.Request, url: str, raw: bytes, headers: dict[str, str],
                        ticket: Any) -> tuple[str, web.StreamResponse | None]:
-        """Send one attempt. (outcome, response); response None means "retry elsewhere"."""
-        assert self._session is not None
+        """Send one attempt. (outcome, response); response None means "retry elsewhere".
+
+        Waiting for the first byte ends early when the engine is taken out meanwhile (a hung
+        engine's queued requests go elsewhere once health checks give up on it)."""
         engine = ticket.engine
+        opening = asyncio.ensure_future(self._open(url, raw, headers))
+        taken_out = asyncio.ensure_future(self._out_event(engine).wait())
+        try:
+            await asyncio.wait({opening, taken_out}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            taken_out.cancel()
+        if not opening.done():
+            opening.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await opening
+            return "engine_out_before_first_byte", None
+        outcome, upstream, first = opening.result()
+        if upstream is None:
+            if outcome != "http_retry":
+                self.eject(engine, outcome)
+            return outcome, None
+        try:
+            if first is None:
+                return f"http_{upstream.status}", None
+            self.load.first_byte(ticket)
+            return await self._stream(request, upstream, first, engine)
+        finally:
+            upstream.release()
+
+    async def _open(self, url: str, raw: bytes, headers: dict[str, str]) -> tuple[str, Any, bytes | None]:
+        """POST and read the first bytes: (outcome, response or None, first bytes or None).
+        None response: failed before the first byte (outcome says how); first None: a status to
+        retry elsewhere (502/503/504)."""
+        assert self._session is not None
         try:
             upstream = await self._session.post(url, data=raw, headers=headers)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            self.eject(engine, f"request failed: {type(exc).__name__}")
-            return "connect_error", None
+            return f"connect_error: {type(exc).__name__}", None, None
         try:
             if upstream.status in _RETRY_STATUS:
-                return f"http_{upstream.status}", None
-            try:
-                first = await upstream.content.readany()
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-                self.eject(engine, f"connection dropped: {type(exc).__name__}")
-                return "dropped_before_first_byte", None
-            self.load.first_byte(ticket)
-            response = web.StreamResponse(status=upstream.status)
-            for name, value in upstream.headers.items():
-                if name.lower() not in _HOP_HEADERS:
-                    response.headers[name] = value
-            await response.prepare(request)
-            try:
-                chunk = first
-                while chunk:
-                    await response.write(chunk)
-                    chunk = await upstream.content.readany()
-                await response.write_eof()
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ConnectionResetError):
-                with contextlib.suppress(Exception):
-                    request.transport and request.transport.close()  # the client sees a cut response
-                return "failed_mid_response", response
-            return ("ok" if upstream.status < 400 else f"http_{upstream.status}"), response
-        finally:
+                return "http_retry", upstream, None
+            return "ok", upstream, await upstream.content.readany()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             upstream.release()
+            return f"dropped_before_first_byte: {type(exc).__name__}", None, None
+        except asyncio.CancelledError:
+            upstream.release()
+            raise
+
+    async def _stream(self, request: web.Request, upstream: Any, first: bytes,
+                      engine: str) -> tuple[str, web.StreamResponse]:
+        """Relay the engine's response from its first bytes on, as they arrive."""
+        response = web.StreamResponse(status=upstream.status)
+        for name, value in upstream.headers.items():
+            if name.lower() not in _HOP_HEADERS:
+                response.headers[name] = value
+        await response.prepare(request)
+        chunk = first
+        try:
+            while chunk:
+                await response.write(chunk)
+                chunk = await upstream.content.readany()
+            await response.write_eof()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # the engine failed mid-response
+            self.eject(engine, f"response cut: {type(exc).__name__}")
+            if request.transport is not None:
+                request.transport.close()  # the client sees a cut response, never a silent end
+            return "failed_mid_response", response
+        except OSError:  # the client left
+            return "client_gone", response
+        return ("ok" if upstream.status < 400 else f"http_{upstream.status}"), response
+
+    def _out_event(self, engine: str) -> asyncio.Event:
+        """Set while ``engine`` is out (a fresh event after each re-admission)."""
+        event = self._out.get(engine)
+        if event is None:
+            event = self._out[engine] = asyncio.Event()
+        return event
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -5,6 +5,7 @@ health, models and metrics. No engines."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -24,7 +25,7 @@ BS = 4
 
 
 class FakeEngine:
-    """A stand-in vLLM server: ``mode`` is "ok", "drop" (close before answering) or "503";
+    """A stand-in vLLM server: ``mode`` is "ok", "drop" (close before answering), "hang" or "503";
     ``healthy`` drives /health. Streams ``chunks`` SSE events ``gap`` s apart."""
 
     def __init__(self, name: str, chunks: int = 3, gap: float = 0.3) -> None:
@@ -37,6 +38,7 @@ class FakeEngine:
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
+        self._release = asyncio.Event()
         app = web.Application()
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_post("/v1/chat/completions", self._completion)
@@ -47,6 +49,7 @@ class FakeEngine:
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
 
     async def stop(self) -> None:
+        self._release.set()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -63,6 +66,9 @@ class FakeEngine:
         if self.mode == "drop":
             request.transport.close()
             await asyncio.sleep(1)
+        if self.mode == "hang":
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._release.wait(), 30)
         if self.mode == "503":
             return web.Response(status=503, text="busy")
         if not body.get("stream"):
@@ -160,6 +166,25 @@ def test_failure_before_first_byte_is_retried_on_another_engine_and_ejects():
             metrics = await (await s.get(base + "/metrics")).text()
             assert "kvtier_route_retries_total 1.0" in metrics
             assert 'kvtier_route_ejections_total{engine="%s"} 1.0' % a.url in metrics
+
+    asyncio.run(scenario())
+
+
+def test_request_waiting_on_a_hung_engine_moves_when_the_engine_is_taken_out():
+    a, b = FakeEngine("a"), FakeEngine("b")
+
+    async def scenario():
+        async with running([a, b], balance_ratio=0) as (router, base, s):
+            doc = list(range(32))
+            _hold(router, a, doc)
+            a.mode, a.healthy = "hang", False
+            t0 = time.monotonic()
+            status, body, _ = await _post(s, base, {"prompt": doc})
+            assert status == 200 and body == {"engine": "b"} and len(a.requests) == 1
+            assert time.monotonic() - t0 < 3.0
+            assert router.healthy() == [b.url]
+            metrics = await (await s.get(base + "/metrics")).text()
+            assert 'outcome="engine_out_before_first_byte"' in metrics
 
     asyncio.run(scenario())
 
