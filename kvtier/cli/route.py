@@ -14,7 +14,8 @@ Config file (YAML/JSON; flags win)::
     tier_weights: {GPU: 1.0, CPU: 0.8, DISK: 0.5, SERVER: 0.4, FS: 0.3, REDIS: 0.3, S3: 0.25}
     shared_media: [REDIS, S3, FS, SERVER]
     speculative_ttl_s: 5
-    balance_ratio: 1.5
+    balance_ratio: 1.5                      # request-share guard over the last balance_window decisions
+    balance_slack: 2
     health_interval_s: 1
 
 When it listens it prints ``kvtier route: ready on http://HOST:PORT`` on stderr.

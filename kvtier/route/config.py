@@ -53,6 +53,7 @@ class RouteConfig:
     prefill_norm_tokens: int = 1024
     balance_ratio: float = 1.5  # 0 disables the request-share guard
     balance_window: int = 32
+    balance_slack: int = 2  # the guard ignores differences of this many requests or fewer
     health_interval_s: float = 1.0
     health_timeout_s: float = 1.0
     unhealthy_after: int = 2
@@ -170,7 +171,7 @@ def _validate(cfg: RouteConfig) -> None:
             raise ConfigError(f"route: {name} must be a finite number >= 0, got {v}")
     if 0 < cfg.balance_ratio < 1:
         raise ConfigError(f"route: balance_ratio must be 0 (off) or >= 1, got {cfg.balance_ratio}")
-    for name, low in (("max_index_keys", 1), ("prefill_norm_tokens", 1), ("balance_window", 1),
+    for name, low in (("max_index_keys", 1), ("prefill_norm_tokens", 1), ("balance_window", 1), ("balance_slack", 0),
                       ("unhealthy_after", 1), ("healthy_after", 1), ("retries", 0), ("block_size", 0)):
         if getattr(cfg, name) < low:
             raise ConfigError(f"route: {name} must be >= {low}, got {getattr(cfg, name)}")

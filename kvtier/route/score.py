@@ -10,8 +10,9 @@ score(e) = prefix_weight * prefix(e) + load_weight * load(e), both terms in [0, 
   tokens / ``prefill_norm_tokens`` (both tracked by the router). 1 for every engine when idle.
 
 A request-share guard keeps prefix affinity from piling a hot prefix onto one engine: among the
-last ``balance_window`` decisions, an engine whose count + 1 exceeds ``balance_ratio`` x (the
-least-used candidate's count + 1) is passed over while another candidate is not. Ties go to the
+last ``balance_window`` decisions, an engine whose count would exceed ``balance_ratio`` x the
+least-used candidate's count, and that count by more than ``balance_slack``, is passed over
+while another candidate is not. Ties go to the
 engine listed first among the lowest-load ones. Everything here is synchronous bookkeeping.
 """
 
@@ -225,7 +226,8 @@ class Scorer:
             if e in counts:
                 counts[e] += 1
         low = min(counts.values())
-        held = {e for e, c in counts.items() if c + 1 > ratio * (low + 1)}
+        slack = self.config.balance_slack
+        held = {e for e, c in counts.items() if c > low and c + 1 - low > slack and c + 1 > ratio * low}
         return held if len(held) < len(candidates) else set()
 
     def shares(self) -> Mapping[str, int]:

@@ -136,3 +136,15 @@ def test_zipf_workload_keeps_documents_on_their_engine():
         s.commit(d, keys)
         _store(s, d.engine, doc, tag=i)
     assert hits >= 170
+
+
+def test_balance_guard_leaves_small_differences_to_affinity():
+    s, _ = _scorer(balance_slack=2)
+    doc = list(range(32))
+    keys = chunk_keys(doc, BS)
+    engines = []
+    for _ in range(3):  # a burst of one prefix: speculative entries keep it together
+        d = s.choose(ENGINES, keys, len(doc))
+        s.commit(d, keys)
+        engines.append(d.engine)
+    assert engines == [engines[0]] * 2 + [engines[2]] and engines[2] != engines[0]
