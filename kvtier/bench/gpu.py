@@ -196,7 +196,8 @@ def _measure(shape: Shape, chunk_tokens: int, step_tokens: int, dev: torch.devic
                              vs_bound=round(gbps / b, 2), copy_calls=calls))
     store_save = _time(lambda: _store_save(default, store, keys, src), repeat, dev)
     store_load = _time(lambda: _store_load(default, store, keys, dst), repeat, dev)
-    for op, seconds, b in (("save_to_ram_tier", store_save, bound["d2h"]), ("load_from_ram_tier", store_load, bound["h2d"])):
+    tier_ops = (("save_to_ram_tier", store_save, bound["d2h"]), ("load_from_ram_tier", store_load, bound["h2d"]))
+    for op, seconds, b in tier_ops:
         gbps = step_bytes / seconds / 1e9
         rows.append(dict(base, op=op, path="batched", ms_per_step=round(seconds * 1e3, 3), gbps=round(gbps, 2),
                          vs_bound=round(gbps / b, 2)))

@@ -97,7 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="random model(s) to run (default: small)")
     parser.add_argument("--model", help="a local model directory instead of a random one")
     parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
-                        help=f"comma-separated settings (default: {','.join(DEFAULT_SETTINGS)}; all: {','.join(SETTINGS)})")
+                        help=f"comma-separated settings (default: {','.join(DEFAULT_SETTINGS)}; "
+                             f"all: {','.join(SETTINGS)})")
     parser.add_argument("--concurrency", default="1,2,4,8", help="client counts (default: 1,2,4,8)")
     parser.add_argument("--doc-tokens", type=int, default=3000, help="tokens per long document (default 3000)")
     parser.add_argument("--docs-per-group", type=int, default=2,
