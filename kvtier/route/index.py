@@ -13,7 +13,9 @@ Contracts
 * ``apply_stored`` with a parent hash the index never saw (a missed event) adds nothing for that
   event and counts it in ``orphans``; removals of unknown hashes are ignored.
 * A block whose event ``block_size`` is a multiple k of the index block size becomes k keys;
-  partial blocks and non-multiples are not indexed.
+  partial blocks and non-multiples are not indexed. Unless configured, the index block size is
+  the first full ``BlockStored`` of the engine's own pool (medium GPU); other media's events
+  before it are not indexed.
 * ``clear_engine`` drops every entry of one engine (``AllBlocksCleared``, an engine leaving).
 * Single-threaded: the router calls it from one event loop.
 """
@@ -105,6 +107,8 @@ class PrefixIndex:
         if n == 0 or block_size <= 0 or len(token_ids) != n * block_size:
             return 0  # partial block (or malformed): not indexed
         if self.block_size <= 0:
+            if medium != GPU:
+                return 0  # the engine's own pool sets the granularity, not a tier's larger chunks
             self.block_size = block_size
         if block_size % self.block_size:
             return 0

@@ -98,3 +98,12 @@ def test_medium_names():
     assert normalize_medium(None) == "GPU"
     assert normalize_medium("disk") == "DISK"
     assert normalize_medium("STORAGE", "REMOTE") == "STORAGE_REMOTE"
+
+
+def test_block_size_is_learned_from_the_engine_pool_not_a_tier_with_larger_chunks():
+    index = PrefixIndex(max_keys=100)
+    toks = _tokens(16)
+    assert index.apply_stored("A", [b"c1"], None, toks[:8], 2 * BS, "DISK") == 0 and index.block_size == 0
+    index.apply_stored("A", [1, 2], None, toks[:8], BS, "GPU")
+    assert index.block_size == BS
+    assert index.apply_stored("A", [b"c1", b"c2"], None, toks, 2 * BS, "DISK") == 4
