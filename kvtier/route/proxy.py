@@ -287,6 +287,9 @@ class Router:
         taken_out = asyncio.ensure_future(self._out_event(engine).wait())
         try:
             await asyncio.wait({opening, taken_out}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the client went away: the engine's answer is not needed
+            opening.cancel()
+            raise
         finally:
             taken_out.cancel()
         if not opening.done():
@@ -296,8 +299,7 @@ class Router:
             return "engine_out_before_first_byte", None
         outcome, upstream, first = opening.result()
         if upstream is None:
-            if outcome != "http_retry":
-                self.eject(engine, outcome)
+            self.eject(engine, outcome)
             return outcome, None
         try:
             if first is None:
