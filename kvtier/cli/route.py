@@ -69,7 +69,19 @@ def build_config(args: argparse.Namespace):
                        {name: getattr(args, name) for name in _OVERRIDES})
 
 
+# what ``kvtier route`` needs beyond kvtier's own dependencies: all of it ships with vLLM
+_NEEDS = {"aiohttp", "zmq", "msgspec", "prometheus_client", "yaml", "transformers", "tokenizers"}
+
+
 def run(args: argparse.Namespace) -> int:
+    try:
+        import kvtier.route.proxy  # noqa: F401  (fails early, in one line, when a dependency is missing)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in _NEEDS:
+            raise
+        print(f"kvtier route: error: needs the module {exc.name!r}, which is not installed: install vLLM "
+              "(it brings aiohttp, pyzmq, msgspec, prometheus_client and transformers)", file=sys.stderr)
+        return 2
     config = build_config(args)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -54,3 +54,14 @@ def test_cli_errors_are_one_line_exit_2(argv, fragment, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert fragment in err and "\n" not in err and err.startswith("kvtier route: error:")
+
+
+def test_missing_router_dependency_is_one_line(monkeypatch, capsys):
+    import sys
+
+    for name in [m for m in sys.modules if m == "aiohttp" or m.startswith(("aiohttp.", "kvtier.route.proxy"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "aiohttp", None)
+    assert main(["route", "--engine", "http://a:1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "'aiohttp'" in err and "install vLLM" in err
