@@ -28,20 +28,12 @@ class TierUnavailable(KVTierError):
     """A tier cannot be reached or used right now (server down, directory unwritable)."""
 
 
-class TierTimeout(TierUnavailable):
-    """A tier did not answer in time."""
-
-
 class CorruptEntry(KVTierError):
     """Stored bytes do not parse or do not match their checksum."""
 
 
 class InvalidKey(KVTierError, ValueError):
     """A chunk key is not a ``KEY_BYTES``-byte digest (a caller's mistake, never a miss)."""
-
-
-class EntryTooLarge(KVTierError):
-    """An entry is larger than a tier can ever hold."""
 
 
 class LoaderError(KVTierError):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Hashable
 
 from kvtier.errors import ConfigError
-from kvtier.policies.base import EvictionPolicy, Key
+from kvtier.policies.base import Key
 
 
 @dataclass(frozen=True)
@@ -71,34 +71,3 @@ class Admission:
             self._previous, self._current = self._current, set()
         return seen
 
-
-class AdmittingPolicy(EvictionPolicy):
-    """``policy`` with :class:`Admission` in front of its ``admit`` (no prefix length known)."""
-
-    def __init__(self, policy: EvictionPolicy, admission: Admission):
-        self.policy = policy
-        self.admission = admission
-
-    def admit(self, key: Key, size: int) -> bool:
-        return self.admission.admit(key) and self.policy.admit(key, size)
-
-    def miss(self, key: Key) -> None:
-        self.policy.miss(key)
-
-    def insert(self, key: Key, size: int) -> None:
-        self.policy.insert(key, size)
-
-    def access(self, key: Key) -> None:
-        self.policy.access(key)
-
-    def remove(self, key: Key) -> None:
-        self.policy.remove(key)
-
-    def victim(self) -> Key | None:
-        return self.policy.victim()
-
-    def __contains__(self, key: Key) -> bool:
-        return key in self.policy
-
-    def __len__(self) -> int:
-        return len(self.policy)

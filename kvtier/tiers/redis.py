@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 from kvtier import entry
@@ -278,23 +278,6 @@ class RedisTier(Tier):
         value = self._call(lambda: self._client.get(self._key(key)), _FAULT)
         return self._deliver_value(key, value, out)
 
-    def get_many_into(self, keys: Sequence[Key], outs: Sequence) -> list[int | None]:
-        """``get_into`` for each (key, out) pair, fetched in one pipelined round trip."""
-        if not keys:
-            return []
-
-        def run():
-            pipe = self._client.pipeline(transaction=False)
-            for k in keys:
-                pipe.get(self._key(k))
-            return pipe.execute()
-
-        values = self._call(run, None)
-        if values is None:
-            self.stats.add(misses=len(keys))
-            return [None] * len(keys)
-        return [self._deliver_value(k, v, o) for k, v, o in zip(keys, values, outs)]
-
     def get(self, key: Key) -> bytes | None:
         """The payload as new bytes (one round trip), or None on a miss."""
         value = self._call(lambda: self._client.get(self._key(key)), _FAULT)
@@ -404,12 +387,6 @@ class RedisTier(Tier):
                     if len(k) == want and k.startswith(self._prefix)]
 
         return iter(self._call(run, []))
-
-    def clear(self) -> None:
-        """Delete every entry and the bookkeeping under ``prefix`` (tests and benchmarks)."""
-        for k in list(self.keys()):
-            self._call(lambda k=k: self._client.delete(self._key(k)), 0)
-        self._call(lambda: self._client.delete(*self._acct), 0)
 
     def close(self) -> None:
         if self._closed:

@@ -19,8 +19,7 @@ this process's writes since the listing exceeds ``capacity``, the tier re-lists 
 objects with the oldest LastModified (batched DeleteObjects) until ``low_watermark x capacity``
 is reached.
 
-Faults: every data call (``get_into``, ``get``, ``put``, ``delete``, and each batch of
-``get_many_into``/``put_many``) returns within ``timeout_s``: requests run on a thread pool and
+Faults: every data call (``get_into``, ``get``, ``put``, ``delete``) returns within ``timeout_s``: requests run on a thread pool and
 the caller stops waiting at the deadline (a late answer is dropped, never written into the
 caller's buffer). Within it, botocore's per-attempt timeouts (``connect_timeout_s``,
 ``read_timeout_s``, both capped by the deadline) and retries (``standard`` mode,
@@ -363,12 +362,6 @@ class S3Tier(Tier):
         ``out`` is untouched on a miss and never written after this returns."""
         return self._deliver_value(key, self._value(key, self._one(self._fetcher(key))), out)
 
-    def get_many_into(self, keys: Sequence[Key], outs: Sequence) -> list[int | None]:
-        """``get_into`` for each (key, out) pair: ``max_workers`` requests in parallel, the whole
-        batch within ``timeout_s``."""
-        values = self._within(self._pool, [self._fetcher(k) for k in keys], self.config.timeout_s)
-        return [self._deliver_value(k, self._value(k, v), o) for k, v, o in zip(keys, values, outs)]
-
     def get(self, key: Key) -> bytes | None:
         payload = self._verified(key, self._value(key, self._one(self._fetcher(key))))
         if payload is None:
@@ -418,11 +411,6 @@ class S3Tier(Tier):
         within ``timeout_s``. False (counted) otherwise; an upload still running at the deadline
         may land later, unacknowledged."""
         return self._put_all([(key, data, dtype, shape)])[0]
-
-    def put_many(self, items: Sequence[tuple[Key, object]]) -> list[bool]:
-        """``put`` for each (key, data) pair: ``max_workers`` uploads in parallel, the whole batch
-        within ``timeout_s``."""
-        return self._put_all([(k, d, "uint8", None) for k, d in items])
 
     def _put_all(self, items: Sequence[tuple[Key, object, str, tuple[int, ...] | None]]) -> list[bool]:
         uploads = [self._upload(*item) for item in items]

@@ -7,17 +7,15 @@ import random
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.policies.admission import Admission, AdmissionConfig, AdmittingPolicy
-from kvtier.policies.registry import DEFAULT_POLICY, POLICIES, make_policy
+from kvtier.policies.admission import Admission, AdmissionConfig
+from kvtier.policies.registry import POLICIES, make_policy
 
 NAMES = POLICIES.names()
 
 
-@pytest.fixture(params=NAMES + ["admitting"])
+@pytest.fixture(params=NAMES)
 def factory(request):
-    """Builds a fresh policy of one kind (incl. the admission wrapper, which must keep the contract)."""
-    if request.param == "admitting":
-        return lambda hint=None: AdmittingPolicy(make_policy(DEFAULT_POLICY, hint), Admission())
+    """Builds a fresh policy of one kind."""
     return lambda hint=None: make_policy(request.param, capacity_hint=hint)
 
 

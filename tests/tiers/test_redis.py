@@ -94,16 +94,6 @@ def test_ttl_is_set(redis_url):
     raw.close()
 
 
-def test_many_keys_in_one_round_trip(redis_url):
-    with make(redis_url) as tier:
-        for i in range(10):
-            tier.put(key(i), bytes([i]) * 1000)
-        outs = [bytearray(1000) for _ in range(12)]
-        got = tier.get_many_into([key(i) for i in range(12)], outs)
-        assert got == [1000] * 10 + [None, None]
-        assert all(outs[i] == bytes([i]) * 1000 for i in range(10))
-
-
 def test_password_stays_out_of_repr():
     config = RedisTier.Config(url="redis://:hunter2@127.0.0.1:1/0", password="hunter3")
     assert "hunter" not in repr(config)
