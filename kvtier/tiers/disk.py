@@ -43,6 +43,7 @@ from typing import Iterator
 from kvtier.config import Size, ranged, validate
 from kvtier.entry import MAX_HEADER_BYTES, check_key, decode_header, encode_header, verify
 from kvtier.errors import CorruptEntry, TierUnavailable
+from kvtier.fileio import ShortRead, fsync_dir, read_exact, read_upto, unlink_quietly, write_all
 from kvtier.keys import Key
 from kvtier.tiers.base import RankShare, SchedulerView, Tier
 
@@ -195,10 +196,10 @@ class DiskTier(Tier):
         except OSError as exc:
             log.info("disk tier %s: O_DIRECT unsupported in %s (%s); using buffered I/O",
                      self.name, self.path, exc.strerror)
-            _unlink_quietly(probe)
+            unlink_quietly(probe)
             return False
         os.close(fd)
-        _unlink_quietly(probe)
+        unlink_quietly(probe)
         return True
 
     def _scan(self) -> dict[str, int]:
@@ -207,7 +208,7 @@ class DiskTier(Tier):
         for dirpath, fname in self._own_files():
             full = os.path.join(dirpath, fname)
             if _OWN_TMP.match(fname):
-                _unlink_quietly(full)
+                unlink_quietly(full)
                 report["temp_removed"] += 1
                 continue
             key = _key_from_name(fname)
@@ -215,7 +216,7 @@ class DiskTier(Tier):
                 continue  # not ours: leave it alone
             meta = _read_meta(full, key, self.capacity_bytes)
             if meta is None:
-                _unlink_quietly(full)
+                unlink_quietly(full)
                 report["corrupt_removed"] += 1
                 continue
             self._index[key] = meta
@@ -344,16 +345,16 @@ class DiskTier(Tier):
                 old = self._index.get(key)
                 grow = src.nbytes - (old.length if old else 0)
                 if self._used + grow > self.capacity_bytes:  # concurrent puts filled it meanwhile
-                    _unlink_quietly(tmp)
+                    unlink_quietly(tmp)
                     self.stats.add(dropped=1)
                     return False
                 os.replace(tmp, final)
                 self._index[key] = _Meta(len(header), src.nbytes, _checksum_of(header))
                 self._used += grow
             if self.config.fsync:
-                _fsync_dir(os.path.dirname(final))
+                fsync_dir(os.path.dirname(final))
         except OSError as exc:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             self.stats.add(errors=1)
             log.warning("disk tier %s: write of %s failed: %s", self.name, key.hex(),
                         exc.strerror or exc)
@@ -367,7 +368,7 @@ class DiskTier(Tier):
             if meta is None:
                 return False
             self._used -= meta.length
-            _unlink_quietly(self._file(key))
+            unlink_quietly(self._file(key))
         self.stats.add(deletes=1)
         return True
 
@@ -402,10 +403,10 @@ class DiskTier(Tier):
                 log.info("disk tier %s: O_DIRECT write refused (%s); using buffered I/O",
                          self.name, exc.strerror)
                 self._direct = False
-                _unlink_quietly(tmp)
+                unlink_quietly(tmp)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            _write_all(fd, [header, src])
+            write_all(fd, [header, src])
             self._settle(fd)
         finally:
             os.close(fd)
@@ -420,7 +421,7 @@ class DiskTier(Tier):
             buf[total : _round_up(total)] = bytes(_round_up(total) - total)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o644)
             try:
-                _write_all(fd, [buf[: _round_up(total)]])
+                write_all(fd, [buf[: _round_up(total)]])
                 os.ftruncate(fd, total)
                 self._settle(fd)
             finally:
@@ -443,7 +444,10 @@ class DiskTier(Tier):
             raise CorruptEntry("file size does not match its header")
         head = bytearray(meta.header_bytes)
         body = dst[: meta.length]
-        _read_exact(fd, [memoryview(head), body])
+        try:
+            read_exact(fd, [memoryview(head), body])
+        except ShortRead:
+            raise CorruptEntry("file is truncated") from None
         self._check(key, meta, head, body)
 
     def _read_direct(self, fd: int, key: Key, meta: _Meta, dst: memoryview) -> None:
@@ -453,7 +457,7 @@ class DiskTier(Tier):
         bounce = self._bounce.get()
         try:
             buf = bounce.reserve(_round_up(total))
-            got = _read_upto(fd, buf[: _round_up(total)])
+            got = read_upto(fd, [buf[: _round_up(total)]])
             if got < total:
                 raise CorruptEntry("short read")
             self._check(key, meta, buf[: meta.header_bytes], buf[meta.header_bytes : total])
@@ -474,7 +478,7 @@ class DiskTier(Tier):
             # Only if nobody replaced it meanwhile: never remove a good new file.
             if self._index.get(key) is meta:
                 self._forget_locked(key, meta)
-                _unlink_quietly(self._file(key))
+                unlink_quietly(self._file(key))
 
     def _forget_locked(self, key: Key, meta: _Meta) -> None:
         if self._index.get(key) is meta:
@@ -501,45 +505,6 @@ class _Bounce:
             except BufferError:  # a view is still alive somewhere; the GC frees it later
                 pass
             self._map = None
-
-
-def _write_all(fd: int, bufs: list) -> None:
-    """Write every buffer fully (``os.writev`` may write less than asked)."""
-    views = [memoryview(b).cast("B") for b in bufs]
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-
-
-def _read_exact(fd: int, bufs: list[memoryview]) -> None:
-    """Fill every buffer from offset 0 (``preadv`` may return less); CorruptEntry when short."""
-    offset = 0
-    views = [b for b in bufs if b.nbytes]
-    while views:
-        n = os.preadv(fd, views, offset)
-        if n == 0:
-            raise CorruptEntry("file is truncated")
-        offset += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-
-
-def _read_upto(fd: int, buf: memoryview) -> int:
-    """Read from offset 0 until ``buf`` is full or end of file; the byte count."""
-    got = 0
-    while got < buf.nbytes:
-        n = os.preadv(fd, [buf[got:]], got)
-        if n == 0:
-            break
-        got += n
-    return got
 
 
 def _read_meta(path: str, key: Key, max_length: int) -> _Meta | None:
@@ -572,21 +537,6 @@ def _key_from_name(name: str) -> Key | None:
 
 def _round_up(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 __all__ = ["DiskTier", "DiskConfig"]

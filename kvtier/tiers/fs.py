@@ -25,7 +25,6 @@ All methods are thread-safe.
 
 from __future__ import annotations
 
-import errno
 import os
 import socket
 import threading
@@ -37,6 +36,7 @@ from typing import Iterator
 from kvtier import entry
 from kvtier.config import Size, ranged, validate
 from kvtier.errors import CorruptEntry
+from kvtier.fileio import ShortRead, read_exact, unlink_quietly, write_all
 from kvtier.tiers.base import Key, Tier
 
 _TMP = ".tmp"
@@ -170,15 +170,10 @@ class FsTier(Tier):
             self.stats.add(errors=1, misses=1)
             return None
         target = dest[: header.length]
-        got = os.preadv(fd, [target], header.header_bytes) if header.length else 0
-        while got < header.length:  # short reads happen on network file systems
-            n = os.preadv(fd, [target[got:]], header.header_bytes + got)
-            if n == 0:
-                return self._corrupt(path, st)
-            got += n
         try:
+            read_exact(fd, [target], header.header_bytes)  # short reads happen on network file systems
             entry.verify(header, target)
-        except CorruptEntry:
+        except (ShortRead, CorruptEntry):
             return self._corrupt(path, st)
         self.stats.add(hits=1, bytes_read=header.length)
         return header.length
@@ -212,7 +207,7 @@ class FsTier(Tier):
             os.replace(tmp, self._path(key))
         except OSError:
             self.stats.add(errors=1, dropped=1)
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             return False
         self.stats.add(puts=1, bytes_written=view.nbytes)
         self._account(size)
@@ -225,8 +220,7 @@ class FsTier(Tier):
             os.makedirs(directory, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            _write_all(fd, memoryview(header))
-            _write_all(fd, view)
+            write_all(fd, [header, view])
             if self.config.fsync:
                 os.fsync(fd)
         finally:
@@ -271,7 +265,7 @@ class FsTier(Tier):
                 for _mtime, size, path in sorted(files):
                     if total <= goal:
                         break
-                    if _unlink_quietly(path):
+                    if unlink_quietly(path):
                         evicted += 1
                     total -= size  # gone either way: we removed it or another node did
             self._scanned_bytes = total
@@ -311,7 +305,7 @@ class FsTier(Tier):
     def _maybe_drop_tmp(self, e: os.DirEntry, now: float) -> None:
         try:
             if now - e.stat().st_mtime > self.config.stale_tmp_s:
-                _unlink_quietly(e.path)
+                unlink_quietly(e.path)
         except OSError:
             pass
 
@@ -326,22 +320,3 @@ def _payload(file_bytes: int) -> int:
     dimension longer, which the budget then counts as payload (a negligible overestimate).
     """
     return max(0, file_bytes - entry.FIXED_BYTES - 8)
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    """os.write until every byte of ``view`` is written (writes may be partial)."""
-    done = 0
-    total = view.nbytes
-    while done < total:
-        n = os.write(fd, view[done:])
-        if n == 0:
-            raise OSError(errno.EIO, "write returned 0")
-        done += n
-
-
-def _unlink_quietly(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except OSError:
-        return False

@@ -139,7 +139,7 @@ def test_write_fault_is_a_counted_false_put(tmp_path, monkeypatch, code):
     def failing_write(fd, bufs):  # a fake only to inject the fault
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(disk_mod, "_write_all", failing_write)
+    monkeypatch.setattr(disk_mod, "write_all", failing_write)
     assert tier.put(key(1), payload(2000, 2)) is False
     assert tier.put(key(2), payload(2000, 2)) is False
     assert tier.stats.errors == 2
@@ -157,7 +157,7 @@ def test_read_fault_is_a_counted_miss_that_keeps_the_file(tmp_path, monkeypatch)
     def failing_read(fd, bufs):
         raise OSError(errno.EIO, "I/O error")
 
-    monkeypatch.setattr(disk_mod, "_read_exact", failing_read)
+    monkeypatch.setattr(disk_mod, "read_exact", failing_read)
     assert tier.get(key(1)) is None
     assert tier.stats.errors == 1 and tier.stats.corrupt == 0
     monkeypatch.undo()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
 from typing import Sequence
 
 from kvtier.errors import LoaderError
+from kvtier.fileio import ShortRead, read_exact, read_upto
 from kvtier.loader.sources.base import Source, short_read
 
 
@@ -37,18 +39,12 @@ class FileSource(Source):
         return self._size
 
     def read_into(self, offset: int, buffers: Sequence[memoryview]) -> None:
-        views = [memoryview(b).cast("B") for b in buffers]
-        wanted = sum(len(v) for v in views)
-        done = 0
-        while views:
-            try:
-                n = os.preadv(self._fd, views, offset + done)
-            except OSError as exc:
-                raise LoaderError(f"{self.path}: read failed at offset {offset + done} ({exc.strerror})") from None
-            if n == 0:
-                raise short_read(self.path, offset, wanted, done)
-            done += n
-            views = _advance(views, n)
+        try:
+            read_exact(self._fd, buffers, offset)
+        except ShortRead as exc:
+            raise short_read(self.path, offset, exc.wanted, exc.got) from None
+        except OSError as exc:
+            raise LoaderError(f"{self.path}: read failed at offset {offset} ({exc.strerror})") from None
 
     def mapping(self) -> mmap.mmap:
         """A private (copy-on-write) mapping of the whole file, made once.
@@ -97,19 +93,18 @@ class FileSource(Source):
                 except OSError:
                     self._direct_fd = -1
             fd = self._direct_fd if self._direct_fd >= 0 else self._fd
-        done = 0
-        while done < len(buf):
-            try:
-                n = os.preadv(fd, [buf[done:]], offset + done)
-            except OSError as exc:
-                if fd != self._fd and exc.errno == 22:  # EINVAL: O_DIRECT not supported here
-                    fd = self._fd
-                    continue
-                raise LoaderError(f"{self.path}: read failed at offset {offset + done} ({exc.strerror})") from None
-            if n == 0:
-                break
-            done += n
-        return done
+        try:
+            return read_upto(fd, [buf], offset)
+        except OSError as exc:
+            if fd != self._fd and exc.errno == errno.EINVAL:  # O_DIRECT not supported here
+                return self._read_buffered(offset, buf)
+            raise LoaderError(f"{self.path}: read failed at offset {offset} ({exc.strerror})") from None
+
+    def _read_buffered(self, offset: int, buf: memoryview) -> int:
+        try:
+            return read_upto(self._fd, [buf], offset)
+        except OSError as exc:
+            raise LoaderError(f"{self.path}: read failed at offset {offset} ({exc.strerror})") from None
 
     @classmethod
     def list_dir(cls, uri: str) -> list[tuple[str, int]]:
@@ -135,14 +130,3 @@ class FileSource(Source):
             self._direct_fd = None
             self._map = None  # tensors still using it keep it alive
 
-
-def _advance(views: list[memoryview], n: int) -> list[memoryview]:
-    """Drop the first ``n`` bytes from a list of buffers (after a partial vectored read)."""
-    out = []
-    for v in views:
-        if n >= len(v):
-            n -= len(v)
-            continue
-        out.append(v[n:])
-        n = 0
-    return out
