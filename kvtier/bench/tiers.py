@@ -143,7 +143,7 @@ def _disk(args: argparse.Namespace, workdir: str, entry_bytes: int, count: int):
 
 
 def _server(args: argparse.Namespace, workdir: str, entry_bytes: int, count: int):
-    from kvtier.server.benchmark import server_target  # a kvtier serve subprocess + ServerStore
+    from kvtier.bench.server import server_target  # a kvtier serve subprocess + ServerStore
 
     return server_target(args, workdir, entry_bytes, count)
 
