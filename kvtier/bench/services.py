@@ -32,6 +32,7 @@ from typing import Iterator
 from kvtier.bench.procs import (
     BinaryMissing, Child, PortInUse, ServiceUnavailable, pick_ports, spawn, start_on_ports, wait_ready,
 )
+from kvtier.s3client import S3Config, make_client
 
 __all__ = [
     "ServiceUnavailable",
@@ -211,9 +212,13 @@ class S3Service:
     workdir: Path = field(repr=False, default=Path("."))
     _child: Child | None = field(default=None, repr=False)
 
-    def client(self, **kwargs):
-        """A boto3 S3 client for this endpoint (path-style addressing)."""
-        return _s3_client(self.endpoint_url, self.access_key, self.secret_key, **kwargs)
+    def client(self, connect_timeout: float = 2, read_timeout: float = 10, max_attempts: int = 1):
+        """A boto3 S3 client for this endpoint (path-style addressing), built by
+        ``kvtier.s3client`` as the tier's and the loader's are."""
+        config = S3Config(endpoint_url=self.endpoint_url, region="us-east-1", access_key=self.access_key,
+                          secret_key=self.secret_key, addressing="path")
+        return make_client(config, connect_timeout_s=connect_timeout, read_timeout_s=read_timeout,
+                           max_attempts=max_attempts, max_pool_connections=10)
 
     def create_bucket(self, name: str) -> str:
         """Create bucket ``name`` (no error if it exists) and return the name."""
@@ -234,22 +239,6 @@ class S3Service:
         if self._child is not None:
             self._child.stop()
         self._child = None
-
-
-def _s3_client(endpoint_url: str, access_key: str, secret_key: str, **kwargs):
-    import boto3
-    from botocore.config import Config
-
-    cfg = Config(
-        s3={"addressing_style": "path"},
-        connect_timeout=kwargs.pop("connect_timeout", 2),
-        read_timeout=kwargs.pop("read_timeout", 10),
-        retries={"max_attempts": kwargs.pop("max_attempts", 1), "mode": "standard"},
-    )
-    return boto3.client(
-        "s3", endpoint_url=endpoint_url, aws_access_key_id=access_key,
-        aws_secret_access_key=secret_key, region_name="us-east-1", config=cfg,
-    )
 
 
 def _ensure_bucket(client, bucket: str) -> bool:

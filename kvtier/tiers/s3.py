@@ -33,32 +33,26 @@ Secrets (``secret_key``) stay out of repr and logs. All methods are thread-safe.
 
 from __future__ import annotations
 
-import ipaddress
 import math
-import os
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Literal, Sequence
-from urllib.parse import urlsplit
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from kvtier import entry
+from kvtier import entry, s3client
 from kvtier.config import Size
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import Key, Tier
 from kvtier.tiers.breaker import CircuitBreaker
 
 
-@dataclass(frozen=True)
-class S3Config:
-    """Options of the ``s3`` tier.
-
-    ``endpoint_url``: the S3 endpoint (default: ``AWS_ENDPOINT_URL``, else AWS). ``access_key`` /
-    ``secret_key``: credentials (default: boto3's chain: env, profile, role). ``addressing``:
-    ``auto`` picks path-style for IP/localhost endpoints. ``capacity``: object bytes kept under
-    ``prefix`` by all nodes together.
+@dataclass(frozen=True, kw_only=True)
+class S3Config(s3client.S3Config):
+    """Options of the ``s3`` tier: where and as whom (``endpoint_url``, ``region``,
+    ``access_key``/``secret_key``, ``addressing``) as in ``kvtier.s3client.S3Config``, plus the
+    tier's own. ``capacity``: object bytes kept under ``prefix`` by all nodes together.
 
     Deadlines: ``lookup_timeout_s`` bounds one existence check (``contains``/``contains_many``,
     ``size_of``); ``timeout_s`` one data call. ``connect_timeout_s``/``read_timeout_s``/
@@ -70,12 +64,8 @@ class S3Config:
     """
 
     bucket: str
-    endpoint_url: str | None = None
     prefix: str = "kvtier/"
-    region: str = "us-east-1"
-    access_key: str | None = None
-    secret_key: str | None = field(default=None, repr=False)
-    addressing: Literal["auto", "path", "virtual"] = "auto"
+    region: str | None = "us-east-1"
     capacity: Size = Size(100 * 1024**3)
     low_watermark: float = 0.9
     connect_timeout_s: float = 2.0
@@ -148,7 +138,7 @@ class S3Tier(Tier):
         _validate(config, name)
         self.config = config
         self._exc = botocore.exceptions
-        self._endpoint = config.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
+        self._endpoint = s3client.endpoint_of(config)
         self._client = self._make_client(lookup=False)
         self._lookup_client = self._make_client(lookup=True)
         self._pool = ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=f"kvtier-{name}")
@@ -167,13 +157,7 @@ class S3Tier(Tier):
     def _make_client(self, lookup: bool):
         """A botocore client: data calls get ``max_attempts`` attempts each capped by
         ``timeout_s``; lookups one attempt capped by ``lookup_timeout_s``."""
-        import boto3
-        from botocore.config import Config
-
         cfg = self.config
-        style = cfg.addressing
-        if style == "auto":
-            style = "path" if _is_local(self._endpoint) else "auto"
         if lookup:
             connect = read = cfg.lookup_timeout_s
             attempts, pool = 1, cfg.lookup_workers
@@ -181,20 +165,9 @@ class S3Tier(Tier):
             connect = min(cfg.connect_timeout_s, cfg.timeout_s)
             read = min(cfg.read_timeout_s, cfg.timeout_s)
             attempts, pool = cfg.max_attempts, cfg.max_workers
-        botocfg = Config(
-            connect_timeout=connect,
-            read_timeout=read,
-            retries={"max_attempts": attempts, "mode": "standard"},
-            max_pool_connections=max(10, pool * 2),
-            s3={"addressing_style": style},
-            # the entry carries its own checksum; skip botocore's extra CRC pass over the body
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-        )
-        return boto3.session.Session().client(
-            "s3", endpoint_url=self._endpoint, region_name=cfg.region, config=botocfg,
-            aws_access_key_id=cfg.access_key, aws_secret_access_key=cfg.secret_key,
-        )
+        # the entry carries its own checksum: skip botocore's extra CRC pass over the body
+        return s3client.make_client(cfg, connect_timeout_s=connect, read_timeout_s=read, max_attempts=attempts,
+                                    max_pool_connections=max(10, pool * 2), skip_checksums=True)
 
     def _obj(self, key: Key) -> str:
         return self.config.prefix + entry.check_key(key).hex()
@@ -536,17 +509,3 @@ def _validate(config: S3Config, name: str) -> None:
 def _payload(object_bytes: int) -> int:
     """Payload bytes of an entry object, taking its header as one-dimensional (the default shape)."""
     return max(0, object_bytes - entry.FIXED_BYTES - 8)
-
-
-def _is_local(endpoint: str | None) -> bool:
-    """True for endpoints on an IP address or localhost (no virtual-host DNS there)."""
-    if not endpoint:
-        return False
-    host = urlsplit(endpoint).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return False

@@ -1,33 +1,34 @@
 """S3-compatible object storage: ranged GETs through boto3, read straight into the caller's buffers.
 
-Endpoint: ``S3Config.endpoint_url``, else ``AWS_ENDPOINT_URL``, else AWS. Credentials come from
-the usual AWS chain (environment, config files, instance roles). Transient failures (5xx,
+Where and as whom (endpoint, region, credentials, addressing) as in ``kvtier.s3client``, which
+builds the client (the ``s3`` tier builds its clients there too). Transient failures (5xx,
 throttling, timeouts, a connection dropped mid-body) are retried with exponential backoff.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Literal, Sequence
 
+from kvtier import s3client
 from kvtier.errors import LoaderError
 from kvtier.loader.sources.base import Source, short_read
 
 
-@dataclass(frozen=True)
-class S3Config:
-    """How to reach the store. ``max_pool_connections`` should be >= the reader's concurrency."""
+@dataclass(frozen=True, kw_only=True)
+class S3Config(s3client.S3Config):
+    """``kvtier.s3client.S3Config`` plus the source's own options. ``max_pool_connections``
+    should be >= the reader's concurrency. Each attempt is bounded by ``connect_timeout_s`` /
+    ``read_timeout_s``; a transient failure is retried ``retries`` times after ``backoff_s``,
+    doubling (jittered)."""
 
-    endpoint_url: str | None = None
-    region: str | None = None
-    addressing_style: str = "path"
+    addressing: Literal["auto", "path", "virtual"] = "path"
     max_pool_connections: int = 64
-    connect_timeout: float = 5.0
-    read_timeout: float = 60.0
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0
     retries: int = 5
     backoff_s: float = 0.1
 
@@ -44,19 +45,9 @@ def split_uri(uri: str) -> tuple[str, str]:
 
 def make_client(config: S3Config):
     """A thread-safe boto3 client (botocore's own retries off: ours cover the body too)."""
-    import boto3
-    from botocore.config import Config
-
-    cfg = Config(
-        s3={"addressing_style": config.addressing_style},
-        max_pool_connections=config.max_pool_connections,
-        connect_timeout=config.connect_timeout,
-        read_timeout=config.read_timeout,
-        retries={"max_attempts": 1, "mode": "standard"},
-    )
-    endpoint = config.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
-    return boto3.client("s3", endpoint_url=endpoint, region_name=config.region or
-                        os.environ.get("AWS_REGION") or "us-east-1", config=cfg)
+    return s3client.make_client(config, connect_timeout_s=config.connect_timeout_s,
+                                read_timeout_s=config.read_timeout_s, max_attempts=1,
+                                max_pool_connections=config.max_pool_connections)
 
 
 def _transient(exc: BaseException) -> bool:
