@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 
+from kvtier.bench import targets
+
 MiB = 1024 * 1024
 MODES = ("cold", "warm", "s3", "s3+latency", "s3+wan")
 _S3_MODES = MODES[2:]
@@ -220,50 +222,25 @@ def _s3(path: str, work: str, opts: dict, modes: list[str], latency_ms: float, w
 
 
 def _checks(results: list[dict], opts: dict, path: str) -> list[dict]:
-    """The issue's targets, each with the measured ratio and whether it was met."""
-    by = {(r["method"], r["mode"]): r for r in results}
-
-    def ratio(a, b):
-        x, y = by.get(a), by.get(b)
-        if not x or not y or not y.get("gb_per_s"):
-            return None
-        return x["gb_per_s"] / y["gb_per_s"]
-
-    checks = []
-    for name, a, b, target in (
-        ("cold vs dd direct", ("kvtier", "cold"), ("dd", "cold"), 0.9),
-        ("cold vs safetensors", ("kvtier", "cold"), ("safetensors", "cold"), 1.0),
-        ("warm vs safetensors", ("kvtier", "warm"), ("safetensors", "warm"), 0.9),
-        ("s3 vs runai", ("kvtier", "s3"), ("runai", "s3"), 1.0),
-        ("s3+latency vs single GET", ("kvtier", "s3+latency"), ("single-stream", "s3+latency"), 3.0),
-        ("s3+latency vs sequential GETs", ("kvtier", "s3+latency"), ("sequential", "s3+latency"), 3.0),
-        ("cold (direct) vs dd direct", ("kvtier-direct", "cold"), ("dd", "cold"), 0.9),
-        ("s3 vs single GET (report)", ("kvtier", "s3"), ("single-stream", "s3"), None),
-        ("s3+latency vs runai", ("kvtier", "s3+latency"), ("runai", "s3+latency"), None),
-        ("s3+wan vs single GET", ("kvtier", "s3+wan"), ("single-stream", "s3+wan"), 3.0),
-        ("s3+wan vs sequential GETs", ("kvtier", "s3+wan"), ("sequential", "s3+wan"), 3.0),
-        ("s3+wan vs runai", ("kvtier", "s3+wan"), ("runai", "s3+wan"), 1.0),
-    ):
-        r = ratio(a, b)
-        if r is not None:
-            checks.append({"name": name, "ratio": round(r, 3), "target": target,
-                           "met": None if target is None else r >= target})
+    """The issue's targets (``kvtier.bench.targets``) checked against this run's GB/s and peak RSS."""
     from kvtier.loader.header import read_file_header
 
+    measured: dict[str, float] = {f"gbps:{r['method']}/{r['mode']}": r["gb_per_s"]
+                                  for r in results if r.get("gb_per_s")}
     largest = max((t.nbytes for t in read_file_header(path).tensors.values()), default=0)
-    margin = 64 * MiB
+    measured["rss_bound"] = opts["memory_limit"] + largest + 64 * MiB
+    runs = []
     for r in results:
         mapped = r["method"] == "kvtier" and r["mode"] in ("cold", "warm")  # auto: page cache, not ours
         if r["method"].startswith("kvtier") and not mapped and r.get("peak_rss_bytes"):
-            over = r["peak_rss_bytes"] - r.get("baseline_rss_bytes", 0)
-            bound = opts["memory_limit"] + largest + margin
-            checks.append({"name": f"{r['method']} {r['mode']} peak RSS over baseline", "bytes": over, "bound": bound,
-                           "met": over <= bound})
-    return checks
+            run = f"{r['method']} {r['mode']}"
+            measured[f"rss_over:{run}"] = r["peak_rss_bytes"] - r.get("baseline_rss_bytes", 0)
+            runs.append({"run": run})
+    return targets.evaluate("load", measured, {"rss": runs})
 
 
 def _print(report: dict) -> None:
-    from kvtier.cli._common import print_table
+    from kvtier.output import print_table
 
     rows = [[r["method"], r["mode"], r["gb_per_s"], r["peak_rss_bytes"] // MiB,
              (r["peak_rss_bytes"] - r.get("baseline_rss_bytes", 0)) // MiB, r.get("error", "")]
@@ -271,9 +248,7 @@ def _print(report: dict) -> None:
     print_table(["method", "mode", "GB/s", "peak RSS MiB", "over baseline MiB", "error"], rows,
                 title=f"{report['file']} ({report['bytes'] / 1e6:.0f} MB), cache drop: {report.get('cache_drop', '-')}")
     print()
-    print_table(["check", "ratio / bytes", "target / bound", "met"],
-                [[c["name"], c.get("ratio", c.get("bytes")), c.get("target", c.get("bound")), c["met"]]
-                 for c in report["checks"]])
+    targets.print_targets(report["checks"])
 
 
 # -- one measurement (child process) -----------------------------------------------------------

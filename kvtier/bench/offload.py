@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier.bench import targets
 from kvtier.errors import ConfigError, KVTierError
 
 MAIN_SETTINGS = ("vllm", "kvtier-ram", "kvtier-ram+disk")
@@ -407,53 +408,22 @@ def _agreement(by_name: dict[str, Setting]) -> dict:
 
 
 def _targets(p50: dict, curve: list[dict], engine_hit: float) -> list[dict]:
-    """The issue's targets, each with the measured value and whether it is met."""
-    checks = []
-
-    def check(name: str, value: float | None, limit: str, ok: bool | None) -> None:
-        checks.append({"target": name, "value": value, "limit": limit, "met": ok})
-
-    ram_again = p50.get(("kvtier-ram", "again"))
-    if ram_again is not None and engine_hit == engine_hit:
-        ratio = ram_again / engine_hit
-        check("kvtier-ram re-read / engine hit", round(ratio, 3), "<= 1.3", ratio <= 1.3)
-    if ram_again is not None and ("vllm", "again") in p50:
-        speedup = p50[("vllm", "again")] / ram_again
-        check("vLLM re-read / kvtier-ram re-read", round(speedup, 2), ">= 10", speedup >= 10)
-    disk_again = p50.get(("kvtier-ram+disk", "again"))
-    if disk_again is not None and engine_hit == engine_hit:
-        ratio = disk_again / engine_hit
-        check("kvtier-ram+disk re-read / engine hit", round(ratio, 3), "<= 2", ratio <= 2)
-    if ("kvtier-ram", "first") in p50 and ("vllm", "first") in p50:
-        overhead = p50[("kvtier-ram", "first")] / p50[("vllm", "first")] - 1
-        check("kvtier-ram first pass overhead", round(overhead, 4), "<= 0.03", overhead <= 0.03)
+    """The issue's targets (``kvtier.bench.targets``) checked against this run's TTFTs and curve."""
+    measured = {f"p50:{setting}/{pass_name}": ms for (setting, pass_name), ms in p50.items() if ms is not None}
+    measured["engine_hit"] = engine_hit
+    over = []
     for point in curve:
+        fraction = round(point["capacity_fraction"], 2)
         share = point["hit_tokens"] / point["query_tokens"] if point["query_tokens"] else 0.0
-        need = {0.33: 0.25, 0.67: 0.55}.get(round(point["capacity_fraction"], 2))
-        if need is not None:
-            check(f"capacity {point['capacity_fraction']:g}: hit share", round(share, 3), f">= {need}", share >= need)
-        elif point["capacity_fraction"] > 1.0:
-            check(f"capacity {point['capacity_fraction']:g}: hit share", round(share, 3), ">= 0.9", share >= 0.9)
-    if ("example-connector", "again") in p50 and ram_again is not None:
-        check("kvtier-ram re-read / example-connector re-read", round(ram_again / p50[("example-connector", "again")], 3),
-              "<= 1", ram_again <= p50[("example-connector", "again")])
-    if ("example-connector", "first") in p50 and ("kvtier-ram", "first") in p50:
-        check("kvtier-ram first / example-connector first",
-              round(p50[("kvtier-ram", "first")] / p50[("example-connector", "first")], 3), "< 1",
-              p50[("kvtier-ram", "first")] < p50[("example-connector", "first")])
-    if ("lmcache-mp", "again") in p50 and ram_again is not None:
-        check("kvtier-ram re-read / lmcache-mp re-read", round(ram_again / p50[("lmcache-mp", "again")], 3),
-              "< 1", ram_again < p50[("lmcache-mp", "again")])
-    if ("lmcache-mp", "first") in p50 and ("kvtier-ram", "first") in p50:
-        check("kvtier-ram first / lmcache-mp first",
-              round(p50[("kvtier-ram", "first")] / p50[("lmcache-mp", "first")], 3), "<= 1",
-              p50[("kvtier-ram", "first")] <= p50[("lmcache-mp", "first")])
-    return checks
+        measured[f"hit_share@{fraction:g}"] = share
+        if point["capacity_fraction"] > 1.0:
+            over.append({"fraction": fraction})
+    return targets.evaluate("offload", measured, {"capacity-over": over})
 
 
 def _print(report: dict, args: argparse.Namespace, working_set: int) -> None:
-    from kvtier.cli._common import print_table
     from kvtier.config import format_bytes
+    from kvtier.output import print_table
 
     print(f"{args.docs} documents x {args.tokens} tokens, one request at a time; vLLM pool {args.pool_tokens} tokens; "
           f"working set {format_bytes(working_set)} of KV\n")
@@ -472,8 +442,7 @@ def _print(report: dict, args: argparse.Namespace, working_set: int) -> None:
               f"(miss cost {be['miss_cost_ms']:.1f} ms, hit gain {be['hit_gain_ms']:.1f} ms)")
     if report["targets"]:
         print()
-        print_table(["target", "measured", "limit", "met"],
-                    [[t["target"], f"{t['value']:.3f}", t["limit"], "yes" if t["met"] else "NO"] for t in report["targets"]])
+        targets.print_targets(report["targets"])
 
 
 def _plot(report: dict, path: str) -> None:

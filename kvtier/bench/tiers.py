@@ -28,10 +28,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvtier.bench import shared_targets
-from kvtier.cli._common import emit_json, print_table
+from kvtier.bench import shared_targets, targets
 from kvtier.config import parse_size
 from kvtier.errors import ConfigError, KVTierError
+from kvtier.output import emit_json, print_table
 
 MiB = 1024 * 1024
 DEFAULT_SIZES = "1MiB,4MiB,16MiB"
@@ -201,11 +201,21 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shared_targets.close_services(args)
         shutil.rmtree(workdir, ignore_errors=True)
+    checks = _targets(results)
     if args.json:
-        emit_json({"results": results})
+        emit_json({"results": results, "targets": checks})
     else:
         _print_report(results, names)
+        if checks:
+            print()
+            targets.print_targets(checks)
     return 0
+
+
+def _targets(results: list[dict]) -> list[dict]:
+    """The issues' targets (``kvtier.bench.targets``) checked against this run's GB/s."""
+    measured = {f"gbps:{r['tier']}/{r['op']}/{r['entry_bytes'] / MiB:g}MiB": r["gb_per_s"] for r in results}
+    return targets.evaluate("tiers", measured)
 
 
 def _measure_all(args, names, sizes, total, workdir) -> list[dict]:

@@ -1,22 +1,11 @@
-"""Helpers shared by command modules: JSON output, tables, notes, and the one-line message for
-a missing optional dependency."""
+"""Helpers shared by command modules: the one-line message for a missing optional dependency,
+and (from ``kvtier.output``, where the benchmarks find them too) JSON output, tables, notes."""
 
 from __future__ import annotations
 
-import json
-import sys
-from typing import Any, Sequence
+from kvtier.output import emit_json, note, print_table
 
-
-def emit_json(obj: Any) -> None:
-    """Print ``obj`` as JSON on stdout (one document)."""
-    json.dump(obj, sys.stdout, indent=2)
-    sys.stdout.write("\n")
-
-
-def note(text: str) -> None:
-    """One line on stderr that qualifies the output (stdout stays machine-readable)."""
-    print(f"note: {text}", file=sys.stderr)
+__all__ = ["OPTIONAL_MODULES", "emit_json", "missing_dependency", "note", "print_table"]
 
 
 # top-level module -> what installs it (the extra's name, or the instruction for vLLM)
@@ -42,23 +31,3 @@ def missing_dependency(exc: ModuleNotFoundError) -> str | None:
     if root not in OPTIONAL_MODULES:
         return None
     return f"this command needs the optional module {root!r}, which is not installed: {OPTIONAL_MODULES[root]}"
-
-
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str = "") -> None:
-    """Print a plain Markdown table (readable in a terminal, pasteable into a README)."""
-    cells = [[_fmt(c) for c in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    if title:
-        print(title)
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in cells:
-        print("| " + " | ".join(c.rjust(w) for c, w in zip(row, widths)) + " |")
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:,.4g}" if abs(value) < 1 else f"{value:,.1f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)

@@ -91,7 +91,7 @@ def test_bench_load_json_interface(tmp_path):
     for r in report["results"]:
         assert isinstance(r["gb_per_s"], float) and r["gb_per_s"] > 0 and r["peak_rss_bytes"] > 0, r
     assert report["wan_window_bytes"] == 2 << 20 and report["proxy_requests_s3+wan"] > 3
-    names = {c["name"] for c in report["checks"]}
+    names = {c["target"] for c in report["checks"]}
     assert {"warm vs safetensors", "s3+wan vs single GET"} <= names
 
 
