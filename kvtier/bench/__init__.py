@@ -1,1 +1,17 @@
-"""Benchmark programs: each measures kvtier and the named baseline side by side in one run."""
+"""Benchmark programs: each measures kvtier and the baselines a user would otherwise pick side by
+side in one run, and takes ``--json``.
+
+- One benchmark per module, run as ``kvtier bench NAME`` (``kvtier.cli.bench`` registers them):
+  ``tiers`` (with its contestants in ``shared_targets`` and ``server``), ``load``, ``seed``
+  (``seed_*``), ``route``, ``gpu``, ``serve``; ``offload`` is ``kvtier demo``, whose settings run
+  in ``engine_run`` processes; ``lmcache_mp`` is the LMCache baseline.
+- ``targets``: the issues' targets, one table, checked by ``evaluate`` (no benchmark holds a
+  threshold of its own).
+- ``procs``: the one helper for child processes (``spawn``, ``wait_ready``, ``Child.stop``,
+  ``start_on_ports``); ``services``: redis-server and SeaweedFS on loopback; ``models``: the
+  random test models; ``delay_proxy``, ``cpu_hog``: fault and load injection.
+
+Imports: anything below it (``route``, ``integrations``, ``server``, ``store``, ``tiers``,
+``policies``, ``loader``, ``plan`` and the ground floor, ``kvtier.output`` for printing); never
+the CLI (``tests/test_layout.py`` checks).
+"""

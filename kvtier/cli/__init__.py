@@ -3,7 +3,10 @@
 Each command module defines ``register(subparsers)``, which adds its parser and sets
 ``func=run`` (a callable taking the parsed args and returning an exit code). User mistakes
 (any KVTierError) and a missing optional dependency (named with the extra that installs it)
-print one line to stderr and exit 2; no traceback.
+print one line to stderr and exit 2; no traceback. ``_common`` holds the missing-dependency
+message (and re-exports ``kvtier.output``'s printing helpers).
+
+Imports: anything in kvtier (it is the top); nothing imports it but ``kvtier.__main__``.
 """
 
 from __future__ import annotations

@@ -7,6 +7,12 @@ per-rank shards, a node-local cache of remote models and a read-throughput probe
             ...
 
 Importing this package does not import torch or boto3; they are imported on first use.
+
+Modules: ``header`` (safetensors headers, sharded indexes), ``sources/`` (file, s3), ``reader``
+(``StreamReader``), ``shard`` (per-rank slices), ``cache`` (node-local copies), ``probe``.
+
+Imports: ``kvtier.config``, ``kvtier.errors``, ``kvtier.registry``, ``kvtier.fileio``,
+``kvtier.s3client``; never the KV store, its tiers or policies, the server, vLLM or the CLI.
 """
 
 from kvtier.loader.header import Header, TensorInfo, parse_header, read_file_header

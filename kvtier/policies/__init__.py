@@ -1,1 +1,10 @@
-"""Eviction and admission policies: one protocol (``base.EvictionPolicy``), one policy per file."""
+"""Eviction and admission policies: bookkeeping only, no I/O.
+
+- ``base.py``: ``EvictionPolicy``, the protocol (``admit``, ``miss``, ``insert``, ``access``,
+  ``remove``, ``victim``); one policy per file (``lru``, ``fifo``, ``s3fifo``, ``wtinylfu`` with
+  ``_sketch``, its frequency sketch); ``registry.py``: ``POLICIES`` and ``make_policy``.
+- ``admission.py``: break-even admission (``Admission``), asked by the store before a write.
+
+Imports: ``kvtier.registry``, ``kvtier.config``, ``kvtier.errors`` only; never tiers, the store
+or anything above.
+"""

@@ -1,4 +1,11 @@
-"""Loader sources, one per file, found by URI scheme through the shared Registry."""
+"""Loader sources, one per file, found by URI scheme through the shared Registry.
+
+- ``base.py``: ``Source`` (``size``, ``read_into``; ``read`` and ``list_dir`` built on them).
+- ``file.py``: local files through ``kvtier.fileio``; ``s3.py``: ranged GETs through a client
+  from ``kvtier.s3client`` (boto3 imported when first used).
+
+Imports: ``kvtier.registry``, ``kvtier.fileio``, ``kvtier.s3client``, ``kvtier.errors``.
+"""
 
 from __future__ import annotations
 
