@@ -36,7 +36,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kvtier.cli._common import emit_json, print_table
+from kvtier.output import emit_json, print_table
 from kvtier.integrations.vllm.pages import PageLayout
 
 

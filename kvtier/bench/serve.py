@@ -116,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run every setting (and variant); print tables or JSON."""
-    from kvtier.cli._common import emit_json, note
+    from kvtier.output import emit_json, note
     from kvtier.errors import ConfigError
 
     names = [s for s in args.settings.split(",") if s]
@@ -381,7 +381,7 @@ def plot(rows: list[dict], path: str) -> list[str]:
 
 
 def _print(rows: list[dict]) -> None:
-    from kvtier.cli._common import print_table
+    from kvtier.output import print_table
 
     cols = ("model", "setting", "concurrency", "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p99_ms",
             "output_tok_s", "hit_tokens", "query_tokens", "doc_ttft_ram_ms", "doc_ttft_disk_ms", "doc_ttft_shared_ms")
