@@ -6,10 +6,16 @@ configuration mistakes and for faults a caller must know about.
 
 
 class KVTierError(Exception):
-    """Base of every error kvtier raises on purpose."""
+    """Base of every error kvtier raises on purpose.
+
+    kvtier's errors are rooted here, not in Python's built-in errors (``ConfigError`` is not a
+    ``ValueError``), so an ``except ValueError`` around a copy or a parse never swallows a
+    configuration mistake, and ``except KVTierError`` catches exactly kvtier's own faults.
+    ``InvalidKey`` alone is also a ``ValueError``: it is a caller passing a bad argument.
+    """
 
 
-class ConfigError(KVTierError, ValueError):
+class ConfigError(KVTierError):
     """A configuration value is wrong: unknown key, bad size, unknown name.
 
     The message is one line that names the problem and the valid choices.

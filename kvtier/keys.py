@@ -181,6 +181,30 @@ def worker_key(key: bytes, tp_rank: int = 0, tp_size: int = 1, pp_stage: int = 0
     return hashlib.sha256(blob).digest()
 
 
+@dataclass(frozen=True)
+class WorkerShare:
+    """One worker's place in the engine: TP rank ``tp_rank`` of ``tp_size`` in pipeline stage
+    ``pp_stage`` of ``pp_size``. Each worker stores its share of a chunk under ``key(chunk)``
+    (``worker_key``); a single worker (TP=PP=1) uses the chunk key itself."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_stage: int = 0
+    pp_size: int = 1
+
+    def key(self, chunk_key: bytes) -> bytes:
+        """The key of this worker's share of the chunk ``chunk_key``."""
+        return worker_key(chunk_key, self.tp_rank, self.tp_size, self.pp_stage, self.pp_size)
+
+    def keys(self, chunk_keys: Sequence[bytes]) -> list[bytes]:
+        """``key`` of each chunk key, in order."""
+        return [self.key(k) for k in chunk_keys]
+
+    def of(self, tp_rank: int, pp_stage: int) -> "WorkerShare":
+        """The share of another worker of the same engine (same TP and PP sizes)."""
+        return replace(self, tp_rank=tp_rank, pp_stage=pp_stage)
+
+
 # ------------------------------------------------------------------------------- weights identity
 
 WEIGHTS_WINDOW = 256  # bytes hashed at the start and at the end of each sampled tensor
