@@ -38,7 +38,7 @@ class ServerTarget:
                                    log=os.path.join(workdir, "serve.log"))
         self.client: ServerStore | None = None
         try:
-            self.client = _connect(self._child, f"unix://{sock}", timeout)
+            self.client = _connect(self._child, sock, timeout)
         except BaseException:
             self._child.stop()
             raise
@@ -67,12 +67,16 @@ def _serve_config(sock: str, capacity: int, page_size: int) -> dict:
                                  "policy": "lru"}]}}
 
 
-def _connect(child: Child, address: str, timeout: float) -> ServerStore:
-    """A client connected to the server ``child`` runs, polled with real handshakes until one
-    succeeds; a refusal (``ServerRejected``) is raised at once, not retried."""
+def _connect(child: Child, sock: str, timeout: float) -> ServerStore:
+    """A client connected to the server ``child`` runs on the unix socket ``sock``, polled with
+    real handshakes once the socket exists until one succeeds; a refusal (``ServerRejected``) is
+    raised at once, not retried."""
+    address = f"unix://{sock}"
     found: list[ServerStore | ServerRejected] = []
 
     def ready() -> bool:
+        if not os.path.exists(sock):  # not listening yet: no handshake (the client would log each miss)
+            return False
         try:
             client = ServerStore(address)
         except ServerRejected as exc:
