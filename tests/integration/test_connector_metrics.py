@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig, check_load_failure_policy
 from kvtier.integrations.vllm.connector import KVTierConnector
-from kvtier.integrations.vllm.metrics import KVTierConnectorStats, TierDeltas
+from kvtier.integrations.vllm.metrics import KVTierConnectorStats, TierDeltas, tier_counters
 
 
 def _families(text: str) -> dict:
@@ -77,6 +77,21 @@ def test_tier_deltas_report_each_count_once():
     assert deltas.take(stats) == {"ram": {"hits": 2, "misses": 0}}
     stats["tiers"][0]["hits"] = 1  # a tier rebuilt: counts from zero
     assert deltas.take(stats)["ram"]["hits"] == 1
+
+
+def test_tier_counters_read_each_tiers_own_counters_without_io():
+    class Stats:
+        def __init__(self, **c):
+            self.c = c
+
+        def as_dict(self):
+            return dict(self.c)
+
+    tiers = [types.SimpleNamespace(name="ram", stats=Stats(hits=2, errors=0)),
+             types.SimpleNamespace(name="s3", stats=Stats(hits=0, errors=1)), types.SimpleNamespace(name="x")]
+    snapshot = tier_counters(tiers)
+    assert snapshot == {"tiers": [{"name": "ram", "hits": 2, "errors": 0}, {"name": "s3", "hits": 0, "errors": 1}]}
+    assert TierDeltas().take(snapshot) == {"ram": {"hits": 2, "errors": 0}, "s3": {"hits": 0, "errors": 1}}
 
 
 def test_prom_metrics_register_with_vllms_metric_classes_and_parse():
@@ -190,8 +205,7 @@ def test_metrics_on_vllms_own_endpoint(tmp_path):
         prompt = [(7 * i) % 31000 + 1 for i in range(300)]  # two full 128-token chunks and a tail
         for _ in range(2):
             _complete(base, model, prompt)
-        time.sleep(1.2)  # the store's tier counters are polled about once a second, on a step
-        _complete(base, model, [5] * 8)
+        _complete(base, model, [5] * 8)  # one more step, whatever vLLM's output batching
         text = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
         fams = _families(text)
         assert _total(fams, "vllm:kvtier_saved_chunks") >= 2

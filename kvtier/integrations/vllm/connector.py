@@ -58,7 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig, check_load_failure_policy
-from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics, TierDeltas
+from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics, TierDeltas, tier_counters
 from kvtier.integrations.vllm.plugin import route_logs_to_vllm
 from kvtier.integrations.vllm.pages import ENTRY_FORMAT, PageLayout
 from kvtier.keys import ROOT, MMItem, Namespace, chunk_keys, lora_identity, weights_digest, worker_key
@@ -187,7 +187,6 @@ class KVTierConnector(KVConnectorBase_V1):
         self._failed_blocks: set[int] = set()
         self._stats = KVTierConnectorStats()
         self._tier_deltas = TierDeltas()  # the in-process store's tier counters, as deltas
-        self._tier_poll_at = 0.0  # monotonic time of the next tier-counter poll
         if role == KVConnectorRole.WORKER:
             self._rank, self._stage = _tp_rank(), _pp_stage()
             cfg = self.config.for_rank(self._rank, self.tp_size, self._stage, self.pp_size)
@@ -509,12 +508,10 @@ class KVTierConnector(KVConnectorBase_V1):
         return failed
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """This interval's counters (then reset); about once a second, the in-process store's
-        per-tier counters since the last poll too (a cache server reports its own)."""
-        now = time.monotonic()
-        if self.store is not None and not self.config.server and now >= self._tier_poll_at:
-            self._tier_poll_at = now + 1.0
-            for tier, deltas in self._tier_deltas.take(self.store.stats()).items():
+        """This interval's counters (then reset), with the in-process store's per-tier counters
+        since the last call (a cache server reports its own on its /metrics)."""
+        if self.store is not None and not self.config.server:
+            for tier, deltas in self._tier_deltas.take(tier_counters(self.store.tiers)).items():
                 self._stats.count_tier(tier, **deltas)
         if self._stats.is_empty():
             return None

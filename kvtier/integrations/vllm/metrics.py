@@ -21,8 +21,9 @@ metric also carries vLLM's ``model_name`` and ``engine`` labels):
 - ``vllm:kvtier_saves_dropped``: chunks the store refused to take from the engine;
 - ``vllm:kvtier_tier_hits{tier}``, ``_tier_misses``, ``_tier_read_bytes``, ``_tier_written_bytes``,
   ``_tier_errors``, ``_tier_corrupt``, ``_tier_dropped`` (writes dropped on a full queue),
-  ``_tier_evictions``: the in-process store's own per-tier counters (not reported with a cache
-  server, which exposes them on its own ``/metrics`` for every engine of the node);
+  ``_tier_evictions``: the in-process store's own per-tier counters, read each step (not
+  reported with a cache server, which exposes them on its own ``/metrics`` for every engine of
+  the node); background writes to lower tiers show at the next step;
 - ``vllm:kvtier_load_seconds``, ``vllm:kvtier_save_seconds``: histograms of the time one step
   spent loading (saving) its chunks.
 
@@ -33,7 +34,7 @@ prefix when it builds its loggers again, and dashboards select by it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -143,11 +144,24 @@ class KVTierConnectorStats(KVConnectorStats):
                 and not any(self.data[name] for name in HISTOGRAMS))
 
 
-class TierDeltas:
-    """Turns the store's cumulative per-tier counters into per-interval deltas.
+def tier_counters(tiers: Iterable[Any]) -> dict[str, Any]:
+    """``{"tiers": [{"name", counters...}]}`` of tiers' own counters (``tier.stats``), for
+    ``TierDeltas.take``. Unlike the store's ``stats()`` it does no I/O (no directory walk, no
+    remote call), so the engine's step thread may read it every step."""
+    out = []
+    for tier in tiers:
+        counters = getattr(tier, "stats", None)
+        if counters is not None and hasattr(counters, "as_dict"):
+            out.append({"name": getattr(tier, "name", ""), **counters.as_dict()})
+    return {"tiers": out}
 
-    ``take(stats)`` returns {tier name: {counter: delta}} since the previous call (the first call
-    reports everything counted so far). A counter that went down (a tier rebuilt) counts from 0.
+
+class TierDeltas:
+    """Turns cumulative per-tier counters into per-interval deltas.
+
+    ``take(stats)`` (a store ``stats()`` dict or ``tier_counters(...)``) returns {tier name:
+    {counter: delta}} since the previous call (the first call reports everything counted so far).
+    A counter that went down (a tier rebuilt) counts from 0.
     """
 
     def __init__(self) -> None:
