@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import sys
@@ -108,6 +109,7 @@ class Run:
     seconds: float = 0.0
     pools: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)  # engine groups that failed (their rows are missing)
+    load_start: tuple[float, ...] = ()  # the machine's load average when the run began (others' work shows here)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -163,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         if "small" not in variants:
             variants = ("small", *variants)  # zipf, chunk and concurrency run on the small model
         scale = replace(scale, variants=variants)
-    result = Run(experiments, scale, started=time.time())
+    result = Run(experiments, scale, started=time.time(), load_start=_loadavg())
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         with tempfile.TemporaryDirectory(prefix="kvtier-seed-", dir=args.work_dir) as work:
@@ -183,6 +185,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         seed_report.print_text(report)
     return 1 if result.errors else 0
+
+
+def _loadavg() -> tuple[float, ...]:
+    """The 1/5/15-minute load averages (empty where the platform has none)."""
+    try:
+        return tuple(round(x, 2) for x in os.getloadavg())
+    except (AttributeError, OSError):
+        return ()
 
 
 class Interrupted(KVTierError):
