@@ -32,8 +32,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError, KVTierError
+
+if TYPE_CHECKING:
+    from kvtier.bench.seed_engines import EngineSpec
 
 EXPERIMENTS = ("zipf", "length", "disk", "chunk", "concurrency", "breakeven")
 BLOCK = 128
@@ -225,7 +229,7 @@ def _command_line(args: argparse.Namespace) -> str:
 class Role:
     """One engine and what it serves: its spec and the experiment parts that use it."""
 
-    spec: "object"  # seed_engines.EngineSpec
+    spec: "EngineSpec"
     uses: tuple[str, ...]
 
 

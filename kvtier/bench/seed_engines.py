@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import queue
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -58,9 +60,6 @@ class SeedEngine(offload._Engine):
         self._child = spawn([sys.executable, "-m", "kvtier.bench.seed_engine", str(spec_path)],
                             name=f"engine {name}", env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=self._log, text=True)
-        import queue
-        import threading
-
         self._lines = queue.SimpleQueue()
         threading.Thread(target=self._pump, name=f"engine-{name}-stdout", daemon=True).start()
 
