@@ -336,19 +336,20 @@ class Router:
         for name, value in upstream.headers.items():
             if name.lower() not in _HOP_HEADERS:
                 response.headers[name] = value
-        await response.prepare(request)
         chunk = first
         try:
+            await response.prepare(request)
             while chunk:
                 await response.write(chunk)
-                chunk = await upstream.content.readany()
+                try:
+                    chunk = await upstream.content.readany()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # the engine failed mid-response
+                    self.eject(engine, f"response cut: {type(exc).__name__}")
+                    if request.transport is not None:
+                        request.transport.close()  # the client sees a cut response, never a silent end
+                    return "failed_mid_response", response
             await response.write_eof()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # the engine failed mid-response
-            self.eject(engine, f"response cut: {type(exc).__name__}")
-            if request.transport is not None:
-                request.transport.close()  # the client sees a cut response, never a silent end
-            return "failed_mid_response", response
-        except OSError:  # the client left
+        except (ConnectionError, OSError, aiohttp.ClientConnectionResetError):  # writing failed: the client left
             return "client_gone", response
         return ("ok" if upstream.status < 400 else f"http_{upstream.status}"), response
 

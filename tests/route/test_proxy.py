@@ -76,6 +76,9 @@ class FakeEngine:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Engine": self.name})
         await resp.prepare(request)
         for i in range(self.chunks):
+            if self.mode == "cut" and i == 2:
+                request.transport.close()  # the engine dies mid-response
+                return resp
             await resp.write(f"data: {json.dumps({'engine': self.name, 'i': i})}\n\n".encode())
             await asyncio.sleep(self.gap)
         await resp.write(b"data: [DONE]\n\n")
@@ -147,6 +150,39 @@ def test_streaming_is_passed_through_as_it_arrives():
                         arrivals.append(time.monotonic() - t0)
             assert len(arrivals) == 5
             assert arrivals[0] < 0.25 and arrivals[-1] > 1.0  # first event long before the last
+
+    asyncio.run(scenario())
+
+
+def test_a_client_leaving_mid_stream_is_not_the_engine_failing():
+    a = FakeEngine("a", chunks=6, gap=0.1)
+
+    async def scenario():
+        async with running([a]) as (router, base, s):
+            for _ in range(3):
+                async with s.post(base + "/v1/completions", json={"prompt": [1] * 8, "stream": True}) as resp:
+                    await resp.content.readline()  # read the first event, then hang up
+            await asyncio.sleep(0.8)
+            assert router.healthy() == [a.url]
+            status, body, _ = await _post(s, base, {"prompt": [1] * 8})
+            assert status == 200 and body == {"engine": "a"}
+            metrics = await (await s.get(base + "/metrics")).text()
+            assert "kvtier_route_ejections_total" not in metrics.replace("# HELP kvtier_route_ejections_total", "") \
+                .replace("# TYPE kvtier_route_ejections_total", "")
+
+    asyncio.run(scenario())
+
+
+def test_engine_dying_mid_stream_cuts_the_client_and_ejects():
+    a, b = FakeEngine("a", chunks=20, gap=0.1), FakeEngine("b")
+
+    async def scenario():
+        async with running([a, b], balance_ratio=0, health_interval_s=30) as (router, base, s):
+            a.mode = "cut"
+            async with s.post(base + "/v1/completions", json={"prompt": [1] * 8, "stream": True}) as resp:
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await resp.read()
+            assert router.healthy() == [b.url]
 
     asyncio.run(scenario())
 
