@@ -93,8 +93,9 @@ def _policies(args: argparse.Namespace) -> list[str]:
         raise ConfigError(f"--policies: unknown {', '.join(bad)}; valid: {', '.join(valid)}")
     if args.docs < 1 or args.requests < 1 or args.concurrency < 1 or args.doc_tokens < BLOCK:
         raise ConfigError("--docs, --requests, --concurrency must be >= 1 and --doc-tokens >= 128")
-    if args.system_tokens + args.doc_tokens + 64 + args.max_tokens > 4096:
-        raise ConfigError("a prompt (system + document + question + output) must fit 4096 tokens")
+    if args.system_tokens + args.doc_tokens + 64 + args.max_tokens > max_model_len(args.pool_blocks):
+        raise ConfigError(f"a prompt (system + document + question + output) must fit "
+                          f"{max_model_len(args.pool_blocks)} tokens (4096, or --pool-blocks x 128 when smaller)")
     return names
 
 
@@ -234,6 +235,11 @@ class Engine:
     child: Any = None
 
 
+def max_model_len(pool_blocks: int) -> int:
+    """vLLM refuses to start when its pool cannot hold one longest request: cap it there."""
+    return min(4096, pool_blocks * BLOCK)
+
+
 def start_engines(model: str, tokenizer: Path, pool_blocks: int, work: Path, cores: list[int]) -> list[Engine]:
     """Start one server per core (pinned), wait until every one answers /health."""
     from kvtier.bench.procs import spawn, wait_ready
@@ -247,7 +253,7 @@ def start_engines(model: str, tokenizer: Path, pool_blocks: int, work: Path, cor
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                 "--tokenizer", str(tokenizer), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
                 "--port", str(port), "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(pool_blocks),
-                "--max-model-len", "4096", "--enable-prefix-caching", "--gpu-memory-utilization", "0.2",
+                "--max-model-len", str(max_model_len(pool_blocks)), "--enable-prefix-caching", "--gpu-memory-utilization", "0.2",
                 "--kv-events-config", json.dumps(events)]
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(core), OMP_NUM_THREADS="1",
                    VLLM_SERVER_DEV_MODE="1", VLLM_LOGGING_LEVEL="WARNING")

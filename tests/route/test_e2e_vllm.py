@@ -28,7 +28,7 @@ def test_kvtier_route_in_front_of_two_vllm_servers(tmp_path):
     vllm_router = os.environ.get("KVTIER_VLLM_ROUTER") or shutil.which("vllm-router")
     policies = "kvtier-route,oracle" + (",round_robin" if vllm_router else "")
     args = argparse.Namespace(docs=4, doc_tokens=600, system_tokens=128, requests=24, concurrency=2, zipf=1.0,
-                              hot_zipf=1.2, max_tokens=8, pool_blocks=24, seed=0, policies=policies,
+                              hot_zipf=1.2, max_tokens=8, pool_blocks=32, seed=0, policies=policies,
                               no_kill=False, vllm_router=vllm_router, model=None, work_dir=str(tmp_path))
     report = run_bench(args)
     rows = {(r["policy"], r["zipf"]): r for r in report["rows"]}
