@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kvtier.errors import CorruptEntry
 from kvtier.integrations.vllm.pages import ENTRY_FORMAT, PageLayout
 
 # aten ops that move bytes (views, reshapes and index-tensor creation move none)
@@ -113,7 +114,7 @@ def test_step_round_trip_with_skips_threads_and_a_failed_chunk(engine):
     before = {name: t.clone() for name, t in kv.items()}
     dst_chunks = [[10, 11], [12, 13], [14, 15]]
     load = layout.begin_load(3)
-    with pytest.raises(ValueError):  # chunk 2's entry is short: a miss, nothing copied
+    with pytest.raises(CorruptEntry):  # chunk 2's entry is short: a miss, nothing copied
         load.fill(2, [entries[2][:-1]], dst_chunks[2])
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda i: load.fill(i, [entries[i]], dst_chunks[i], first=1 if i == 0 else 0), [0, 1]))

@@ -40,7 +40,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, CorruptEntry
 
 ENTRY_FORMAT = "entry:block-major-v1"
 ENGINES = ("host", "torch")
@@ -123,7 +123,7 @@ class PageLayout:
 
         Skipped blocks are already computed by the engine (a local prefix-cache hit that ends
         inside the chunk); they may be shared with other requests and are never written.
-        ValueError, before any page is written, unless ``segments`` hold exactly one chunk.
+        CorruptEntry, before any page is written, unless ``segments`` hold exactly one chunk.
         """
         step = self.begin_load(1)
         try:
@@ -164,13 +164,13 @@ class PageLayout:
             raise ValueError(f"block ids {bad} outside [0, {self.num_blocks})")
 
     def _arrays(self, segments: Sequence) -> list[np.ndarray]:
-        """Entry segments as flat uint8 arrays; ValueError unless they hold exactly one chunk of
-        whole pieces."""
+        """Entry segments as flat uint8 arrays; CorruptEntry (an entry of another size is not
+        this engine's chunk) unless they hold exactly one chunk of whole pieces."""
         arrays = [_as_array(seg) for seg in segments]
         size = self.piece_bytes
         total = sum(a.size for a in arrays)
         if total != self.chunk_bytes or any(a.size % size for a in arrays):
-            raise ValueError(f"entry of {total} bytes is not one chunk of {self.chunk_bytes}")
+            raise CorruptEntry(f"entry of {total} bytes is not one chunk of {self.chunk_bytes}")
         return arrays
 
     def _page_pairs(self, block_ids: Sequence[int], arrays: list[np.ndarray], first: int,
@@ -249,7 +249,7 @@ class SaveStep:
             group.wait()
 
     def copy_to(self, i: int, segments: Sequence) -> None:
-        """Copy chunk ``i``'s entry bytes into ``segments`` (ValueError, before any byte is
+        """Copy chunk ``i``'s entry bytes into ``segments`` (CorruptEntry, before any byte is
         copied, unless they hold exactly one chunk)."""
         layout = self._layout
         arrays = layout._arrays(segments)
@@ -317,8 +317,8 @@ class LoadStep:
         """Take chunk ``i``'s entry (``segments``) for the pages of ``block_ids[first:]``.
 
         ``host`` engine: the pages are written now; ``torch`` engine: the bytes go to the staging
-        buffer and the pages are written by ``scatter``. ValueError, before anything is copied,
-        unless the segments hold exactly one chunk and the blocks are valid.
+        buffer and the pages are written by ``scatter``. Before anything is copied: CorruptEntry
+        unless the segments hold exactly one chunk, ValueError unless the blocks are valid.
         """
         layout = self._layout
         if not 0 <= i < self._n:

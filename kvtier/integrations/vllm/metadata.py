@@ -1,0 +1,80 @@
+"""What the connector's scheduler side hands its worker side each step, and what comes back.
+
+The scheduler side (``kvtier.integrations.vllm.scheduler``) plans; the worker side
+(``kvtier.integrations.vllm.worker``) carries the plan out. Both see the engine's chunk
+geometry the same way (``ChunkGeometry``). Everything here is plain data: vLLM moves it
+between processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from kvtier.store import StoreEvent
+
+
+@dataclass(frozen=True)
+class ChunkGeometry:
+    """How a request's tokens map to chunks and blocks: ``chunk_tokens`` is a whole number of
+    the engine's ``block_size`` blocks (``blocks_per_chunk``)."""
+
+    block_size: int
+    chunk_tokens: int
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_tokens // self.block_size
+
+    def chunk_blocks(self, block_ids: list[int], chunk: int) -> list[int]:
+        """The block ids of chunk ``chunk`` in a request's block table (fewer at its end)."""
+        bpc = self.blocks_per_chunk
+        return block_ids[chunk * bpc : (chunk + 1) * bpc]
+
+
+@dataclass
+class LoadSpec:
+    """Load chunks ``first_chunk .. first_chunk+len(keys)-1`` of a request into its blocks.
+
+    ``background``: the worker loads it off the step (vLLM's asynchronous load protocol: the
+    request waits in ``WAITING_FOR_REMOTE_KVS`` until the worker reports it in
+    ``get_finished``); otherwise the load completes in ``start_load_kv``."""
+
+    req_id: str
+    keys: list[bytes]
+    first_chunk: int
+    block_ids: list[int]  # the request's whole block table
+    skip_blocks: int  # blocks at the start of the first chunk that are already computed
+    background: bool = False
+
+
+@dataclass
+class SaveSpec:
+    """Save one full chunk of a request from its blocks."""
+
+    req_id: str
+    key: bytes
+    parent: bytes | None
+    chunk_index: int
+    block_ids: list[int]  # the chunk's blocks
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    """What the worker does this step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: the store's events of this step."""
+
+    events: list[StoreEvent] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierWorkerMetadata":
+        if isinstance(other, KVTierWorkerMetadata):
+            self.events.extend(other.events)
+        return self

@@ -1,0 +1,329 @@
+"""The connector's scheduler side: bookkeeping and planning, no KV data.
+
+Runs in vLLM's scheduler process. For each request it computes the chunk keys (chained over the
+token ids under the request's namespace: model, LoRA, cache salt, multimodal items), looks them
+up, plans which chunks to load into which blocks and which newly computed full chunks to save
+(generated tokens included: the next turn of a conversation re-reads the answer as its prompt),
+and hands both plans to the worker in the step's ``KVTierMetadata``.
+
+What the stores hold is learned three ways, as each tier declares (``Tier.scheduler_view``):
+
+- the worker's process-private tiers (RAM) are mirrored from the store events the worker
+  reports each step (``KVTierWorkerMetadata``, applied in ``update_connector_output``);
+- persistent and shared tiers (disk, fs, redis, s3) are asked directly through lookup-only
+  probes, so entries stored by an earlier engine or another machine are found at once;
+- with a per-node cache server, the server is asked (it knows every engine's entries).
+
+Lookups use the keys of worker rank 0 of stage 0, which speaks for all workers.
+
+Events for routers: ``take_events`` turns the worker's store events into vLLM
+``BlockStored``/``BlockRemoved`` events (one per chunk, ``block_size`` = the chunk size), with
+the token ids and extra keys remembered when the chunk's save was planned.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+
+from kvtier.errors import KVTierError
+from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, KVTierWorkerMetadata, LoadSpec, SaveSpec
+from kvtier.keys import ROOT, MMItem, Namespace, WorkerShare, chunk_keys, lora_identity, weights_digest
+from kvtier.tiers.base import SchedulerView
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestState:
+    """Scheduler-side state of one request."""
+
+    keys: list[bytes]  # keys of the full chunks known so far (the prompt's, then generated ones)
+    prompt_len: int
+    token_ids: Sequence[int]  # the prompt, then the generated tokens (vLLM's growing all_token_ids)
+    namespace: bytes = b""
+    mm: tuple[MMItem, ...] = ()  # the prompt's multimodal items, folded into the keys
+    lora_name: str | None = None  # for the extra keys of published events
+    cache_salt: str | None = None
+    block_ids: list[int] = field(default_factory=list)
+    hit_chunks: int = 0  # chunks found in the store at lookup
+    local_tokens: int = 0  # tokens vLLM's own prefix cache had
+    load: tuple[int, int, int] | None = None  # (first_chunk, end_chunk, skip_blocks) pending
+    saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or being stored
+
+
+class KVTierScheduler:
+    """The scheduler side of ``KVTierConnector`` (see the module docstring).
+
+    Not thread-safe: vLLM calls it from its scheduler loop only.
+    """
+
+    def __init__(self, config: ConnectorConfig, geometry: ChunkGeometry, namespace: Namespace, share: WorkerShare):
+        self.config = config
+        self.geometry = geometry
+        self.namespace = namespace
+        self._share = share.of(0, 0)  # worker rank 0 of stage 0 speaks for all
+        self._lora_ids: dict[tuple[str, str], str] = {}  # (name, path) -> identity, read once
+        self._requests: dict[str, RequestState] = {}
+        self._present: dict[bytes, set[str]] = {}  # chunk key -> media holding it (from events)
+        self._chunk_tokens_of: deque = deque(maxlen=4096)  # recent (key, parent, tokens, extra) for events
+        self._events: list = []
+        # media the worker's store knows only privately: mirrored from the worker's events
+        self._mirrored = frozenset(spec.medium for spec in config.store.tiers
+                                   if spec.scheduler_view is SchedulerView.MIRRORED)
+        self._server = None  # with a cache server: lookups go to the server
+        self._probes: list = []
+        if config.server:
+            from kvtier.server.client import ServerStore
+
+            self._server = ServerStore(config.server, token=config.server_token)
+        else:
+            self._probes = make_probes(config.for_rank(0, share.tp_size, 0, share.pp_size).store.tiers)
+
+    # ------------------------------------------------------------------------- vLLM's calls
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` that the store holds (whole chunks, less than
+        the prompt), and whether they load asynchronously (never, here)."""
+        state = self.request_state(request)
+        chunk = self.geometry.chunk_tokens
+        max_chunks = (state.prompt_len - 1) // chunk
+        state.hit_chunks = self._lookup(self._share.keys(state.keys[:max_chunks]))
+        state.local_tokens = num_computed_tokens
+        hit_tokens = state.hit_chunks * chunk
+        if hit_tokens <= num_computed_tokens:
+            return 0, False
+        return hit_tokens - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        """Plan the load of the external tokens into the request's newly allocated blocks."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        state.block_ids = list(blocks.get_block_ids()[0])
+        state.saved_chunks = max(state.saved_chunks, state.hit_chunks)  # those are stored already
+        if num_external_tokens <= 0:
+            state.load = None
+            return
+        chunk = self.geometry.chunk_tokens
+        start = state.local_tokens
+        end = start + num_external_tokens
+        first_chunk = start // chunk
+        skip = (start - first_chunk * chunk) // self.geometry.block_size
+        state.load = (first_chunk, end // chunk, skip)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVTierMetadata:
+        """This step's loads (planned at allocation) and saves (newly completed full chunks)."""
+        meta = KVTierMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
+            self._plan(meta, new.req_id, state, done)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids.extend(new_ids[0])
+            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            self._plan(meta, req_id, state, done)
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Apply the worker's store events to the mirror (and keep them for ``take_events``)."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, KVTierWorkerMetadata):
+            return
+        for kind, key, medium in meta.events:
+            if medium not in self._mirrored:
+                continue  # persistent and shared tiers are asked directly (probes)
+            media = self._present.get(key)
+            if kind == "stored":
+                if media is None:
+                    self._present[key] = media = set()
+                media.add(medium)
+            elif media is not None:
+                media.discard(medium)
+                if not media:
+                    del self._present[key]
+        self._events.extend(meta.events)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; saves complete within the step, so its blocks can be freed at once."""
+        self._requests.pop(request.request_id, None)
+        return False, None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """BlockStored/BlockRemoved events for chunks entering/leaving kvtier's tiers."""
+        tokens = {key: (parent, toks, extra) for key, parent, toks, extra in self._chunk_tokens_of}
+        events: list[KVCacheEvent] = []
+        pending, self._events = self._events, []
+        for kind, key, medium in pending:
+            if kind == "stored":
+                parent, toks, (lora, extra) = tokens.get(key, (None, [], (None, None)))
+                events.append(BlockStored(block_hashes=[key], parent_block_hash=parent, token_ids=list(toks),
+                                          block_size=self.geometry.chunk_tokens, lora_id=None, medium=medium,
+                                          lora_name=lora, extra_keys=[extra] if extra else None))
+            else:
+                events.append(BlockRemoved(block_hashes=[key], medium=medium))
+        return events
+
+    def close(self) -> None:
+        """Close the probes or the server connection."""
+        for probe in self._probes:
+            probe.close()
+        self._probes = []
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    # ------------------------------------------------------------------------- requests
+
+    def request_state(self, request: "Request") -> RequestState:
+        """The request's state, created (keys of its prompt's full chunks) on first sight."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            # all_token_ids grows as tokens are generated. A prompt given (even partly) as
+            # embeddings is not keyed at all: its token ids are placeholders, not its content;
+            # nor is one with a multimodal item that has no content hash
+            mm = mm_items(request)
+            keyed = (request.prompt_token_ids is not None and getattr(request, "prompt_embeds", None) is None
+                     and mm is not None)
+            tokens = request.all_token_ids if keyed else []
+            prompt = list(request.prompt_token_ids) if keyed else []
+            mm = tuple(mm or ())
+            ns = self.namespace.with_lora(self._lora_identity(request)).with_salt(request.cache_salt).digest()
+            lora_name = request.lora_request.lora_name if request.lora_request else None
+            state = RequestState(chunk_keys(prompt, ns, self.geometry.chunk_tokens, mm=mm), len(prompt), tokens,
+                                 ns, mm, lora_name, request.cache_salt)
+            self._requests[request.request_id] = state
+        return state
+
+    def _lora_identity(self, request: "Request") -> str | None:
+        """The request's LoRA adapter identity (name, path, weights digest), None without one.
+
+        The adapter's weights are sampled once per (name, path) in this scheduler's life, as
+        vLLM itself loads an adapter once: files replaced later at the same path are not noticed.
+        """
+        lora = request.lora_request
+        if lora is None:
+            return None
+        name, path = lora.lora_name, str(lora.lora_path or "")
+        ident = self._lora_ids.get((name, path))
+        if ident is None:
+            ident = self._lora_ids[(name, path)] = lora_identity(name, path, weights_digest(path) if path else "")
+        return ident
+
+    def _plan(self, meta: KVTierMetadata, req_id: str, state: RequestState, tokens_done: int) -> None:
+        """Add a pending load and the saves of chunks completed by this step."""
+        if state.load is not None:
+            first, end, skip = state.load
+            meta.loads.append(LoadSpec(req_id, state.keys[first:end], first, state.block_ids, skip))
+            state.saved_chunks = max(state.saved_chunks, end)
+            state.load = None
+        # chunks whose KV this step completes, generated tokens included (a later turn of a
+        # conversation re-reads them as its prompt); a token not yet known is never keyed
+        chunk = self.geometry.chunk_tokens
+        full = min(tokens_done, len(state.token_ids)) // chunk
+        if full > len(state.keys):
+            prev = state.keys[-1] if state.keys else ROOT
+            state.keys += chunk_keys(state.token_ids[: full * chunk], state.namespace, chunk,
+                                     start=len(state.keys), prev=prev, mm=state.mm)
+        for c in range(state.saved_chunks, full):
+            blocks = self.geometry.chunk_blocks(state.block_ids, c)
+            if len(blocks) < self.geometry.blocks_per_chunk:
+                break
+            parent = state.keys[c - 1] if c else None
+            meta.saves.append(SaveSpec(req_id, state.keys[c], parent, c, blocks))
+            lo = c * chunk
+            self._chunk_tokens_of.append((state.keys[c], parent, state.token_ids[lo : lo + chunk],
+                                          event_extra_keys(state, c, chunk)))
+            state.saved_chunks = c + 1
+
+    # ------------------------------------------------------------------------- lookups
+
+    def _lookup(self, keys: list[bytes]) -> int:
+        """Leading ``keys`` present: in the mirror of the worker's tiers, else in a probed tier."""
+        if self._server is not None:  # the server knows every engine's entries
+            return self._server.lookup(keys)
+        n = 0
+        while n < len(keys) and keys[n] in self._present:
+            n += 1
+        if n == len(keys) or not self._probes:
+            return n
+        rest = keys[n:]
+        found = [False] * len(rest)
+        for probe in self._probes:
+            try:
+                found = [a or b for a, b in zip(found, probe.contains_many(rest))]
+            except Exception:  # a probe must not fail the scheduler; the worker will miss anyway
+                log.warning("kvtier: lookup in %s failed", type(probe).__name__, exc_info=True)
+        for hit in found:
+            if not hit:
+                break
+            n += 1
+        return n
+
+
+def mm_items(request: "Request") -> list[MMItem] | None:
+    """The request's multimodal items (content hash + placeholder span), [] for a text prompt,
+    None when an item carries no hash (such a prompt must not be keyed).
+
+    The hash is vLLM's ``identifier`` (the item's content hash, prefixed by the LoRA adapter
+    when one applies), else its ``mm_hash``: the same hash vLLM's own prefix cache folds in.
+    """
+    items = []
+    for feature in getattr(request, "mm_features", None) or ():
+        ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
+        pos = getattr(feature, "mm_position", None)
+        if not ident or pos is None or pos.length <= 0 or pos.offset < 0:
+            return None
+        items.append(MMItem(str(ident), int(pos.offset), int(pos.length)))
+    return items
+
+
+def event_extra_keys(state: RequestState, chunk: int, chunk_tokens: int) -> tuple[str | None, tuple | None]:
+    """(LoRA name, extra keys) of one chunk for a published ``BlockStored``, in vLLM's event
+    format: the LoRA name, then ``(mm identifier, offset in the chunk)`` for each multimodal item
+    the chunk overlaps, then the cache salt on chunk 0; None when there are none. A router that
+    maps chunks by ``token_ids`` needs them to tell two images behind the same tokens apart."""
+    lo = chunk * chunk_tokens
+    extra: list = [state.lora_name] if state.lora_name else []
+    extra += [(m.identifier, m.offset - lo) for m in state.mm if m.overlaps(lo, lo + chunk_tokens)]
+    if chunk == 0 and state.cache_salt:
+        extra.append(state.cache_salt)
+    return state.lora_name, (tuple(extra) if extra else None)
+
+
+def make_probes(tier_specs: list) -> list:
+    """Lookup-only views of the tiers a scheduler process can see, as each tier declares
+    (``Tier.scheduler_view``/``scheduler_probe``): a probe of a directory, a shared tier itself.
+    Process-private tiers have none: the mirror covers them. A tier that cannot be reached is
+    left out with a warning."""
+    probes = []
+    for spec in tier_specs:
+        try:
+            probe = spec.probe()
+        except KVTierError as exc:
+            log.warning("kvtier: scheduler cannot look up tier %s: %s", spec.type, exc)
+            continue
+        if probe is not None:
+            probes.append(probe)
+    return probes

@@ -1,0 +1,197 @@
+"""The connector's worker side: the store, the engine's pages, loads, saves and stats.
+
+Runs in each vLLM worker process. It owns the worker's ``KVStore`` (an in-process
+``TieredStore``, or a client of a per-node cache server) and a ``PageLayout`` over the engine's
+KV tensors, and carries out the plan the scheduler side put in the step's ``KVTierMetadata``:
+
+- loads: before the forward pass, whole (layer, block) pages are copied from the store into the
+  request's blocks; chunks in the store's top tier inline (a memcpy each), the others read by
+  ``load_threads`` threads at once so a lower tier's I/O overlaps. A chunk that fails to load
+  (absent, corrupt, of another size, a tier fault) is reported through
+  ``failed_blocks`` with every block after it, so vLLM recomputes them: a storage fault costs
+  time, never a wrong token;
+- saves: after the forward pass, the step's completed chunks are gathered once
+  (``PageLayout.gather``) and copied into the store's top tier; lower tiers are written in the
+  background by the store. A save the store cannot take is dropped and counted.
+
+Each worker stores its share of a chunk under its own key (``WorkerShare.key``: TP rank, PP
+stage). Rank 0 of stage 0 records the store's events for the scheduler's mirror.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from kvtier.errors import CorruptEntry
+from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, KVTierWorkerMetadata, LoadSpec
+from kvtier.integrations.vllm.metrics import KVTierConnectorStats, TierDeltas, tier_counters
+from kvtier.integrations.vllm.pages import PageLayout
+from kvtier.keys import WorkerShare
+from kvtier.store import KVStore, TieredStore
+
+log = logging.getLogger(__name__)
+
+
+class KVTierWorker:
+    """The worker side of ``KVTierConnector`` (see the module docstring).
+
+    vLLM calls it from the worker's engine thread; only the load threads run store reads and
+    page copies beside it (``PageLayout.load`` allows that).
+    """
+
+    def __init__(self, config: ConnectorConfig, geometry: ChunkGeometry, share: WorkerShare,
+                 page_bytes: int | None = None, num_blocks: int = 0):
+        self.config = config
+        self.geometry = geometry
+        self.share = share
+        self._num_blocks = num_blocks
+        cfg = config.for_rank(share.tp_rank, share.tp_size, share.pp_stage, share.pp_size)
+        cfg = cfg.with_page_size(page_bytes) if page_bytes else cfg
+        self.store: KVStore = self._open_store(cfg)
+        self._events_owner = share.tp_rank == 0 and share.pp_stage == 0  # speaks for all workers
+        if self._events_owner:
+            self.store.enable_events()
+        self._layout: PageLayout | None = None
+        self._load_pool: ThreadPoolExecutor | None = None
+        self._failed_blocks: set[int] = set()
+        self._stats = KVTierConnectorStats()
+        self._tier_deltas = TierDeltas()  # the in-process store's tier counters, as deltas
+        log.info("kvtier: worker rank %d stage %d store tiers %s", share.tp_rank, share.pp_stage,
+                 self.store.tier_names)
+
+    @staticmethod
+    def _open_store(cfg: ConnectorConfig) -> KVStore:
+        """The worker's store: a cache server's client when one is configured, else in-process."""
+        if cfg.server:  # a per-node cache server owns the tiers
+            from kvtier.server.client import ServerStore
+
+            return ServerStore(cfg.server, token=cfg.server_token)
+        return TieredStore.from_config(cfg.store)
+
+    # ------------------------------------------------------------------------- engine pages
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Learn the engine's per-layer page tensors."""
+        num_blocks = self._num_blocks or next(iter(kv_caches.values())).shape[0]
+        self._layout = PageLayout(kv_caches, num_blocks, self.geometry.blocks_per_chunk)
+        if self.config.load_threads > 1:
+            self._load_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-load")
+
+    # ------------------------------------------------------------------------- loads
+
+    def start_load_kv(self, meta: KVTierMetadata) -> None:
+        """Copy this step's planned chunks into the engine's pages (before the forward pass)."""
+        if self._layout is None or not meta.loads:
+            return
+        t0 = time.perf_counter()
+        for load in meta.loads:
+            self._load(load)
+        self._stats.observe("load_seconds", time.perf_counter() - t0)
+
+    def _load(self, load: LoadSpec) -> None:
+        """Copy a request's planned chunks into its blocks.
+
+        Chunks in the top tier are copied inline (a memcpy each); the others are read by the
+        load threads at the same time, overlapping a lower tier's I/O. If any chunk fails, every
+        block from the first failed chunk on is reported for recomputation: a chunk is worth
+        nothing without the chunks before it.
+        """
+        tiers: list[str | None] = [None] * len(load.keys)
+        local = self.store.in_top_tier(self.share.keys(load.keys))
+        pending = {}
+        if self._load_pool is not None:  # start the slow reads first, then copy the local ones
+            pending = {i: self._load_pool.submit(self._load_chunk, load, i) for i, near in enumerate(local) if not near}
+        for i in range(len(load.keys)):
+            if i not in pending:
+                tiers[i] = self._load_chunk(load, i)
+        for i, future in pending.items():
+            tiers[i] = future.result()
+        self._settle(load, tiers)
+
+    def _load_chunk(self, load: LoadSpec, i: int) -> str | None:
+        """Load the ``i``-th planned chunk into its blocks; the serving tier's name or None."""
+        c = load.first_chunk + i
+        blocks = self.geometry.chunk_blocks(load.block_ids, c)
+        first = load.skip_blocks if i == 0 else 0
+        layout = self._layout
+        try:
+            return self.store.read(self.share.key(load.keys[i]), lambda segs: layout.load(segs, blocks, first))
+        except CorruptEntry:  # an entry of another size: not ours to trust
+            log.warning("kvtier: chunk %d of %s has an unexpected size; recomputing", c, load.req_id)
+            return None
+
+    def _settle(self, load: LoadSpec, tiers: list[str | None]) -> int:
+        """Count a finished load and report the blocks from its first failed chunk on for
+        recomputation; the number of chunks loaded before that failure."""
+        bad = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
+        for tier in tiers[:bad]:
+            self._stats.count_tier(tier, loaded_chunks=1, loaded_bytes=self._layout.chunk_bytes)
+        if bad < len(tiers):
+            bpc = self.geometry.blocks_per_chunk
+            first = load.skip_blocks if bad == 0 else 0
+            end = (load.first_chunk + len(load.keys)) * bpc
+            self._failed_blocks.update(load.block_ids[(load.first_chunk + bad) * bpc + first : end])
+            self._stats.count(load_error_chunks=len(tiers) - bad)
+        return bad
+
+    def failed_blocks(self) -> set[int]:
+        """Blocks whose load failed since the last call (vLLM recomputes them)."""
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    # ------------------------------------------------------------------------- saves
+
+    def wait_for_save(self, meta: KVTierMetadata) -> None:
+        """Copy the pages of this step's completed chunks into the store's top tier."""
+        layout = self._layout
+        if layout is None or not meta.saves:
+            return
+        t0 = time.perf_counter()
+        step = layout.gather([save.block_ids for save in meta.saves])  # the step's pages, O(layers) copies
+        try:
+            for i, save in enumerate(meta.saves):
+                parent = self.share.key(save.parent) if save.parent else None
+                ok = self.store.write(self.share.key(save.key), layout.chunk_bytes,
+                                      lambda segs, i=i: step.copy_to(i, segs), parent=parent,
+                                      chunk_index=save.chunk_index)
+                if ok:
+                    self._stats.count(saved_chunks=1, saved_bytes=layout.chunk_bytes)
+                else:
+                    self._stats.count(save_dropped=1)
+        finally:
+            step.release()
+        self._stats.observe("save_seconds", time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------------- reports
+
+    def worker_meta(self) -> KVTierWorkerMetadata | None:
+        """This step's store events for the scheduler's mirror (rank 0 of stage 0 only)."""
+        if not self._events_owner:
+            return None
+        events = self.store.take_events()
+        return KVTierWorkerMetadata(events) if events else None
+
+    def take_stats(self) -> KVTierConnectorStats | None:
+        """This interval's counters (then reset), with the in-process store's per-tier counters
+        since the last call (a cache server reports its own on its /metrics)."""
+        if not self.config.server:
+            for tier, deltas in self._tier_deltas.take(tier_counters(self.store.tiers)).items():
+                self._stats.count_tier(tier, **deltas)
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, KVTierConnectorStats()
+        return stats
+
+    def close(self) -> None:
+        """Stop the load threads, drop the staging buffers, close the store."""
+        if self._load_pool is not None:
+            self._load_pool.shutdown(wait=True)
+            self._load_pool = None
+        if self._layout is not None:
+            self._layout.close()
+        self.store.close()
