@@ -18,6 +18,12 @@ Keys (all optional)::
                        replaces the sampled weights digest in the key namespace (see
                        kvtier.keys.weights_digest). Set it when the model is not a local
                        directory, or to share entries between differently laid out copies
+    transfer_mode      "sync" (default) or "async". sync: every load completes in the step that
+                       needs it. async: a hit that lies (partly) below the RAM tier is loaded
+                       in the background while the engine runs other requests (vLLM's
+                       asynchronous load protocol: the request waits in WAITING_FOR_REMOTE_KVS);
+                       RAM-tier hits and hits through a cache server stay inline. Saves stay
+                       synchronous in both modes
     require_recompute  refuse to start unless vLLM's kv_load_failure_policy is "recompute"
                        (false: start with a one-line warning). vLLM's default, "fail", fails a
                        request whenever a chunk cannot be loaded (a tier down, a corrupt entry);
@@ -44,6 +50,7 @@ from kvtier.errors import ConfigError
 from kvtier.store import StoreConfig
 
 DEFAULT_CONNECTOR_TIERS = ({"type": "ram", "capacity": "4GiB"},)
+TRANSFER_MODES = ("sync", "async")
 
 
 @dataclass(frozen=True)
@@ -57,12 +64,16 @@ class ConnectorConfig:
     server_token: str | None = field(default=None, repr=False)
     weights_id: str | None = None
     require_recompute: bool = False
+    transfer_mode: str = "sync"
 
     def __post_init__(self):
         if self.chunk_tokens is not None and self.chunk_tokens <= 0:
             raise ConfigError(f"kv_connector_extra_config.chunk_tokens: must be positive, got {self.chunk_tokens}")
         if self.load_threads < 1:
             raise ConfigError(f"kv_connector_extra_config.load_threads: must be at least 1, got {self.load_threads}")
+        if self.transfer_mode not in TRANSFER_MODES:
+            raise ConfigError(f"kv_connector_extra_config.transfer_mode: must be one of {', '.join(TRANSFER_MODES)}, "
+                              f"got {self.transfer_mode!r}")
         for i, spec in enumerate(self.store.tiers):
             check_tier_spec(spec, f"kv_connector_extra_config.tiers[{i}]")
 

@@ -20,10 +20,16 @@ delegates every call to the role's side:
 The plans cross from one side to the other as ``KVTierMetadata``; store events come back as
 ``KVTierWorkerMetadata`` (``kvtier.integrations.vllm.metadata``).
 
-Saves and loads complete within the step, so ``request_finished`` never needs to hold blocks:
-a partial prefill, a preemption or a request that finishes early leaves nothing behind. A chunk
-that fails to load is reported through ``get_block_ids_with_load_errors`` so vLLM recomputes
-it: a storage fault costs time, never a wrong token.
+Transfers (``transfer_mode``): in ``sync`` mode loads and saves complete within the step. In
+``async`` mode a hit that lies (partly) below the RAM tier is loaded in the background through
+vLLM's asynchronous load protocol (``get_num_new_matched_tokens`` answers ``(n, True)``, the
+request waits in ``WAITING_FOR_REMOTE_KVS``, ``get_finished`` reports it loaded); RAM-tier hits
+stay inline. Saves complete within the step in both modes, so ``request_finished`` never needs
+to hold blocks: a partial prefill, a preemption or a request that finishes early leaves nothing
+behind (a request aborted during its background load keeps its blocks through vLLM until the
+worker reports the load). A chunk that fails to load is reported through
+``get_block_ids_with_load_errors`` so vLLM recomputes from it: a storage fault costs time, never
+a wrong token.
 
 Keys (``kvtier.keys``): a request's chunk keys chain over its token ids under a namespace of
 everything that changes KV bytes: the model (path, revision, config digest, a sampled digest of
@@ -163,7 +169,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self.worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        """Copy this step's planned chunks into the engine's pages before the forward pass."""
+        """Copy this step's inline loads into the engine's pages before the forward pass, and
+        start its background loads."""
         meta = self._connector_metadata
         if isinstance(meta, KVTierMetadata):
             self.worker.start_load_kv(meta)
@@ -183,6 +190,13 @@ class KVTierConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """This step's store events for the scheduler's mirror (rank 0 of stage 0 speaks for all)."""
         return self.worker.worker_meta() if self.worker is not None else None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(None, requests whose background load ended since the last call). No save is ever
+        pending after its step, so nothing is reported as sent."""
+        if self.worker is None:
+            return None, None
+        return None, (self.worker.finished_loads() or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes them)."""

@@ -19,6 +19,7 @@ metric also carries vLLM's ``model_name`` and ``engine`` labels):
 - ``vllm:kvtier_load_errors``: chunks that could not be loaded (vLLM recomputes them);
 - ``vllm:kvtier_saved_chunks``, ``vllm:kvtier_saved_bytes``: chunks (bytes) saved from the engine;
 - ``vllm:kvtier_saves_dropped``: chunks the store refused to take from the engine;
+- ``vllm:kvtier_background_loads``: requests loaded in the background (``transfer_mode: async``);
 - ``vllm:kvtier_tier_hits{tier}``, ``_tier_misses``, ``_tier_read_bytes``, ``_tier_written_bytes``,
   ``_tier_errors``, ``_tier_corrupt``, ``_tier_dropped`` (writes dropped on a full queue),
   ``_tier_evictions``: the in-process store's own per-tier counters, read each step (not
@@ -49,6 +50,8 @@ COUNTERS = {
     "saved_chunks": ("vllm:kvtier_saved_chunks", "KV chunks kvtier saved from the engine."),
     "saved_bytes": ("vllm:kvtier_saved_bytes", "Bytes of KV kvtier saved from the engine."),
     "save_dropped": ("vllm:kvtier_saves_dropped", "KV chunks the kvtier store refused to take from the engine."),
+    "background_loads": ("vllm:kvtier_background_loads",
+                         "Requests whose KV kvtier loaded in the background (transfer_mode async)."),
 }
 # per-tier counters: stats key -> (metric name, help); loaded_* come from the connector, the
 # others are deltas of the store's own tier counters

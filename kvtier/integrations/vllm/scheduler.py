@@ -16,6 +16,16 @@ What the stores hold is learned three ways, as each tier declares (``Tier.schedu
 
 Lookups use the keys of worker rank 0 of stage 0, which speaks for all workers.
 
+Transfer modes (``transfer_mode``). ``sync``: a load is planned when the request is scheduled
+and completes in that step's ``start_load_kv``. ``async``: when a hit lies (partly) below the
+RAM tier (some chunk of it is not in the mirror), ``get_num_new_matched_tokens`` answers
+``(n, True)``; vLLM allocates the request's blocks, keeps it in ``WAITING_FOR_REMOTE_KVS`` and
+calls ``update_state_after_alloc``, which plans a background load into those blocks; the plan
+goes to the worker with the step's metadata even though the request is not scheduled. The worker
+reports the request finished (``get_finished``) and any failed blocks, and vLLM schedules it
+from the loaded (or, after a failure, the valid) prefix. A hit wholly in the mirror stays
+inline, as does any hit through a cache server (which may hold it in its shared memory).
+
 Events for routers: ``take_events`` turns the worker's store events into vLLM
 ``BlockStored``/``BlockRemoved`` events (one per chunk, ``block_size`` = the chunk size), with
 the token ids and extra keys remembered when the chunk's save was planned.
@@ -57,6 +67,7 @@ class RequestState:
     cache_salt: str | None = None
     block_ids: list[int] = field(default_factory=list)
     hit_chunks: int = 0  # chunks found in the store at lookup
+    hit_below_ram: bool = False  # some chunk of the hit is known only to a probe (a lower tier)
     local_tokens: int = 0  # tokens vLLM's own prefix cache had
     load: tuple[int, int, int] | None = None  # (first_chunk, end_chunk, skip_blocks) pending
     saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or being stored
@@ -78,6 +89,8 @@ class KVTierScheduler:
         self._present: dict[bytes, set[str]] = {}  # chunk key -> media holding it (from events)
         self._chunk_tokens_of: deque = deque(maxlen=4096)  # recent (key, parent, tokens, extra) for events
         self._events: list = []
+        self._background = config.transfer_mode == "async"
+        self._async_loads: list[LoadSpec] = []  # planned at allocation, sent with the next metadata
         # media the worker's store knows only privately: mirrored from the worker's events
         self._mirrored = frozenset(spec.medium for spec in config.store.tiers
                                    if spec.scheduler_view is SchedulerView.MIRRORED)
@@ -94,19 +107,24 @@ class KVTierScheduler:
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` that the store holds (whole chunks, less than
-        the prompt), and whether they load asynchronously (never, here)."""
+        the prompt), and whether they load asynchronously: in ``async`` mode when some chunk
+        of the hit lies below the RAM tier (never for 0 tokens)."""
         state = self.request_state(request)
         chunk = self.geometry.chunk_tokens
         max_chunks = (state.prompt_len - 1) // chunk
-        state.hit_chunks = self._lookup(self._share.keys(state.keys[:max_chunks]))
+        state.hit_chunks, mirrored = self._lookup(self._share.keys(state.keys[:max_chunks]))
+        state.hit_below_ram = mirrored < state.hit_chunks
         state.local_tokens = num_computed_tokens
         hit_tokens = state.hit_chunks * chunk
         if hit_tokens <= num_computed_tokens:
             return 0, False
-        return hit_tokens - num_computed_tokens, False
+        return hit_tokens - num_computed_tokens, self._background and state.hit_below_ram
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        """Plan the load of the external tokens into the request's newly allocated blocks."""
+        """Plan the load of the external tokens into the request's newly allocated blocks: at
+        the request's next scheduling (inline), or now, for the next step's metadata, when the
+        load runs in the background (vLLM calls this again, with no external tokens, once the
+        request is scheduled after its load)."""
         state = self._requests.get(request.request_id)
         if state is None:
             return
@@ -121,10 +139,13 @@ class KVTierScheduler:
         first_chunk = start // chunk
         skip = (start - first_chunk * chunk) // self.geometry.block_size
         state.load = (first_chunk, end // chunk, skip)
+        if self._background and state.hit_below_ram:  # vLLM took (n, True): the request waits
+            self._async_loads.append(self._take_load(request.request_id, state, background=True))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVTierMetadata:
         """This step's loads (planned at allocation) and saves (newly completed full chunks)."""
         meta = KVTierMetadata()
+        meta.loads, self._async_loads = self._async_loads, []  # background loads of waiting requests
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:
@@ -166,7 +187,9 @@ class KVTierScheduler:
         self._events.extend(meta.events)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; saves complete within the step, so its blocks can be freed at once."""
+        """Forget the request; saves complete within the step, so its blocks can be freed at once
+        (False). A request that ends while its background load runs (an abort) keeps its blocks
+        anyway: vLLM holds them until the worker reports the load finished, which it always does."""
         self._requests.pop(request.request_id, None)
         return False, None
 
@@ -234,10 +257,7 @@ class KVTierScheduler:
     def _plan(self, meta: KVTierMetadata, req_id: str, state: RequestState, tokens_done: int) -> None:
         """Add a pending load and the saves of chunks completed by this step."""
         if state.load is not None:
-            first, end, skip = state.load
-            meta.loads.append(LoadSpec(req_id, state.keys[first:end], first, state.block_ids, skip))
-            state.saved_chunks = max(state.saved_chunks, end)
-            state.load = None
+            meta.loads.append(self._take_load(req_id, state, background=False))
         # chunks whose KV this step completes, generated tokens included (a later turn of a
         # conversation re-reads them as its prompt); a token not yet known is never keyed
         chunk = self.geometry.chunk_tokens
@@ -257,17 +277,28 @@ class KVTierScheduler:
                                           event_extra_keys(state, c, chunk)))
             state.saved_chunks = c + 1
 
+    def _take_load(self, req_id: str, state: RequestState, background: bool) -> LoadSpec:
+        """The request's pending load as a ``LoadSpec`` (the load is then no longer pending)."""
+        first, end, skip = state.load
+        state.saved_chunks = max(state.saved_chunks, end)
+        state.load = None
+        return LoadSpec(req_id, state.keys[first:end], first, list(state.block_ids), skip, background)
+
     # ------------------------------------------------------------------------- lookups
 
-    def _lookup(self, keys: list[bytes]) -> int:
-        """Leading ``keys`` present: in the mirror of the worker's tiers, else in a probed tier."""
+    def _lookup(self, keys: list[bytes]) -> tuple[int, int]:
+        """(leading ``keys`` present, how many of those the mirror of the worker's private
+        tiers holds): the mirror first, then the probed tiers. A cache server's hits count as
+        mirrored (it may serve them from shared memory)."""
         if self._server is not None:  # the server knows every engine's entries
-            return self._server.lookup(keys)
+            n = self._server.lookup(keys)
+            return n, n
         n = 0
         while n < len(keys) and keys[n] in self._present:
             n += 1
+        mirrored = n
         if n == len(keys) or not self._probes:
-            return n
+            return n, mirrored
         rest = keys[n:]
         found = [False] * len(rest)
         for probe in self._probes:
@@ -279,7 +310,7 @@ class KVTierScheduler:
             if not hit:
                 break
             n += 1
-        return n
+        return n, mirrored
 
 
 def mm_items(request: "Request") -> list[MMItem] | None:

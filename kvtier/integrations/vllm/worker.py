@@ -10,6 +10,13 @@ KV tensors, and carries out the plan the scheduler side put in the step's ``KVTi
   (absent, corrupt, of another size, a tier fault) is reported through
   ``failed_blocks`` with every block after it, so vLLM recomputes them: a storage fault costs
   time, never a wrong token;
+- background loads (``transfer_mode: async``; ``LoadSpec.background``): the request is not in
+  this step's batch; ``start_load_kv`` hands its chunks to ``load_threads`` background threads
+  that read them from the store into the request's blocks (``PageLayout.begin_load``: on CPU
+  straight into the pages, with the torch engine into staging, scattered from the engine's
+  thread), and ``get_finished`` reports the request once every read has ended, with the blocks
+  from the first failed chunk on among the load errors of the same step. A load is always
+  reported, also when its request was aborted meanwhile (vLLM frees the blocks then);
 - saves: after the forward pass, the step's completed chunks are gathered once
   (``PageLayout.gather``) and copied into the store's top tier; lower tiers are written in the
   background by the store. A save the store cannot take is dropped and counted.
@@ -22,7 +29,8 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,11 +38,28 @@ from kvtier.errors import CorruptEntry
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, KVTierWorkerMetadata, LoadSpec
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, TierDeltas, tier_counters
-from kvtier.integrations.vllm.pages import PageLayout
+from kvtier.integrations.vllm.pages import LoadStep, PageLayout
 from kvtier.keys import WorkerShare
 from kvtier.store import KVStore, TieredStore
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class BackgroundLoad:
+    """A request's load running on the background threads: one future per chunk (the serving
+    tier's name, or None when the chunk could not be loaded)."""
+
+    load: LoadSpec
+    step: LoadStep
+    futures: list[Future] = field(default_factory=list)
+    first_bad: int | None = None  # a failed chunk: later chunks are not read (worth nothing)
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def tiers(self) -> list[str | None]:
+        return [f.result() for f in self.futures]
 
 
 class KVTierWorker:
@@ -58,6 +83,9 @@ class KVTierWorker:
             self.store.enable_events()
         self._layout: PageLayout | None = None
         self._load_pool: ThreadPoolExecutor | None = None
+        self._background_pool: ThreadPoolExecutor | None = None  # async mode: reads off the step
+        self._background: dict[str, BackgroundLoad] = {}  # request id -> its load in flight
+        self._announced = False  # the one-time log line of the first background load
         self._failed_blocks: set[int] = set()
         self._stats = KVTierConnectorStats()
         self._tier_deltas = TierDeltas()  # the in-process store's tier counters, as deltas
@@ -81,17 +109,78 @@ class KVTierWorker:
         self._layout = PageLayout(kv_caches, num_blocks, self.geometry.blocks_per_chunk)
         if self.config.load_threads > 1:
             self._load_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-load")
+        if self.config.transfer_mode == "async":
+            self._background_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-bgload")
 
     # ------------------------------------------------------------------------- loads
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
-        """Copy this step's planned chunks into the engine's pages (before the forward pass)."""
+        """Copy this step's inline loads into the engine's pages (before the forward pass) and
+        start its background loads."""
         if self._layout is None or not meta.loads:
             return
-        t0 = time.perf_counter()
+        inline = [load for load in meta.loads if not load.background]
         for load in meta.loads:
-            self._load(load)
-        self._stats.observe("load_seconds", time.perf_counter() - t0)
+            if load.background:
+                self._start_background(load)
+        if inline:
+            t0 = time.perf_counter()
+            for load in inline:
+                self._load(load)
+            self._stats.observe("load_seconds", time.perf_counter() - t0)
+
+    def _start_background(self, load: LoadSpec) -> None:
+        """Hand a waiting request's chunks to the background threads (see the module notes)."""
+        pool = self._background_pool or self._start_background_pool()
+        pending = BackgroundLoad(load, self._layout.begin_load(len(load.keys)))
+        pending.futures = [pool.submit(self._fill_chunk, pending, i) for i in range(len(load.keys))]
+        self._background[load.req_id] = pending
+        self._stats.count(background_loads=1)
+        if not self._announced:
+            self._announced = True
+            log.info("kvtier: transfer_mode async: first background load (%d chunks of request %s)",
+                     len(load.keys), load.req_id)
+
+    def _start_background_pool(self) -> ThreadPoolExecutor:
+        """The background threads, for a load planned in async mode by a scheduler whose
+        config this worker did not read as async (never expected; loads still complete)."""
+        self._background_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-bgload")
+        return self._background_pool
+
+    def _fill_chunk(self, pending: BackgroundLoad, i: int) -> str | None:
+        """Background thread: read chunk ``i`` of a background load into its slot of the load
+        step; the serving tier's name or None. Never raises (the load must be reported)."""
+        if pending.first_bad is not None and pending.first_bad < i:
+            return None  # an earlier chunk failed: this one would be recomputed anyway
+        load = pending.load
+        c = load.first_chunk + i
+        blocks = self.geometry.chunk_blocks(load.block_ids, c)
+        first = load.skip_blocks if i == 0 else 0
+        try:
+            tier = self.store.read(self.share.key(load.keys[i]), lambda segs: pending.step.fill(i, segs, blocks, first))
+        except CorruptEntry:  # an entry of another size: not ours to trust
+            log.warning("kvtier: chunk %d of %s has an unexpected size; recomputing", c, load.req_id)
+            tier = None
+        except Exception:
+            log.exception("kvtier: background load of chunk %d of %s failed; recomputing", c, load.req_id)
+            tier = None
+        if tier is None and (pending.first_bad is None or i < pending.first_bad):
+            pending.first_bad = i
+        return tier
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose background load has ended since the last call (engine thread): the
+        loaded prefix is in their pages (scattered now with the torch engine), and the blocks
+        from the first failed chunk on are among ``failed_blocks``."""
+        done = {req_id for req_id, pending in self._background.items() if pending.done()}
+        for req_id in done:
+            pending = self._background.pop(req_id)
+            good = self._settle(pending.load, pending.tiers())
+            try:
+                pending.step.scatter(range(good))
+            finally:
+                pending.step.release()
+        return done
 
     def _load(self, load: LoadSpec) -> None:
         """Copy a request's planned chunks into its blocks.
@@ -188,10 +277,15 @@ class KVTierWorker:
         return stats
 
     def close(self) -> None:
-        """Stop the load threads, drop the staging buffers, close the store."""
-        if self._load_pool is not None:
-            self._load_pool.shutdown(wait=True)
-            self._load_pool = None
+        """Stop the load threads (background loads run to their end), drop the staging
+        buffers, close the store."""
+        for pool in (self._load_pool, self._background_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._load_pool = self._background_pool = None
+        for pending in self._background.values():
+            pending.step.release()
+        self._background.clear()
         if self._layout is not None:
             self._layout.close()
         self.store.close()
