@@ -291,9 +291,11 @@ def test_vllm_serve_by_names_in_the_project_env(tmp_path):
            "--enforce-eager", "--dtype", "bfloat16"]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}
     log = tmp_path / "vllm.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
-                                start_new_session=True)
+    from kvtier.bench.procs import spawn
+
+    # through spawn: the server (and its engine processes) die with this test run, even on SIGKILL
+    child = spawn(cmd, name="vllm serve", log=log, env=env, cwd=tmp_path)
+    proc = child.popen
     try:
         deadline = time.monotonic() + 400
         while time.monotonic() < deadline:
@@ -316,9 +318,4 @@ def test_vllm_serve_by_names_in_the_project_env(tmp_path):
         text = log.read_text()
         assert "Creating v1 connector with name: KVTierConnector" in text
     finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        child.stop(grace=60)

@@ -196,9 +196,11 @@ def test_metrics_on_vllms_own_endpoint(tmp_path):
            "--enforce-eager", "--dtype", "bfloat16", "--no-enable-prefix-caching"]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
     log = tmp_path / "vllm.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
-                                start_new_session=True)
+    from kvtier.bench.procs import spawn
+
+    # through spawn: the server (and its engine processes) die with this test run, even on SIGKILL
+    child = spawn(cmd, name="vLLM OpenAI server", log=log, env=env, cwd=tmp_path)
+    proc = child.popen
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(proc, base, log, timeout=300)
@@ -226,12 +228,7 @@ def test_metrics_on_vllms_own_endpoint(tmp_path):
         assert len(warnings) == 1 and " WARNING " in warnings[0] and "pid=" in warnings[0], logged[-3000:]
         assert any(" INFO " in line and "kvtier: worker rank 0" in line for line in logged.splitlines()), logged[-3000:]
     finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        child.stop(grace=60)
 
 
 def _wait_healthy(proc: subprocess.Popen, base: str, log: Path, timeout: float) -> None:
