@@ -26,8 +26,8 @@ kvtier's loads) and query tokens. ``--json`` prints ``{"rows": [...]}``; ``--plo
 one PNG per metric (``FILE`` with ``-<metric>`` before its suffix).
 
 Settings (``SETTINGS``): ``vllm`` (no connector), ``kvtier`` (today's synchronous transfers),
-and the hook ``kvtier-async`` (kvtier with ``transfer_mode: async``), which works once the
-connector accepts that key; add a setting by adding one builder to ``SETTINGS``.
+and ``kvtier-async`` (kvtier with ``transfer_mode: async``: hits below the RAM tier load in the
+background); add a setting by adding one builder to ``SETTINGS``.
 """
 
 from __future__ import annotations

@@ -151,6 +151,9 @@ class KVTierScheduler:
             if state is None:
                 continue
             state.block_ids = list(new.block_ids[0])
+            # after a background load that failed part-way vLLM computes from the first missing
+            # chunk: those chunks are saved again as they complete
+            state.saved_chunks = min(state.saved_chunks, new.num_computed_tokens // self.geometry.chunk_tokens)
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
             self._plan(meta, new.req_id, state, done)
         cached = scheduler_output.scheduled_cached_reqs
