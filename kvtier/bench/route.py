@@ -95,7 +95,7 @@ def _policies(args: argparse.Namespace) -> list[str]:
         raise ConfigError("--docs, --requests, --concurrency must be >= 1 and --doc-tokens >= 128")
     if args.system_tokens + args.doc_tokens + 64 + args.max_tokens > max_model_len(args.pool_blocks):
         raise ConfigError(f"a prompt (system + document + question + output) must fit "
-                          f"{max_model_len(args.pool_blocks)} tokens (4096, or --pool-blocks x 128 when smaller)")
+                          f"{max_model_len(args.pool_blocks)} tokens (4096, or (--pool-blocks - 1) x 128 when smaller)")
     return names
 
 
@@ -236,8 +236,9 @@ class Engine:
 
 
 def max_model_len(pool_blocks: int) -> int:
-    """vLLM refuses to start when its pool cannot hold one longest request: cap it there."""
-    return min(4096, pool_blocks * BLOCK)
+    """vLLM refuses to start when its pool cannot hold one longest request (it keeps one block
+    back): cap it there."""
+    return min(4096, (pool_blocks - 1) * BLOCK)
 
 
 def start_engines(model: str, tokenizer: Path, pool_blocks: int, work: Path, cores: list[int]) -> list[Engine]:
