@@ -10,9 +10,9 @@ Three engine processes run in sequence over one disk directory (module fixture):
   waits in WAITING_FOR_REMOTE_KVS while other requests run). It reads documents alone, then
   four at once in a pool too small for them (loads, prefills and decodes interleave), then
   aborts a request during its load and runs two documents that need most of the pool;
-- C is an async engine over a copy of the directory whose entries were corrupted (flipped byte,
-  truncated file) or deleted: the background loads fail part-way and vLLM recomputes from the
-  first missing chunk.
+- C is an async engine over a copy of the directory in which one chunk in the middle of each
+  document has a flipped payload byte: the whole hit is planned (the files exist), the
+  background loads fail part-way, and vLLM recomputes from the first failed chunk.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from tests.integration.test_connector import (
     CHUNK,
     LOADABLE,
     _connector,
-    _corrupt,
     _docs,
     _engine_env,
     logprobs_close,
@@ -66,12 +65,13 @@ def engines(tmp_path_factory):
         return [{"type": "ram", "capacity": "16MiB"}, {"type": "disk", "path": str(path), "capacity": "1GiB"}]
 
     base = {"model": str(make_random_model("small")), "docs": docs, "pool_blocks": 24, "max_model_len": 2560}
-    steps_a = [{"send": i, "tag": f"cold{i}"} for i in range(5)] + [{"send": 3, "tag": "local3"}]
+    # doc 3 last, so its blocks are still in vLLM's own cache for the reference re-read
+    steps_a = [{"send": i, "tag": f"cold{i}"} for i in (0, 1, 2, 4, 3)] + [{"send": 3, "tag": "local3"}]
     rc, a, log = run_engine(tmp, "a", {**base, "kv_transfer_config": _connector(tiers(disk)), "steps": steps_a})
     assert rc == 0, log[-3000:]
     corrupted = tmp / "corrupted"
     shutil.copytree(disk, corrupted)
-    _corrupt(corrupted)
+    flipped = _flip_middle_chunks(corrupted)
 
     async_mode = {"transfer_mode": "async"}
     steps_b = [{"send": 3, "tag": "kv3"}, {"send": 2, "tag": "kv2"},
@@ -83,7 +83,24 @@ def engines(tmp_path_factory):
     steps_c = [{"send": i, "tag": f"c{i}"} for i in range(4)]
     rc_c, c, log_c = run_engine(tmp, "c", {**base, "kv_transfer_config": _connector(tiers(corrupted), **async_mode),
                                             "steps": steps_c})
-    return {"a": a, "b": (rc_b, b, log_b), "c": (rc_c, c, log_c)}
+    return {"a": a, "b": (rc_b, b, log_b), "c": (rc_c, c, log_c), "flipped": flipped}
+
+
+def _flip_middle_chunks(root: Path, chunk: int = 7) -> list[Path]:
+    """Flip the last payload byte of chunk ``chunk`` of every stored document. A's write-through
+    wrote each document's chunks in order, one document after another, so the files in order of
+    modification are chunk 0..14 of each document in turn. The files still exist (the
+    scheduler's probe finds every chunk, so the whole hit loads in the background) and their
+    headers parse; the damage shows only when the payload's checksum is read."""
+    files = sorted((p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")),
+                   key=lambda p: p.stat().st_mtime_ns)
+    per_doc = LOADABLE // CHUNK
+    flipped = [p for i, p in enumerate(files) if i % per_doc == chunk]
+    for path in flipped:
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    return flipped
 
 
 def test_async_disk_loads_match_vllms_own_prefix_hit(engines):
@@ -113,7 +130,8 @@ def test_async_loads_beside_running_requests(engines):
     for out, doc in zip(batch["outputs"], (0, 1, 5, 2)):
         if doc == 5:
             continue  # no reference for doc 5 here; after_abort5 below is its single read
-        assert same_prediction(a[f"cold{doc}"], out) and logprobs_close(a[f"cold{doc}"], out, tol=0.02)
+        first = {**out, "token_ids": out["token_ids"][:1]}  # A's cold reads generated one token
+        assert same_prediction(a[f"cold{doc}"], first) and logprobs_close(a[f"cold{doc}"], first, tol=0.02)
     assert [len(o["token_ids"]) for o in batch["outputs"]] == [16, 1, 16, 4]
 
 
@@ -130,16 +148,20 @@ def test_abort_during_async_load_leaks_no_blocks(engines):
 
 
 def test_corrupt_lower_tier_chunks_under_async_are_recomputed(engines):
-    """Damaged or missing disk chunks fail the background load part-way: vLLM recomputes from
-    the first missing chunk, and every prediction agrees with A's cold read."""
+    """A damaged chunk in the middle of each document fails its background load part-way: the
+    scheduler's probe saw every chunk (the whole hit was planned), the disk tier finds the
+    checksum wrong and removes the entry, and vLLM recomputes from that chunk on; every
+    prediction agrees with A's cold read."""
     a = engines["a"]
     rc, c, log = engines["c"]
     assert rc == 0, log[-3000:]
-    assert "corrupt" in log
+    assert len(engines["flipped"]) == 5
+    assert "removing corrupt entry" in log  # a flipped chunk was read, found corrupt, removed
     for i in range(4):
         got = c[f"c{i}"]
-        assert got["hit_tokens"] < LOADABLE  # the chain breaks at a damaged chunk
+        assert got["hit_tokens"] == LOADABLE  # planned whole: the failure comes during the load
         assert same_prediction(a[f"cold{i}"], got) and logprobs_close(a[f"cold{i}"], got, tol=0.02)
+    assert any(not p.exists() for p in engines["flipped"])
 
 
 # ---------------------------------------------------------------------------------- scheduler side, no engine
