@@ -453,12 +453,27 @@ def test_keys_of_a_wrong_length_get_an_error_and_the_session_goes_on(make_server
 # ------------------------------------------------------------------ 13: a hung server
 
 
+def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Wait until every thread of ``pid`` is in the stopped state (``T`` in /proc)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if all(state in ("T", "t") for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: {states}"
+        time.sleep(0.01)
+
+
 def test_a_stopped_server_costs_each_lookup_at_most_its_deadline_and_recovers(make_server):
     server = make_server()
     client = ServerStore(server.address, lookup_timeout=0.2, timeout=1.0, backoff=0.1, max_backoff=0.4)
     assert client.put(_key(1), _payload(1, 1000)) and client.lookup([_key(1)]) == 1
     os.kill(server.proc.pid, signal.SIGSTOP)
     try:
+        _wait_stopped(server.proc.pid)  # a stop is delivered asynchronously: a loaded machine may still answer first
         slowest = 0.0
         results: list[int] = []
 
