@@ -21,6 +21,9 @@ OPTIONAL_MODULES = {
     "runai_model_streamer": "pip install 'kvtier[bench]'",
     "vllm": "install vLLM >= 0.32 for your hardware (kvtier's extras never install it)",
     "transformers": "install vLLM >= 0.32 for your hardware (it brings transformers)",
+    "aiohttp": "install vLLM >= 0.32 for your hardware (it brings aiohttp)",
+    "zmq": "install vLLM >= 0.32 for your hardware (it brings pyzmq)",
+    "msgspec": "install vLLM >= 0.32 for your hardware (it brings msgspec)",
 }
 
 
