@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install system bench clean
+.PHONY: demo test test-loaded install system bench clean
 
 $(STAMP): requirements/lock.txt pyproject.toml requirements/vllm_launcher.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ demo: install
 
 test: install system
 	$(PY) -m pytest -q -ra
+
+# The race check: the whole suite in a shuffled order while every core is kept busy.
+SHUFFLE ?= $(shell date +%s)
+test-loaded: install system
+	$(PY) -m kvtier.bench.cpu_hog -- $(PY) -m pytest -q -ra --shuffle $(SHUFFLE)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
