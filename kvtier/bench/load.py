@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default="384MiB", help="size of the generated file")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--concurrency", type=int, default=16, help="kvtier and Run:ai concurrency")
-    parser.add_argument("--block-size", default="16MiB")
+    parser.add_argument("--block-size", default="16MiB",
+                        help="bytes per read of the kvtier reader and per ranged GET of 'sequential' (default 16MiB)")
     parser.add_argument("--memory-limit", default="256MiB", help="kvtier reader memory_limit")
     parser.add_argument("--latency-ms", type=float, default=15.0, help="per-request delay in s3+latency and s3+wan")
     parser.add_argument("--wan-window", default="1MiB",
@@ -51,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-runai", action="store_true", help="skip Run:ai Model Streamer")
     parser.add_argument("--repeat", type=int, default=1,
                         help="measure each method N times, interleaved; report the best (all runs kept)")
-    parser.add_argument("--workdir", default=None, help="where to generate the file (default: a temp dir)")
+    parser.add_argument("--work-dir", "--workdir", dest="work_dir", default=None, help="where to generate the file (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print machine-readable results")
 
 
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     window = parse_size(args.wan_window, "wan-window")
     if args.latency_ms <= 0 and any(m in modes for m in _PROXIED):
         raise ConfigError(f"--latency-ms must be positive for s3+latency and s3+wan, got {args.latency_ms}")
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-load-", dir=args.workdir) as work:
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-load-", dir=args.work_dir) as work:
         path = args.target or _generate_in_child(os.path.join(work, "bench.safetensors"), parse_size(args.size, "size"))
         if not os.path.isfile(path):
             raise ConfigError(f"{path}: not a file")

@@ -168,7 +168,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated entry sizes (default {DEFAULT_SIZES})")
     parser.add_argument("--total", default=DEFAULT_TOTAL,
                         help=f"bytes moved per measurement (default {DEFAULT_TOTAL})")
-    parser.add_argument("--dir", default=None,
+    parser.add_argument("--work-dir", "--dir", dest="work_dir", default=None,
                         help="directory for the disk tier and file baseline (default: a temp dir)")
     parser.add_argument("--tiers", default=",".join(TARGETS),
                         help=f"comma-separated targets (default {','.join(TARGETS)})")
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvtier bench tiers: {exc}", file=sys.stderr)
         return 2
-    base_dir = args.dir
+    base_dir = args.work_dir
     if base_dir is not None:
         os.makedirs(base_dir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="kvtier-bench-", dir=base_dir)

@@ -81,7 +81,7 @@ def test_window_needs_a_delay():
 def test_bench_load_json_interface(tmp_path):
     cmd = [sys.executable, "-m", "kvtier.cli", "bench", "load", "--size", "24MiB", "--modes", "warm,s3+wan",
            "--no-runai", "--concurrency", "4", "--block-size", "4MiB", "--memory-limit", "16MiB",
-           "--latency-ms", "10", "--wan-window", "2MiB", "--workdir", str(tmp_path), "--json"]
+           "--latency-ms", "10", "--wan-window", "2MiB", "--work-dir", str(tmp_path), "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)

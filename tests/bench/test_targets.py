@@ -73,7 +73,7 @@ def test_print_targets(capsys):
 
 def test_bench_tiers_json_carries_the_targets(tmp_path):
     cmd = [sys.executable, "-m", "kvtier.cli", "bench", "tiers", "--tiers", "memcpy,ram", "--sizes", "4MiB",
-           "--total", "16MiB", "--repeat", "1", "--dir", str(tmp_path), "--json"]
+           "--total", "16MiB", "--repeat", "1", "--work-dir", str(tmp_path), "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
