@@ -1,6 +1,6 @@
 """Rows, tables, targets, plots and Markdown of ``kvtier bench seed`` (no measuring here).
 
-``build`` turns a ``seed.Run`` into one JSON-able report: ``rows`` (each ``{"experiment",
+``build`` turns a ``seed_data.Run`` into one JSON-able report: ``rows`` (each ``{"experiment",
 "model", "setting", "x", "metric", "value", "document_value"}``), ``tables`` (laid out as the
 document lays them out, our column beside its column), ``targets``, the scaling, the machine and
 versions. ``print_text``, ``markdown`` and ``plot_all`` only render that report.
@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import seed as S
+from kvtier.bench import seed_data as S
+from kvtier.output import print_table
 
 Row = dict[str, Any]
 
@@ -389,8 +390,6 @@ def build(run: "S.Run", command: str) -> dict:
 
 def print_text(report: dict) -> None:
     """The tables, the scaling and the targets on stdout."""
-    from kvtier.cli._common import print_table
-
     print(f"{report['command']}  ({report['date']}, {report['seconds'] / 60:.1f} min, "
           f"load average {_load(report['machine'])})")
     print(f"scaling: document {report['scaling']['document']}; ours: "
