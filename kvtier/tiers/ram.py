@@ -31,6 +31,7 @@ import numpy as np
 from kvtier.config import Size, out_of_range, ranged, validate
 from kvtier.entry import DTYPES, MAX_NDIM
 from kvtier.errors import ConfigError, OutOfSpace
+from kvtier.fileio import unlink_quietly
 from kvtier.keys import Key
 from kvtier.tiers.base import RankShare, SchedulerView, Tier
 
@@ -514,7 +515,7 @@ def _map_shared(path: str, capacity: int, name: str) -> np.ndarray:
     except BaseException:
         os.close(fd)
         fd = -1
-        _unlink_quietly(path)
+        unlink_quietly(path)
         raise
     finally:
         if fd >= 0:
@@ -576,13 +577,6 @@ def _human(n: int) -> str:
             return f"{value:.1f} {unit}" if unit != "B" else f"{n} B"
         value /= 1024
     return f"{n} B"
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _allocate(capacity: int, pin: Literal["auto"] | bool, name: str):

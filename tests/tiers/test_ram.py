@@ -121,3 +121,18 @@ def test_views_are_read_only_and_borrow_keeps_pages_until_released():
     assert tier.put(key(2), b"b" * PAGE)
     with tier.borrow(key(3)) as missing:
         assert missing is None
+
+
+def test_shared_arena_that_cannot_be_reserved_leaves_no_file(tmp_path, monkeypatch):
+    """A full tmpfs (``reserve_file`` refuses) raises OutOfSpace and removes the half-made file."""
+    from kvtier.errors import OutOfSpace
+    from kvtier.tiers import ram
+
+    def full(fd, size, path, what):
+        raise OutOfSpace(f"{what}: no space for {size} bytes in {path}")
+
+    monkeypatch.setattr(ram, "reserve_file", full)
+    path = tmp_path / "arena"
+    with pytest.raises(OutOfSpace):
+        ram._map_shared(str(path), 16 * PAGE, "ram")
+    assert not path.exists()
