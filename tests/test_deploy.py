@@ -182,18 +182,23 @@ def test_every_command_line_parses(vllm_serve_parser):
     `kvtier pull` puts the model."""
     from kvtier.loader.cache import cache_path
 
-    seen = {"kvtier": 0, "vllm": 0}
+    seen = {"kvtier": 0, "vllm": 0, "route": 0}
     for doc in _all_docs():
         pulled = []
         for c in _containers(doc):
             image = c["image"].rsplit("/", 1)[-1].split(":")[0]
-            if image == "kvtier" and "command" not in c:
-                args = _parse_kvtier(c["args"])
+            kvtier_argv = (c["args"] if image == "kvtier" and "command" not in c
+                           else c["command"][1:] + c.get("args", []) if c.get("command", [""])[0] == "kvtier"
+                           else None)
+            if kvtier_argv is not None:
+                args = _parse_kvtier(kvtier_argv)
                 seen["kvtier"] += 1
                 if args.command == "pull":
                     pulled.append(cache_path(args.cache_dir, args.uri))
                 if args.command == "serve":
                     assert args.config == "/etc/kvtier/serve.yaml"
+                if args.command == "route":
+                    seen["route"] += 1
             elif c.get("command", [])[:2] == ["vllm", "serve"]:
                 args = _parse_vllm_serve(vllm_serve_parser, c["command"][2:] + c.get("args", []))
                 seen["vllm"] += 1
@@ -205,12 +210,50 @@ def test_every_command_line_parses(vllm_serve_parser):
                 assert args.model_tag in pulled, (args.model_tag, pulled)
             else:
                 assert c.get("command", [""])[0] in ("sh", "sleep") or image == "valkey", c
-    assert seen["kvtier"] >= 4 and seen["vllm"] >= 1
+    assert seen["kvtier"] >= 4 and seen["vllm"] >= 1 and seen["route"] >= 1
 
 
 def test_engines_run_as_the_servers_user():
-    (vllm, _svc) = _docs((KUBE / "base" / "vllm.yaml").read_text())
+    vllm = _docs((KUBE / "base" / "vllm.yaml").read_text())[0]
     assert vllm["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == UID
+
+
+def _flag_values(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+
+def test_router_lists_every_engine_and_its_event_endpoints():
+    """`kvtier route` takes a static engine list: it names each StatefulSet pod through the
+    headless Service, with the ports vLLM's --kv-events-config binds; its Service, probe and
+    scrape annotations use its --port."""
+    vllm, _svc, headless = _docs((KUBE / "base" / "vllm.yaml").read_text())
+    router, service = _docs((KUBE / "base" / "router.yaml").read_text())
+    assert vllm["kind"] == "StatefulSet" and headless["spec"]["clusterIP"] == "None"
+    assert vllm["spec"]["serviceName"] == headless["metadata"]["name"]
+    (engine,) = vllm["spec"]["template"]["spec"]["containers"]
+    events = json.loads(_flag_values(engine["args"], "--kv-events-config")[0])
+    assert events["enable_kv_cache_events"] and events["publisher"] == "zmq"
+    pub_port, replay_port = (int(events[k].rsplit(":", 1)[1]) for k in ("endpoint", "replay_endpoint"))
+    engine_port = int(_flag_values(engine["args"], "--port")[0])
+    assert {p["containerPort"] for p in engine["ports"]} == {engine_port, pub_port, replay_port}
+    assert {p["port"] for p in headless["spec"]["ports"]} == {engine_port, pub_port, replay_port}
+
+    (c,) = router["spec"]["template"]["spec"]["containers"]
+    argv = c["command"][1:] + c["args"]
+    args = _parse_kvtier(argv)
+    assert args.command == "route"
+    hosts = [f"{vllm['metadata']['name']}-{i}.{headless['metadata']['name']}" for i in range(vllm["spec"]["replicas"])]
+    assert args.engine == [f"http://{h}:{engine_port}" for h in hosts]
+    assert args.kv_events == [f"tcp://{h}:{pub_port}" for h in hosts]
+    assert args.kv_replay == [f"tcp://{h}:{replay_port}" for h in hosts]
+    assert args.tokenizer and args.host == "0.0.0.0"
+    pod = router["spec"]["template"]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(args.port) == "9000"
+    assert pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert {p["name"]: p["containerPort"] for p in c["ports"]}["http"] == args.port
+    assert service["spec"]["ports"][0]["port"] == args.port
+    assert pod["spec"]["securityContext"]["runAsUser"] == UID
 
 
 # -- Dockerfile ------------------------------------------------------------------------------
