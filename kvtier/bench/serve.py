@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from kvtier.bench.offload import _engine_env
+
 if __name__ in ("__main__", "__mp_main__"):
     # the engine processes die with the benchmark (see kvtier.bench.engine_run)
     from kvtier.bench.procs import die_with_parent
@@ -200,16 +202,6 @@ def _spec(model: str, load: Workload, levels: list[int]) -> dict:
     pool_tokens = max(levels) * max_len + 4 * 128  # every client's request resident at once
     return {"model": model, "max_model_len": max_len, "pool_blocks": -(-pool_tokens // 128),
             "warmup": tokens(600), "levels": spec_levels}
-
-
-def _engine_env() -> dict:
-    """The same CPU thread binding for every setting's engine."""
-    env = dict(os.environ)
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0]))
-    env.setdefault("OMP_NUM_THREADS", str(len(cores)))
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    return env
 
 
 def _run_setting(spec: dict, work: Path, timeout: float) -> dict:
