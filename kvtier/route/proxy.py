@@ -126,6 +126,13 @@ class Router:
         if self._session is not None:
             await self._session.close()
 
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The HTTP session to the engines; it exists between the app's startup and cleanup."""
+        if self._session is None:
+            raise RuntimeError("kvtier route: the router's app has not started (no HTTP session)")
+        return self._session
+
     # --- health ----------------------------------------------------------------------------
     def healthy(self) -> list[str]:
         """Engines in, in configured order."""
@@ -164,10 +171,9 @@ class Router:
         log.warning("engine %s back in", url)
 
     async def _probe(self, url: str) -> bool:
-        assert self._session is not None
         try:
             timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
-            async with self._session.get(url + "/health", timeout=timeout) as resp:
+            async with self.session.get(url + "/health", timeout=timeout) as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
@@ -207,10 +213,10 @@ class Router:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _models(self, _request: web.Request) -> web.StreamResponse:
-        assert self._session is not None
+        session = self.session
         for url in self.healthy():
             try:
-                async with self._session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                async with session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
                     body = await resp.read()
                     return web.Response(body=body, status=resp.status, content_type="application/json")
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
@@ -313,9 +319,8 @@ class Router:
         """POST and read the first bytes: (outcome, response or None, first bytes or None).
         None response: failed before the first byte (outcome says how); first None: a status to
         retry elsewhere (502/503/504)."""
-        assert self._session is not None
         try:
-            upstream = await self._session.post(url, data=raw, headers=headers)
+            upstream = await self.session.post(url, data=raw, headers=headers)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             return f"connect_error: {type(exc).__name__}", None, None
         try:
