@@ -67,19 +67,9 @@ def serve(spec: dict) -> None:
     ``{"doc": I}`` sends document I, ``{"hit": I}`` the I-th engine-hit probe document, and
     ``{"quit": true}`` ends. Each answer is one stdout line: MARKER + JSON (see ``_one``).
     """
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(
-        model=spec["model"],
-        skip_tokenizer_init=True,
-        gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.3),
-        num_gpu_blocks_override=spec["pool_blocks"],
-        max_model_len=spec["max_model_len"],
-        kv_transfer_config=spec.get("kv_transfer_config"),
-        enable_prefix_caching=True,
-        disable_log_stats=False,
-        seed=0,
-    )
+    llm = make_llm(spec)
     sampling = SamplingParams(max_tokens=1, temperature=0.0, logprobs=spec.get("logprobs", 5))
     _one(llm, spec["warmup"], sampling)  # the first request pays one-off costs
     _answer({"ready": True})
@@ -89,6 +79,26 @@ def serve(spec: dict) -> None:
             break
         tokens = spec["docs"][cmd["doc"]] if "doc" in cmd else spec["hit_docs"][cmd["hit"]]
         _answer(_one(llm, tokens, sampling))
+
+
+def make_llm(spec: dict):
+    """The benchmark engine of ``spec``: model, pool (``pool_blocks``), ``max_model_len``, an
+    optional ``kv_transfer_config``, ``gpu_memory_utilization`` (0.3) and ``enforce_eager``
+    (False); prefix caching on, stats on, seed 0, no tokenizer."""
+    from vllm import LLM
+
+    return LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.3),
+        num_gpu_blocks_override=spec["pool_blocks"],
+        max_model_len=spec["max_model_len"],
+        kv_transfer_config=spec.get("kv_transfer_config"),
+        enable_prefix_caching=True,
+        disable_log_stats=False,
+        enforce_eager=bool(spec.get("enforce_eager", False)),
+        seed=0,
+    )
 
 
 def _answer(obj: dict) -> None:

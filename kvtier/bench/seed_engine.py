@@ -75,22 +75,11 @@ def _batch(llm, prompts: list[list[int]], concurrency: int, max_tokens: int) -> 
 
 def serve(spec: dict) -> None:
     """Start the engine, answer ``ready``, then answer commands from stdin until quit or EOF."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from kvtier.bench.engine_run import _answer, _one
+    from kvtier.bench.engine_run import _answer, _one, make_llm
 
-    llm = LLM(
-        model=spec["model"],
-        skip_tokenizer_init=True,
-        gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.3),
-        num_gpu_blocks_override=spec["pool_blocks"],
-        max_model_len=spec["max_model_len"],
-        kv_transfer_config=spec.get("kv_transfer_config"),
-        enable_prefix_caching=True,
-        disable_log_stats=False,
-        enforce_eager=bool(spec.get("enforce_eager", False)),
-        seed=0,
-    )
+    llm = make_llm(spec)
     sampling = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
     _one(llm, spec["warmup"], sampling)  # the first request pays one-off costs
     _answer({"ready": True})
