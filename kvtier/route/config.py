@@ -19,10 +19,10 @@ from kvtier.errors import ConfigError
 #: > a shared tier every engine loads). A medium not listed gets the lowest weight listed.
 DEFAULT_TIER_WEIGHTS: tuple[tuple[str, float], ...] = (
     ("GPU", 1.0), ("CPU", 0.8), ("DISK", 0.5), ("STORAGE", 0.5),
-    ("SERVER", 0.4), ("FS", 0.3), ("REDIS", 0.3), ("S3", 0.25),
+    ("SERVER", 0.4), ("FS", 0.3), ("REDIS", 0.3), ("STORAGE_REMOTE", 0.3), ("S3", 0.25),
 )
 #: Media that every engine can load from: a block held there counts for all engines.
-DEFAULT_SHARED_MEDIA: tuple[str, ...] = ("REDIS", "S3", "FS", "SERVER")
+DEFAULT_SHARED_MEDIA: tuple[str, ...] = ("REDIS", "S3", "FS", "SERVER", "STORAGE_REMOTE")
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,8 @@ END_SEQ = -1
 # positional field order of array-like encodings (vLLM's BlockStored / BlockRemoved)
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
                   "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
-                  "kv_cache_spec_sliding_window", "locality")
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality")
+                  "kv_cache_spec_sliding_window", "locality", "ownership", "session_id")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
 
 
 def _as_event(raw: Any) -> tuple[str, dict[str, Any]] | None:
@@ -76,12 +76,12 @@ def apply_events(index: PrefixIndex, engine: str, events: list[tuple[str, dict[s
         counts[kind] = counts.get(kind, 0) + 1
         try:
             if kind == "BlockStored":
-                medium = normalize_medium(ev.get("medium"), ev.get("locality"))
+                medium = normalize_medium(ev.get("medium"), ev.get("locality"), ev.get("ownership"))
                 index.apply_stored(engine, [_hashable(h) for h in ev.get("block_hashes") or ()],
                                    _hashable(ev.get("parent_block_hash")), ev.get("token_ids") or (),
                                    int(ev.get("block_size") or 0), medium, ev.get("lora_name") or "")
             elif kind == "BlockRemoved":
-                medium = normalize_medium(ev.get("medium"), ev.get("locality"))
+                medium = normalize_medium(ev.get("medium"), ev.get("locality"), ev.get("ownership"))
                 index.apply_removed(engine, [_hashable(h) for h in ev.get("block_hashes") or ()], medium)
             elif kind == "AllBlocksCleared":
                 index.clear_engine(engine)

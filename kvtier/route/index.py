@@ -60,9 +60,12 @@ def chunk_keys(tokens: Sequence[int], block_size: int, namespace: str = "", pare
     return out
 
 
-def normalize_medium(medium: str | None, locality: str | None = None) -> str:
-    """Upper-case medium name; None is the engine's own pool (GPU). vLLM's ``STORAGE`` with
-    locality ``REMOTE`` is reported as ``STORAGE_REMOTE``."""
+def normalize_medium(medium: str | None, locality: str | None = None, ownership: str | None = None) -> str:
+    """Upper-case medium name; None is the engine's own pool (GPU). A kvtier pool named by
+    ``ownership`` is reported by its tier: ``kvtier:redis`` -> ``REDIS``, ``kvtier:server/...`` ->
+    ``SERVER``; any other ``STORAGE`` with locality ``REMOTE`` as ``STORAGE_REMOTE``."""
+    if isinstance(ownership, str) and ownership.startswith("kvtier:"):
+        return ownership[len("kvtier:"):].split("/", 1)[0].upper() or "STORAGE_REMOTE"
     m = (medium or GPU).upper()
     if m == "STORAGE" and (locality or "").upper() == "REMOTE":
         return "STORAGE_REMOTE"

@@ -22,17 +22,21 @@ def make_tiny_model(out: Path, seed: int = 0) -> Path:
     return out
 
 
-def vllm_config(model: Path | str, extra: dict[str, Any] | None = None, pp: int = 1, **model_kw: Any):
-    """A real VllmConfig for ``model`` with the kvtier connector (block size 16, chunk ``CHUNK``)."""
-    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
+def vllm_config(model: Path | str, extra: dict[str, Any] | None = None, pp: int = 1, events: bool = False,
+                **model_kw: Any):
+    """A real VllmConfig for ``model`` with the kvtier connector (block size 16, chunk ``CHUNK``);
+    ``events``: vLLM publishes KV events (to no publisher: the tests take them from the connector)."""
+    from vllm.config import CacheConfig, KVEventsConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
 
     extra = {"tiers": [{"type": "ram", "capacity": "16MiB"}], "chunk_tokens": CHUNK, **(extra or {})}
     model_config = ModelConfig(model=str(model), skip_tokenizer_init=True, dtype=model_kw.pop("dtype", "bfloat16"),
                                max_model_len=1024, **model_kw)
     transfer = KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
                                 kv_role="kv_both", kv_connector_extra_config=extra)
+    kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if events else None
     return VllmConfig(model_config=model_config, cache_config=CacheConfig(block_size=16),
-                      parallel_config=ParallelConfig(pipeline_parallel_size=pp), kv_transfer_config=transfer)
+                      parallel_config=ParallelConfig(pipeline_parallel_size=pp), kv_transfer_config=transfer,
+                      kv_events_config=kv_events)
 
 
 def scheduler_connector(config):

@@ -23,7 +23,7 @@ PROMPT = 160  # 5 chunks of 32
 @pytest.fixture(scope="module")
 def connector(tmp_path_factory):
     model = make_tiny_model(tmp_path_factory.mktemp("mm") / "model")
-    conn = scheduler_connector(vllm_config(model))
+    conn = scheduler_connector(vllm_config(model, events=True))
     yield conn
     conn.shutdown()
 
@@ -153,9 +153,10 @@ def test_engine_never_serves_one_images_kv_for_another(tmp_path):
     assert got["b_again"]["hit_tokens"] == loadable and got["a_third"]["hit_tokens"] == loadable
 
 
-def test_published_events_carry_the_image_hashes_of_each_chunk(connector):
-    """Stored-chunk events name each chunk's images as vLLM's own events do ((identifier, offset in
-    the chunk) in ``extra_keys``), so a router that maps chunks by token ids tells images apart."""
+def test_published_events_carry_the_image_hashes_of_each_block(connector):
+    """Stored-chunk events name each block's images as vLLM's own events do ((identifier, offset in
+    the block) in ``extra_keys``, one entry per block), so a router that maps blocks by token ids
+    tells images apart."""
     from vllm.v1.outputs import KVConnectorOutput
 
     from kvtier.integrations.vllm.connector import KVTierMetadata, KVTierWorkerMetadata
@@ -170,4 +171,5 @@ def test_published_events_carry_the_image_hashes_of_each_chunk(connector):
     stored = [("stored", k, "CPU") for k in state.keys]
     connector.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=KVTierWorkerMetadata(stored)))
     extras = [e.extra_keys for e in connector.take_events()]
-    assert extras == [None, [(("img-e", 8),)], [(("img-e", -24),)], None, None]
+    # blocks of 16 tokens, chunks of 2 blocks; the image covers tokens 40..69 (blocks 2, 3, 4)
+    assert extras == [None, [(("img-e", 8),), (("img-e", -8),)], [(("img-e", -24),), None], None, None]

@@ -157,3 +157,19 @@ def test_decode_accepts_array_like_events_and_rejects_garbage():
     assert kinds == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
     with pytest.raises(ValueError):
         decode_batch(msgspec.msgpack.encode({"not": "a batch"}))
+
+
+def test_kvtier_media_are_read_from_locality_and_ownership():
+    """The connector's events name kvtier's pools in vLLM's vocabulary; the router maps them back
+    to tiers it weighs (and treats shared pools as loadable by every engine)."""
+    from kvtier.route.config import EngineSpec, RouteConfig
+    from kvtier.route.index import normalize_medium
+
+    assert normalize_medium("CPU", "LOCAL", None) == "CPU"
+    assert normalize_medium("STORAGE", "LOCAL", None) == "STORAGE"
+    assert normalize_medium("STORAGE", "REMOTE", "kvtier:redis") == "REDIS"
+    assert normalize_medium("CPU", "LOCAL", "kvtier:server/cpu") == "SERVER"
+    assert normalize_medium("STORAGE", "REMOTE", "someone-elses-pool") == "STORAGE_REMOTE"
+    assert normalize_medium(None) == "GPU"
+    cfg = RouteConfig(engines=(EngineSpec("http://127.0.0.1:1"),))
+    assert "STORAGE_REMOTE" in cfg.shared_media and cfg.weight_of("STORAGE_REMOTE") < cfg.weight_of("STORAGE")

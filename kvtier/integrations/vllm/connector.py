@@ -108,7 +108,9 @@ class KVTierConnector(KVConnectorBase_V1):
                                        kv_cache_config.num_blocks if kv_cache_config else 0)
         else:
             share = WorkerShare(0, self.tp_size, 0, self.pp_size)
-            self.scheduler = KVTierScheduler(self.config, self.geometry, self.namespace, share)
+            events = vllm_config.kv_events_config
+            self.scheduler = KVTierScheduler(self.config, self.geometry, self.namespace, share,
+                                             publish_events=bool(events and events.enable_kv_cache_events))
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

@@ -26,22 +26,23 @@ reports the request finished (``get_finished``) and any failed blocks, and vLLM 
 from the loaded (or, after a failure, the valid) prefix. A hit wholly in the mirror stays
 inline, as does any hit through a cache server (which may hold it in its shared memory).
 
-Events for routers: ``take_events`` turns the worker's store events into vLLM
-``BlockStored``/``BlockRemoved`` events (one per chunk, ``block_size`` = the chunk size), with
-the token ids and extra keys remembered when the chunk's save was planned.
+Events for routers (when vLLM publishes KV events): ``take_events`` turns the worker's store
+events into vLLM ``BlockStored``/``BlockRemoved`` events shaped as the engine's own (its block
+hashes, block size, token ids and extra keys; see ``events.py``), from what was remembered when
+each chunk's save or load was planned.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import KVCacheEvent
 
 from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.events import ChunkEvents
 from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, KVTierWorkerMetadata, LoadSpec, SaveSpec
 from kvtier.keys import ROOT, MMItem, Namespace, WorkerShare, chunk_keys, lora_identity, weights_digest
 from kvtier.tiers.base import SchedulerView
@@ -63,8 +64,7 @@ class RequestState:
     token_ids: Sequence[int]  # the prompt, then the generated tokens (vLLM's growing all_token_ids)
     namespace: bytes = b""
     mm: tuple[MMItem, ...] = ()  # the prompt's multimodal items, folded into the keys
-    lora_name: str | None = None  # for the extra keys of published events
-    cache_salt: str | None = None
+    request: "Request | None" = None  # vLLM's request (its block hashes and extra keys, for events)
     block_ids: list[int] = field(default_factory=list)
     hit_chunks: int = 0  # chunks found in the store at lookup
     hit_below_ram: bool = False  # some chunk of the hit is known only to a probe (a lower tier)
@@ -79,7 +79,8 @@ class KVTierScheduler:
     Not thread-safe: vLLM calls it from its scheduler loop only.
     """
 
-    def __init__(self, config: ConnectorConfig, geometry: ChunkGeometry, namespace: Namespace, share: WorkerShare):
+    def __init__(self, config: ConnectorConfig, geometry: ChunkGeometry, namespace: Namespace, share: WorkerShare,
+                 publish_events: bool = False):
         self.config = config
         self.geometry = geometry
         self.namespace = namespace
@@ -87,7 +88,9 @@ class KVTierScheduler:
         self._lora_ids: dict[tuple[str, str], str] = {}  # (name, path) -> identity, read once
         self._requests: dict[str, RequestState] = {}
         self._present: dict[bytes, set[str]] = {}  # chunk key -> media holding it (from events)
-        self._chunk_tokens_of: deque = deque(maxlen=4096)  # recent (key, parent, tokens, extra) for events
+        # fields of published events, remembered per chunk (None: vLLM publishes no KV events)
+        self.chunk_events = (ChunkEvents(geometry.block_size, geometry.blocks_per_chunk, server=bool(config.server))
+                             if publish_events else None)
         self._events: list = []
         self._background = config.transfer_mode == "async"
         self._async_loads: list[LoadSpec] = []  # planned at allocation, sent with the next metadata
@@ -187,7 +190,8 @@ class KVTierScheduler:
                 media.discard(medium)
                 if not media:
                     del self._present[key]
-        self._events.extend(meta.events)
+        if self.chunk_events is not None:
+            self._events.extend(meta.events)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Forget the request; saves complete within the step, so its blocks can be freed at once
@@ -197,19 +201,10 @@ class KVTierScheduler:
         return False, None
 
     def take_events(self) -> list[KVCacheEvent]:
-        """BlockStored/BlockRemoved events for chunks entering/leaving kvtier's tiers."""
-        tokens = {key: (parent, toks, extra) for key, parent, toks, extra in self._chunk_tokens_of}
-        events: list[KVCacheEvent] = []
+        """BlockStored/BlockRemoved events for chunks entering/leaving kvtier's tiers, shaped as
+        the engine's own block events (``events.py``); [] when vLLM publishes no KV events."""
         pending, self._events = self._events, []
-        for kind, key, medium in pending:
-            if kind == "stored":
-                parent, toks, (lora, extra) = tokens.get(key, (None, [], (None, None)))
-                events.append(BlockStored(block_hashes=[key], parent_block_hash=parent, token_ids=list(toks),
-                                          block_size=self.geometry.chunk_tokens, lora_id=None, medium=medium,
-                                          lora_name=lora, extra_keys=[extra] if extra else None))
-            else:
-                events.append(BlockRemoved(block_hashes=[key], medium=medium))
-        return events
+        return self.chunk_events.events(pending) if self.chunk_events is not None else []
 
     def close(self) -> None:
         """Close the probes or the server connection."""
@@ -236,9 +231,8 @@ class KVTierScheduler:
             prompt = list(request.prompt_token_ids) if keyed else []
             mm = tuple(mm or ())
             ns = self.namespace.with_lora(self._lora_identity(request)).with_salt(request.cache_salt).digest()
-            lora_name = request.lora_request.lora_name if request.lora_request else None
             state = RequestState(chunk_keys(prompt, ns, self.geometry.chunk_tokens, mm=mm), len(prompt), tokens,
-                                 ns, mm, lora_name, request.cache_salt)
+                                 ns, mm, request)
             self._requests[request.request_id] = state
         return state
 
@@ -275,16 +269,22 @@ class KVTierScheduler:
                 break
             parent = state.keys[c - 1] if c else None
             meta.saves.append(SaveSpec(req_id, state.keys[c], parent, c, blocks))
-            lo = c * chunk
-            self._chunk_tokens_of.append((state.keys[c], parent, state.token_ids[lo : lo + chunk],
-                                          event_extra_keys(state, c, chunk)))
+            self._remember_chunk(state, c)
             state.saved_chunks = c + 1
+
+    def _remember_chunk(self, state: RequestState, c: int) -> None:
+        """Remember chunk ``c``'s event fields (when events are published)."""
+        if self.chunk_events is not None:
+            chunk = self.geometry.chunk_tokens
+            self.chunk_events.record(state.request, state.keys, c, state.token_ids[c * chunk : (c + 1) * chunk])
 
     def _take_load(self, req_id: str, state: RequestState, background: bool) -> LoadSpec:
         """The request's pending load as a ``LoadSpec`` (the load is then no longer pending)."""
         first, end, skip = state.load
         state.saved_chunks = max(state.saved_chunks, end)
         state.load = None
+        for c in range(first, end):  # a loaded chunk may be promoted into a faster tier: an event
+            self._remember_chunk(state, c)
         return LoadSpec(req_id, state.keys[first:end], first, list(state.block_ids), skip, background)
 
     # ------------------------------------------------------------------------- lookups
@@ -331,19 +331,6 @@ def mm_items(request: "Request") -> list[MMItem] | None:
             return None
         items.append(MMItem(str(ident), int(pos.offset), int(pos.length)))
     return items
-
-
-def event_extra_keys(state: RequestState, chunk: int, chunk_tokens: int) -> tuple[str | None, tuple | None]:
-    """(LoRA name, extra keys) of one chunk for a published ``BlockStored``, in vLLM's event
-    format: the LoRA name, then ``(mm identifier, offset in the chunk)`` for each multimodal item
-    the chunk overlaps, then the cache salt on chunk 0; None when there are none. A router that
-    maps chunks by ``token_ids`` needs them to tell two images behind the same tokens apart."""
-    lo = chunk * chunk_tokens
-    extra: list = [state.lora_name] if state.lora_name else []
-    extra += [(m.identifier, m.offset - lo) for m in state.mm if m.overlaps(lo, lo + chunk_tokens)]
-    if chunk == 0 and state.cache_salt:
-        extra.append(state.cache_salt)
-    return state.lora_name, (tuple(extra) if extra else None)
 
 
 def make_probes(tier_specs: list) -> list:

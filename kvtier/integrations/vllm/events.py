@@ -1,0 +1,140 @@
+"""KV events for routers: kvtier's chunks as vLLM ``BlockStored``/``BlockRemoved`` events.
+
+A router (vllm-router ``kv_aware``, llm-d's KV cache indexer, ``kvtier route``) builds its index
+from the engines' events; it relates blocks to prompts through each event's ``token_ids`` chained
+by ``parent_block_hash``, and relates a tier's copy of a block to the engine's own copy through
+the block hash. So kvtier publishes each stored chunk exactly as the engine publishes the blocks
+it is made of:
+
+* ``block_hashes``: the engine's own hashes of the chunk's blocks (``request.block_hashes``, in
+  the type vLLM publishes: 64-bit ints by default, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``),
+  ``parent_block_hash`` the engine's hash of the block before the chunk. Where the engine keeps
+  no hashes (prefix caching off) they are derived from kvtier's chunk key, in the same type;
+* ``token_ids``: every token of the chunk, on every store; ``block_size``: the engine's;
+* ``extra_keys``: one entry per block, built by vLLM's own functions (LoRA name, multimodal
+  ``(identifier, offset)``, cache salt), ``lora_name``/``lora_id`` as vLLM sets them;
+* ``medium``/``locality``/``ownership`` in vLLM's vocabulary: kvtier's RAM tier is ``CPU``
+  ``LOCAL``; its disk tier ``STORAGE`` ``LOCAL``; a tier every engine can load (fs, Redis, S3)
+  ``STORAGE`` ``REMOTE`` with ``ownership`` ``kvtier:<tier>`` naming the shared pool; with a
+  per-node cache server every medium carries ``ownership`` ``kvtier:server/<medium>``.
+
+What each chunk needs is remembered when its save or load is planned (``ChunkEvents.record``), in
+a bounded LRU; an event for a chunk no longer remembered is not published (counted in
+``dropped``), since a store event without its tokens would be rejected by routers anyway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+#: chunks whose event fields are remembered (LRU); ~0.6 KB each for 128-token chunks
+MAX_CHUNKS = 32768
+
+#: kvtier tier medium -> (vLLM medium, locality) of its events
+_LOCAL_MEDIA = {"CPU": ("CPU", "LOCAL"), "DISK": ("STORAGE", "LOCAL")}
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """What a router needs to place one chunk: engine-typed block hashes, tokens, extra keys."""
+
+    block_hashes: tuple
+    parent: Any
+    token_ids: array
+    extra_keys: list | None
+    lora_name: str | None
+    lora_id: int | None
+
+
+def event_medium(medium: str, server: bool = False) -> tuple[str, str, str | None]:
+    """(medium, locality, ownership) of a kvtier tier's events, in vLLM's vocabulary (see the
+    module docstring)."""
+    medium = medium.upper()
+    if server:
+        return (*_LOCAL_MEDIA.get(medium, ("STORAGE", "LOCAL")), f"kvtier:server/{medium.lower()}")
+    if medium in _LOCAL_MEDIA:
+        return (*_LOCAL_MEDIA[medium], None)
+    return "STORAGE", "REMOTE", f"kvtier:{medium.lower()}"
+
+
+def derived_block_hashes(key: bytes, blocks: int) -> list:
+    """Stand-in block hashes for a chunk whose engine kept none: derived from kvtier's chunk key
+    (content, namespace and position), converted as vLLM converts its own."""
+    return [maybe_convert_block_hash(hashlib.blake2b(key + i.to_bytes(4, "big"), digest_size=32).digest())
+            for i in range(blocks)]
+
+
+class ChunkEvents:
+    """Remembers, per chunk key, the fields of its events; turns store events into vLLM events.
+
+    Not thread-safe: the scheduler calls it from its loop only.
+    """
+
+    def __init__(self, block_size: int, blocks_per_chunk: int, server: bool = False, max_chunks: int = MAX_CHUNKS):
+        self.block_size = block_size
+        self.blocks_per_chunk = blocks_per_chunk
+        self.server = server
+        self.max_chunks = max_chunks
+        self._info: OrderedDict[bytes, ChunkInfo] = OrderedDict()
+        self.dropped = 0  # store events of chunks no longer remembered (not published)
+
+    def record(self, request: "Request | None", keys: list[bytes], chunk: int, tokens: Iterable[int]) -> None:
+        """Remember chunk ``chunk`` of a request (``keys[chunk]`` its key, ``tokens`` its tokens)."""
+        key = keys[chunk]
+        if key in self._info:
+            self._info.move_to_end(key)
+            return
+        bpc, bs = self.blocks_per_chunk, self.block_size
+        first = chunk * bpc
+        engine = getattr(request, "block_hashes", None) or ()
+        if len(engine) >= first + bpc:
+            hashes = [maybe_convert_block_hash(h) for h in engine[first : first + bpc]]
+            parent = maybe_convert_block_hash(engine[first - 1]) if first else None
+        else:
+            hashes = derived_block_hashes(key, bpc)
+            parent = derived_block_hashes(keys[chunk - 1], bpc)[-1] if chunk else None
+        extra = None
+        if request is not None:
+            per_block, mm_idx = [], 0
+            for b in range(first, first + bpc):
+                keys_b, mm_idx = generate_block_hash_extra_keys(request, b * bs, (b + 1) * bs, mm_idx)
+                per_block.append(keys_b)
+            extra = to_event_extra_keys(per_block) if any(k is not None for k in per_block) else None
+        lora = getattr(request, "lora_request", None)
+        self._info[key] = ChunkInfo(tuple(hashes), parent, array("I", tokens), extra,
+                                    lora.lora_name if lora else None, lora.adapter_id if lora else None)
+        while len(self._info) > self.max_chunks:
+            self._info.popitem(last=False)
+
+    def known(self, key: bytes) -> bool:
+        return key in self._info
+
+    def events(self, store_events: Iterable[tuple[str, bytes, str]]) -> list[KVCacheEvent]:
+        """vLLM events for kvtier store events ``(kind, key, medium)``, in order."""
+        out: list[KVCacheEvent] = []
+        for kind, key, medium in store_events:
+            info = self._info.get(key)
+            if info is None:
+                self.dropped += 1
+                continue
+            med, locality, ownership = event_medium(medium, self.server)
+            if kind == "stored":
+                out.append(BlockStored(block_hashes=list(info.block_hashes), parent_block_hash=info.parent,
+                                       token_ids=info.token_ids.tolist(), block_size=self.block_size,
+                                       lora_id=info.lora_id, medium=med, lora_name=info.lora_name,
+                                       extra_keys=info.extra_keys, group_idx=0, locality=locality,
+                                       ownership=ownership))
+            else:
+                out.append(BlockRemoved(block_hashes=list(info.block_hashes), medium=med, group_idx=0,
+                                        locality=locality, ownership=ownership))
+        return out
