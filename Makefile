@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-loaded install system bench clean
+.PHONY: demo test test-loaded install system router bench clean
 
 $(STAMP): requirements/lock.txt pyproject.toml requirements/vllm_launcher.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,19 @@ $(STAMP): requirements/lock.txt pyproject.toml requirements/vllm_launcher.py
 
 install: $(STAMP)
 
+# vllm-router (the routing anchor) in its own venv: its pins clash with vLLM's. Best effort: the
+# tests that need it skip when it could not be installed.
+ROUTER_VENV ?= .venv-router
+ROUTER_STAMP := $(ROUTER_VENV)/.installed
+
+$(ROUTER_STAMP): requirements/vllm_router.txt
+	test -x $(ROUTER_VENV)/bin/python || $(PYTHON) -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/python -m pip install -q -r requirements/vllm_router.txt
+	touch $(ROUTER_STAMP)
+
+router:
+	@$(MAKE) --no-print-directory $(ROUTER_STAMP) || echo "warning: vllm-router could not be installed; its tests will skip"
+
 # System packages the tests need (redis-server); a no-op when already present.
 system:
 	@command -v redis-server >/dev/null 2>&1 || { \
@@ -30,13 +43,13 @@ system:
 demo: install
 	$(VENV)/bin/kvtier demo
 
-test: install system
+test: install system router
 	$(PY) -m pytest -q -ra
 
 # The race check: the whole suite in a shuffled order while every core is kept busy.
 SHUFFLE ?= $(shell date +%s)
-test-loaded: install system
+test-loaded: install system router
 	$(PY) -m kvtier.bench.cpu_hog -- $(PY) -m pytest -q -ra --shuffle $(SHUFFLE)
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(ROUTER_VENV) .pytest_cache build *.egg-info
