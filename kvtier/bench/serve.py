@@ -6,24 +6,29 @@ in-process and each client streams its requests (``RequestOutputKind.DELTA``): t
 every streamed token is taken where it arrives, so TTFT and inter-token gaps are measured per
 request while other requests prefill or load.
 
-Workload, per concurrency level (1, 2, 4, 8 by default), with fresh random documents each level:
+Workload, per concurrency level (1, 2, 4, 8 by default), with fresh random documents each level,
+in two timed phases (``phase`` in each row):
 
-- warm-up (untimed, one request at a time): the level's long documents in the order shared,
-  disk, RAM, so that with kvtier's tiers sized for it (RAM holds one group, disk two, the
-  shared ``fs`` tier all) the RAM group is in RAM, the disk group on disk and the shared group
-  only in the shared tier; then vLLM's own prefix cache is reset (every setting re-reads
-  documents the engine has lost, the document's cliff), and every setting waits ``settle_s``
-  (2 s + 1 s per GB the warm-up wrote, twice: disk and shared) so kvtier's background
-  write-through to the lower tiers is not timed as part of the level;
-- timed: the documents re-read (RAM group first, then disk, then shared; reads promote entries,
-  so a later read may come from a higher tier than intended) interleaved with as many short
-  prompts that decode ``--decode-tokens`` (64) tokens, pulled by N clients from one queue.
+- ``first`` (0% hits): the level's long documents, each followed by a short prompt that decodes
+  ``--decode-tokens`` (64) tokens, pulled by N clients, one tier group after the other in the
+  order shared, disk, RAM, so that with kvtier's tiers sized for it (RAM holds one group, disk
+  two, the shared ``fs`` tier all) the RAM group ends in RAM, the disk group on disk and the
+  shared group only in the shared tier. Then vLLM's own prefix cache is reset (every setting
+  re-reads documents the engine has lost, the document's cliff) and every setting waits
+  ``settle_s`` (2 s + 1 s per GB the phase wrote, twice: disk and shared) so kvtier's background
+  write-through to the lower tiers is not timed;
+- ``reread``: the same documents re-read (RAM group first, then disk, then shared; reads
+  promote entries, so a later read may come from a higher tier than intended), again each
+  followed by a fresh short prompt, pulled by N clients from one queue.
 
-Per setting and concurrency: TTFT p50/p95 (all requests), inter-token latency p50/p99 (the
-short prompts' decodes, which stall while other requests prefill or load), output tokens/s
-(all output tokens / the level's wall time), hit tokens (vLLM's external prefix-cache hits:
-kvtier's loads) and query tokens. ``--json`` prints ``{"rows": [...]}``; ``--plot FILE`` writes
-one PNG per metric (``FILE`` with ``-<metric>`` before its suffix).
+Per setting, concurrency and phase: TTFT p50/p95 (all requests), inter-token latency p50/p99 of
+the short prompts' decodes (which stall while other requests prefill or load), also split by the
+group of the document just before each short prompt (``itl_p99_ram_ms``, ``_disk_``,
+``_shared_``: decodes running beside loads from that tier), output tokens/s (all output tokens /
+the phase's wall time), hit tokens (vLLM's external prefix-cache hits: kvtier's loads) and query
+tokens. ``--json`` prints ``{"rows": [...], "targets": [...]}`` (issue 10's targets, from
+``kvtier.bench.targets``); ``--plot FILE`` writes one PNG per metric (``FILE`` with
+``-<metric>`` before its suffix; re-reads solid, first passes dashed).
 
 Settings (``SETTINGS``): ``vllm`` (no connector), ``kvtier`` (today's synchronous transfers),
 and ``kvtier-async`` (kvtier with ``transfer_mode: async``: hits below the RAM tier load in the
@@ -57,6 +62,7 @@ MARKER = "@@kvtier-serve "
 CONNECTOR = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 METRICS = ("ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p99_ms", "output_tok_s", "hit_tokens")
+GROUPS = ("ram", "disk", "shared")  # re-read order; the first pass runs them reversed
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,7 @@ SETTINGS: dict[str, Callable[[Path, Workload], dict | None]] = {
     "kvtier": lambda work, load: _kvtier(work, load),  # today's synchronous transfers
     "kvtier-async": lambda work, load: _kvtier(work, load, {"transfer_mode": "async"}),
 }
-DEFAULT_SETTINGS = ("vllm", "kvtier")
+DEFAULT_SETTINGS = ("vllm", "kvtier", "kvtier-async")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=64, help="tokens each short prompt decodes (default 64)")
     parser.add_argument("--work-dir", help="where tiers and specs go (default: a temp dir, removed)")
     parser.add_argument("--settle-s", type=float, default=None,
-                        help="seconds to wait after each warm-up (default: 2 + 2 x warm-up GB)")
+                        help="seconds to wait after each first pass (default: 2 + 2 x first-pass GB)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per setting (default 1800)")
     parser.add_argument("--quick", action="store_true",
                         help="a small run: 1,024-token documents, one per group, concurrency 1,2")
@@ -146,8 +152,9 @@ def run(args: argparse.Namespace) -> int:
                 result = _run_setting(dict(spec, kv_transfer_config=SETTINGS[name](setting_dir, load)),
                                       setting_dir, args.timeout)
                 for level in result["levels"]:
-                    rows.append({"setting": name, "model": variant if not args.model else model,
-                                 **_summary(level)})
+                    for phase in ("first", "reread"):
+                        rows.append({"setting": name, "model": variant if not args.model else model,
+                                     "phase": phase, **_summary(level[phase])})
                 if not args.json:
                     note(f"{variant}/{name}: done")
     finally:
@@ -157,13 +164,41 @@ def run(args: argparse.Namespace) -> int:
                                          "short_tokens": Workload.short_tokens, "decode_tokens": args.decode_tokens,
                                          "concurrency": levels},
               "thread_binding": _engine_env()["VLLM_CPU_OMP_THREADS_BIND"], "settle_s": args.settle_s}
+    report["targets"] = targets(rows)
     if args.plot:
         report["plots"] = plot(rows, args.plot)
     if args.json:
         emit_json(report)
     else:
+        from kvtier.bench.targets import print_targets
+
         _print(rows)
+        print_targets(report["targets"])
     return 0
+
+
+def measurements(rows: list[dict]) -> dict[str, float]:
+    """The rows as flat measurements for ``kvtier.bench.targets``:
+    ``"{metric}:{model}/{setting}/{phase}@{concurrency}"``."""
+    out = {}
+    for r in rows:
+        where = f"{r['model']}/{r['setting']}/{r['phase']}@{r['concurrency']}"
+        for metric in ("output_tok_s", "itl_p99_ms", "itl_p99_ram_ms", "itl_p99_disk_ms", "doc_ttft_p50_ms"):
+            if r.get(metric) is not None:
+                out[f"{metric}:{where}"] = r[metric]
+    return out
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """Issue 10's targets over the run's rows, for every model and kvtier setting measured."""
+    from kvtier.bench import targets as table
+
+    models = sorted({r["model"] for r in rows})
+    kvtier = sorted({r["setting"] for r in rows} - {"vllm"})
+    each = [{"model": m, "setting": s} for m in models for s in kvtier]
+    return table.evaluate("serve", measurements(rows),
+                          {key: each for key in ("itl-disk-vs-ram", "tok-vs-vllm", "first-tok", "first-ttft")}
+                          | {"async-vs-sync": [{"model": m} for m in models]})
 
 
 def _model(variant: str) -> Path:
@@ -179,7 +214,7 @@ def _bytes_per_token(model: str) -> int:
 
 
 def _spec(model: str, load: Workload, levels: list[int]) -> dict:
-    """The engine's spec: model, pool, and per level the warm-up and the timed requests."""
+    """The engine's spec: model, pool, and per level the first pass (per group) and the re-reads."""
     import numpy as np
 
     rng = np.random.default_rng(20261201)
@@ -187,16 +222,23 @@ def _spec(model: str, load: Workload, levels: list[int]) -> dict:
     def tokens(n: int) -> list[int]:
         return rng.integers(100, 31000, n).tolist()
 
+    def phase(groups: dict[str, list[list[int]]], order) -> list[list[dict]]:
+        """Per group in ``order``: its documents, each followed by a fresh short prompt."""
+        out = []
+        for g in order:
+            requests = []
+            for doc in groups[g]:
+                requests += [{"kind": f"doc-{g}", "tokens": doc, "max_tokens": load.doc_decode_tokens},
+                             {"kind": f"short-{g}", "tokens": tokens(load.short_tokens),
+                              "max_tokens": load.decode_tokens}]
+            out.append(requests)
+        return out
+
     spec_levels = []
     for concurrency in levels:
-        groups = {g: [tokens(load.doc_tokens) for _ in range(load.docs_per_group)] for g in ("shared", "disk", "ram")}
-        warm = groups["shared"] + groups["disk"] + groups["ram"]
-        docs = [{"kind": f"doc-{g}", "tokens": d, "max_tokens": load.doc_decode_tokens}
-                for g in ("ram", "disk", "shared") for d in groups[g]]
-        requests = []
-        for doc in docs:
-            requests += [doc, {"kind": "short", "tokens": tokens(load.short_tokens), "max_tokens": load.decode_tokens}]
-        spec_levels.append({"concurrency": concurrency, "warm": warm, "requests": requests})
+        groups = {g: [tokens(load.doc_tokens) for _ in range(load.docs_per_group)] for g in GROUPS}
+        spec_levels.append({"concurrency": concurrency, "first": phase(groups, reversed(GROUPS)),
+                            "requests": [r for part in phase(groups, GROUPS) for r in part]})
     per_request = load.doc_tokens + load.doc_decode_tokens + 128
     max_len = -(-per_request // 128) * 128
     pool_tokens = max(levels) * max_len + 4 * 128  # every client's request resident at once
@@ -261,15 +303,10 @@ async def _request(llm, tokens: list[int], max_tokens: int, request_id: str) -> 
             "query_tokens": len(tokens)}
 
 
-async def _level(llm, level: dict, tag: str, settle_s: float) -> dict:
-    """Warm up the level's documents, reset the engine's prefix cache, run the timed requests."""
-    for i, tokens in enumerate(level["warm"]):
-        await _request(llm, tokens, 1, f"{tag}-warm-{i}")
-    await llm.reset_prefix_cache()
-    await asyncio.sleep(settle_s)
-    before = _counters()
+async def _run_requests(llm, requests: list[dict], concurrency: int, tag: str) -> tuple[list[dict], float]:
+    """``requests`` pulled by ``concurrency`` clients from one queue: (records, wall seconds)."""
     queue: asyncio.Queue = asyncio.Queue()
-    for i, req in enumerate(level["requests"]):
+    for i, req in enumerate(requests):
         queue.put_nowait((i, req))
     records: list[dict] = []
 
@@ -280,13 +317,34 @@ async def _level(llm, level: dict, tag: str, settle_s: float) -> dict:
             records.append(dict(rec, kind=req["kind"]))
 
     start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(level["concurrency"])))
-    wall = time.perf_counter() - start
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return records, time.perf_counter() - start
+
+
+async def _phase(llm, parts: list[list[dict]], concurrency: int, tag: str) -> dict:
+    """Run ``parts`` one after the other (each at ``concurrency``); the phase's records, wall
+    time and hit counters."""
+    before = _counters()
+    records, wall = [], 0.0
+    for i, part in enumerate(parts):
+        got, seconds = await _run_requests(llm, part, concurrency, f"{tag}-{i}")
+        records += got
+        wall += seconds
     await asyncio.sleep(1.0)  # the last iteration's stats reach the registry
     after = _counters()
-    return {"concurrency": level["concurrency"], "wall_s": wall, "records": records,
+    return {"concurrency": concurrency, "wall_s": wall, "records": records,
             "hit_tokens": int(after["vllm:external_prefix_cache_hits"] - before["vllm:external_prefix_cache_hits"]),
             "local_hit_tokens": int(after["vllm:prefix_cache_hits"] - before["vllm:prefix_cache_hits"])}
+
+
+async def _level(llm, level: dict, tag: str, settle_s: float) -> dict:
+    """The first pass (group by group), the engine's prefix cache reset, the timed re-reads."""
+    concurrency = level["concurrency"]
+    first = await _phase(llm, level["first"], concurrency, f"{tag}-first")
+    await llm.reset_prefix_cache()
+    await asyncio.sleep(settle_s)
+    reread = await _phase(llm, [level["requests"]], concurrency, tag)
+    return {"concurrency": concurrency, "first": first, "reread": reread}
 
 
 async def _serve(spec: dict) -> dict:
@@ -313,19 +371,20 @@ def _summary(level: dict) -> dict:
     """One row of the report from a level's records."""
     records = level["records"]
     ttft = [r["ttft_ms"] for r in records]
-    gaps = [g for r in records if r["kind"] == "short" for g in r["gaps_ms"]]
+    gaps = [g for r in records if r["kind"].startswith("short") for g in r["gaps_ms"]]
     docs = [r["ttft_ms"] for r in records if r["kind"].startswith("doc")]
     return {
         "concurrency": level["concurrency"],
         "ttft_p50_ms": _pct(ttft, 50), "ttft_p95_ms": _pct(ttft, 95),
         "itl_p50_ms": _pct(gaps, 50), "itl_p99_ms": _pct(gaps, 99),
+        **{f"itl_p99_{g}_ms": _pct([x for r in records if r["kind"] == f"short-{g}" for x in r["gaps_ms"]], 99)
+           for g in GROUPS},
         "output_tok_s": round(sum(r["output_tokens"] for r in records) / level["wall_s"], 2),
         "hit_tokens": level["hit_tokens"],
         "query_tokens": sum(r["query_tokens"] for r in records),
         "local_hit_tokens": level["local_hit_tokens"],
         "doc_ttft_p50_ms": _pct(docs, 50),
-        **{f"doc_ttft_{kind[4:]}_ms": _pct([r["ttft_ms"] for r in records if r["kind"] == kind], 50)
-           for kind in ("doc-ram", "doc-disk", "doc-shared")},
+        **{f"doc_ttft_{g}_ms": _pct([r["ttft_ms"] for r in records if r["kind"] == f"doc-{g}"], 50) for g in GROUPS},
         "requests": len(records),
         "wall_s": round(level["wall_s"], 2),
     }
@@ -351,14 +410,16 @@ def plot(rows: list[dict], path: str) -> list[str]:
 
     stem, suffix = os.path.splitext(path)
     written = []
-    series = sorted({(r["model"], r["setting"]) for r in rows})
+    series = sorted({(r["model"], r["setting"], r.get("phase", "reread")) for r in rows})
     for metric in METRICS:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for model, setting in series:
+        for model, setting, phase in series:
             pts = sorted((r["concurrency"], r[metric]) for r in rows
-                         if r["model"] == model and r["setting"] == setting and r[metric] is not None)
+                         if (r["model"], r["setting"], r.get("phase", "reread")) == (model, setting, phase)
+                         and r[metric] is not None)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{model} / {setting}")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if phase == "reread" else "o--",
+                        label=f"{model} / {setting} / {phase}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel(metric)
@@ -375,8 +436,9 @@ def plot(rows: list[dict], path: str) -> list[str]:
 def _print(rows: list[dict]) -> None:
     from kvtier.output import print_table
 
-    cols = ("model", "setting", "concurrency", "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p99_ms",
-            "output_tok_s", "hit_tokens", "query_tokens", "doc_ttft_ram_ms", "doc_ttft_disk_ms", "doc_ttft_shared_ms")
+    cols = ("model", "setting", "phase", "concurrency", "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p99_ms",
+            "itl_p99_ram_ms", "itl_p99_disk_ms", "output_tok_s", "hit_tokens", "query_tokens", "doc_ttft_p50_ms",
+            "doc_ttft_ram_ms", "doc_ttft_disk_ms", "doc_ttft_shared_ms")
     print_table(cols, [[r.get(c) for c in cols] for r in rows])
 
 

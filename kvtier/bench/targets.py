@@ -145,6 +145,19 @@ TARGETS: tuple[IssueTarget, ...] = (
     _load_ratio("wan-runai", "s3+wan vs runai", "kvtier/s3+wan", "runai/s3+wan", 1.0),
     _t(4, "load", "rss", "{run} peak RSS over baseline / (memory_limit + largest tensor + margin)",
        "rss_over:{run}", "rss_bound", "<=", 1.0, each=()),  # every kvtier run that owns its memory
+    # issue 10: kvtier bench serve ("{metric}:{model}/{setting}/{phase}@{concurrency}"), for every
+    # model and kvtier setting the run measured (passed by the benchmark)
+    _t(10, "serve", "itl-disk-vs-ram", "{model} {setting} c4: decode ITL p99 beside disk loads / beside RAM loads",
+       "itl_p99_disk_ms:{model}/{setting}/reread@4", "itl_p99_ram_ms:{model}/{setting}/reread@4", "<=", 1.25,
+       each=()),
+    _t(10, "serve", "tok-vs-vllm", "{model} {setting} c4 re-read: output tok/s / vLLM's",
+       "output_tok_s:{model}/{setting}/reread@4", "output_tok_s:{model}/vllm/reread@4", ">=", 1.5, each=()),
+    _t(10, "serve", "async-vs-sync", "{model} c4 re-read: async output tok/s / sync's",
+       "output_tok_s:{model}/kvtier-async/reread@4", "output_tok_s:{model}/kvtier/reread@4", ">=", 1.0, each=()),
+    _t(10, "serve", "first-tok", "{model} {setting} c4 first pass: output tok/s / vLLM's",
+       "output_tok_s:{model}/{setting}/first@4", "output_tok_s:{model}/vllm/first@4", ">=", 0.98, each=()),
+    _t(10, "serve", "first-ttft", "{model} {setting} c1 first pass: document TTFT p50 / vLLM's",
+       "doc_ttft_p50_ms:{model}/{setting}/first@1", "doc_ttft_p50_ms:{model}/vllm/first@1", "<=", 1.01, each=()),
 )
 
 

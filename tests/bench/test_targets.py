@@ -15,7 +15,7 @@ from kvtier.bench.targets import TARGETS, IssueTarget, evaluate
 def test_keys_are_unique_per_benchmark_and_every_row_is_well_formed():
     keys = [(t.benchmark, t.key) for t in TARGETS]
     assert len(keys) == len(set(keys))
-    assert {t.benchmark for t in TARGETS} == {"tiers", "offload", "load"}
+    assert {t.benchmark for t in TARGETS} == {"tiers", "offload", "load", "serve"}
     for t in TARGETS:
         assert t.issue > 0 and t.name and t.numerator
 
