@@ -204,3 +204,29 @@ def test_the_router_index_places_kvtier_chunks_on_the_engines_own_prefix(connect
     assert len(keys) == len(tokens) // BLOCK
     assert all(index.holders(k) == {"engine-a": {"CPU", "STORAGE"}} for k in keys)
     assert index.orphans == 0
+
+
+def test_with_several_workers_events_follow_rank_0_stage_0s_keys(model):
+    """With pipeline stages (or TP ranks) each worker stores its own share under its own key; the
+    scheduler hears rank 0 / stage 0's events and must still find each chunk's fields."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvtier.integrations.vllm.connector import KVTierMetadata, KVTierWorkerMetadata
+    from kvtier.keys import worker_key
+
+    conn = scheduler_connector(vllm_config(model, pp=2, events=True))
+    try:
+        tokens = list(range(700, 700 + 2 * CHUNK))
+        req = request(tokens)
+        state = conn._request_state(req)
+        state.block_ids = list(range(5))
+        meta = KVTierMetadata()
+        conn._plan(meta, req.request_id, state, len(tokens))
+        shares = [worker_key(k, 0, 1, 0, 2) for k in state.keys]
+        assert shares != state.keys
+        conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=KVTierWorkerMetadata(
+            [("stored", k, "CPU") for k in shares])))
+        events = conn.take_events()
+        assert [e.token_ids for e in events] == [tokens[:CHUNK], tokens[CHUNK:]]
+    finally:
+        conn.shutdown()

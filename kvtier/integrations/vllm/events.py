@@ -88,9 +88,12 @@ class ChunkEvents:
         self._info: OrderedDict[bytes, ChunkInfo] = OrderedDict()
         self.dropped = 0  # store events of chunks no longer remembered (not published)
 
-    def record(self, request: "Request | None", keys: list[bytes], chunk: int, tokens: Iterable[int]) -> None:
-        """Remember chunk ``chunk`` of a request (``keys[chunk]`` its key, ``tokens`` its tokens)."""
-        key = keys[chunk]
+    def record(self, request: "Request | None", keys: list[bytes], chunk: int, tokens: Iterable[int],
+               store_key: bytes | None = None) -> None:
+        """Remember chunk ``chunk`` of a request (``keys[chunk]`` its key, ``tokens`` its tokens)
+        under ``store_key``: the key the worker's store events name it by (worker rank 0 of
+        stage 0's share of it; ``keys[chunk]`` itself by default, as with one worker)."""
+        key = keys[chunk] if store_key is None else store_key
         if key in self._info:
             self._info.move_to_end(key)
             return
@@ -101,7 +104,7 @@ class ChunkEvents:
             hashes = [maybe_convert_block_hash(h) for h in engine[first : first + bpc]]
             parent = maybe_convert_block_hash(engine[first - 1]) if first else None
         else:
-            hashes = derived_block_hashes(key, bpc)
+            hashes = derived_block_hashes(keys[chunk], bpc)
             parent = derived_block_hashes(keys[chunk - 1], bpc)[-1] if chunk else None
         extra = None
         if request is not None:

@@ -276,7 +276,8 @@ class KVTierScheduler:
         """Remember chunk ``c``'s event fields (when events are published)."""
         if self.chunk_events is not None:
             chunk = self.geometry.chunk_tokens
-            self.chunk_events.record(state.request, state.keys, c, state.token_ids[c * chunk : (c + 1) * chunk])
+            self.chunk_events.record(state.request, state.keys, c, state.token_ids[c * chunk : (c + 1) * chunk],
+                                     store_key=self._share.key(state.keys[c]))
 
     def _take_load(self, req_id: str, state: RequestState, background: bool) -> LoadSpec:
         """The request's pending load as a ``LoadSpec`` (the load is then no longer pending)."""
