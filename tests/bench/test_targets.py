@@ -57,6 +57,17 @@ def test_offload_targets_as_the_demo_checked_them():
     assert not any("lmcache" in name or "example" in name for name in rows)  # not run: not reported
     without_hit = [r["target"] for r in offload._targets(p50, [], float("nan"))]
     assert without_hit and not any(name.endswith("engine hit") for name in without_hit)
+    assert not any("memcpy" in name for name in rows)  # no bound measured: not run
+    bound = {r["target"]: r for r in offload._targets(p50, curve, 20.0, 24.0)}
+    assert bound["kvtier-ram re-read / (engine hit + KV bytes / memcpy)"]["value"] == pytest.approx(25 / 24, abs=1e-3)
+    assert bound["kvtier-ram re-read / (engine hit + KV bytes / memcpy)"]["met"] is True
+
+
+def test_physical_bound_is_the_engine_hit_plus_a_documents_bytes_at_the_measured_copy_rate():
+    gbps = offload.memcpy_gbps(64 << 20, repeats=2)
+    assert 0.1 < gbps < 1000  # a plausible copy bandwidth, measured
+    report = offload._report([], 10 << 30, 1 << 30, 2.0)
+    assert report["physical_bound_ms"] is None  # no engine hit measured: no bound
 
 
 def test_load_report_only_targets_have_no_verdict():
