@@ -24,12 +24,13 @@ Transfers (``transfer_mode``): in ``sync`` mode loads and saves complete within 
 ``async`` mode a hit that lies (partly) below the RAM tier is loaded in the background through
 vLLM's asynchronous load protocol (``get_num_new_matched_tokens`` answers ``(n, True)``, the
 request waits in ``WAITING_FOR_REMOTE_KVS``, ``get_finished`` reports it loaded); RAM-tier hits
-stay inline. Saves complete within the step in both modes, so ``request_finished`` never needs
-to hold blocks: a partial prefill, a preemption or a request that finishes early leaves nothing
-behind (a request aborted during its background load keeps its blocks through vLLM until the
-worker reports the load). A chunk that fails to load is reported through
-``get_block_ids_with_load_errors`` so vLLM recomputes from it: a storage fault costs time, never
-a wrong token.
+stay inline. Saves read the engine's pages within the step in both modes (in ``async`` mode into
+staging slots, written into the store by a background thread, bounded: chunks that find no free
+slot are dropped and counted), so ``request_finished`` never needs to hold blocks: a partial
+prefill, a preemption or a request that finishes early leaves nothing behind (a request aborted
+during its background load keeps its blocks through vLLM until the worker reports the load).
+A chunk that fails to load is reported through ``get_block_ids_with_load_errors`` so vLLM
+recomputes from it: a storage fault costs time, never a wrong token.
 
 Keys (``kvtier.keys``): a request's chunk keys chain over its token ids under a namespace of
 everything that changes KV bytes: the model (path, revision, config digest, a sampled digest of
@@ -145,7 +146,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self.scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; its blocks can be freed at once."""
+        """Forget the request; its blocks can be freed at once (False: every save has read its
+        pages within its step, also in ``async`` mode; see ``KVTierScheduler.request_finished``)."""
         return self.scheduler.request_finished(request, block_ids)
 
     def take_events(self) -> Iterable["KVCacheEvent"]:
@@ -194,8 +196,9 @@ class KVTierConnector(KVConnectorBase_V1):
         return self.worker.worker_meta() if self.worker is not None else None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(None, requests whose background load ended since the last call). No save is ever
-        pending after its step, so nothing is reported as sent."""
+        """(None, requests whose background load ended since the last call). No save needs the
+        engine's blocks after its step (``async`` saves write from staging copies), so
+        ``request_finished`` holds no blocks and nothing is reported as sent."""
         if self.worker is None:
             return None, None
         return None, (self.worker.finished_loads() or None)

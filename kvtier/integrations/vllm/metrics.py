@@ -18,7 +18,10 @@ metric also carries vLLM's ``model_name`` and ``engine`` labels):
   into the engine, by the tier that served them;
 - ``vllm:kvtier_load_errors``: chunks that could not be loaded (vLLM recomputes them);
 - ``vllm:kvtier_saved_chunks``, ``vllm:kvtier_saved_bytes``: chunks (bytes) saved from the engine;
-- ``vllm:kvtier_saves_dropped``: chunks the store refused to take from the engine;
+- ``vllm:kvtier_saves_dropped``: chunks the store refused to take from the engine (with
+  ``transfer_mode: async`` also a background write that failed);
+- ``vllm:kvtier_saves_dropped_backlog``: chunks not saved because every staging slot of the
+  background writer was in use (``transfer_mode: async``: saves that could not keep up);
 - ``vllm:kvtier_background_loads``: requests loaded in the background (``transfer_mode: async``);
 - ``vllm:kvtier_tier_hits{tier}``, ``_tier_misses``, ``_tier_read_bytes``, ``_tier_written_bytes``,
   ``_tier_errors``, ``_tier_corrupt``, ``_tier_dropped`` (writes dropped on a full queue),
@@ -50,6 +53,9 @@ COUNTERS = {
     "saved_chunks": ("vllm:kvtier_saved_chunks", "KV chunks kvtier saved from the engine."),
     "saved_bytes": ("vllm:kvtier_saved_bytes", "Bytes of KV kvtier saved from the engine."),
     "save_dropped": ("vllm:kvtier_saves_dropped", "KV chunks the kvtier store refused to take from the engine."),
+    "save_backlog_dropped": ("vllm:kvtier_saves_dropped_backlog",
+                             "KV chunks kvtier did not save because its background saves could not keep up "
+                             "(transfer_mode async)."),
     "background_loads": ("vllm:kvtier_background_loads",
                          "Requests whose KV kvtier loaded in the background (transfer_mode async)."),
 }
@@ -131,7 +137,7 @@ class KVTierConnectorStats(KVConnectorStats):
             if c.get("loaded_chunks"):
                 out[f"loaded_chunks_{tier}"] = c["loaded_chunks"]
         out["loaded_bytes"] = sum(c.get("loaded_bytes", 0) for c in tiers.values())
-        for name in ("load_error_chunks", "saved_chunks", "saved_bytes", "save_dropped"):
+        for name in ("load_error_chunks", "saved_chunks", "saved_bytes", "save_dropped", "save_backlog_dropped"):
             out[name] = counters.get(name, 0)
         out["tier_dropped"] = sum(c.get("dropped", 0) for c in tiers.values())
         out["tier_errors"] = sum(c.get("errors", 0) for c in tiers.values())

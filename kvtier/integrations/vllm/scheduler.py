@@ -194,9 +194,15 @@ class KVTierScheduler:
             self._events.extend(meta.events)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; saves complete within the step, so its blocks can be freed at once
-        (False). A request that ends while its background load runs (an abort) keeps its blocks
-        anyway: vLLM holds them until the worker reports the load finished, which it always does."""
+        """Forget the request; its blocks can be freed at once (False, in both transfer modes).
+
+        Contract with the worker: the worker reads a chunk's pages inside the step that saves
+        it, also in ``async`` mode (the store write then runs in the background from a staging
+        copy), so no save ever needs the blocks after its step, and the worker reports no
+        request as finished sending. Returning True here would leak the blocks: vLLM frees them
+        only when a worker reports the request in ``get_finished``. A request that ends while
+        its background load runs (an abort) keeps its blocks anyway: vLLM holds them until the
+        worker reports the load finished, which it always does."""
         self._requests.pop(request.request_id, None)
         return False, None
 

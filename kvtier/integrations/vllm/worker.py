@@ -19,7 +19,19 @@ KV tensors, and carries out the plan the scheduler side put in the step's ``KVTi
   reported, also when its request was aborted meanwhile (vLLM frees the blocks then);
 - saves: after the forward pass, the step's completed chunks are gathered once
   (``PageLayout.gather``) and copied into the store's top tier; lower tiers are written in the
-  background by the store. A save the store cannot take is dropped and counted.
+  background by the store. A save the store cannot take is dropped and counted;
+- background saves (``transfer_mode: async``, ``BackgroundSaves``): the step still reads the
+  chunks' pages (the same batched gather, into a staging slot per chunk: a memcpy per page on
+  CPU), and one background thread writes the staged chunks into the store (top-tier placement,
+  eviction, write-through queueing, or the round trip to a cache server), off the step. The
+  pages are read inside the step because a running request's blocks can be freed without
+  ``request_finished`` (preemption, in the next step's scheduling) and reused by the very next
+  forward pass, and no worker call that this side receives comes before that pass. So vLLM
+  never has to keep a request's blocks for kvtier: ``request_finished`` answers False in both
+  modes and no request is ever reported as sending. The staging slots bound the backlog: a
+  chunk that finds no free slot is dropped and counted (``save_backlog_dropped``), with the
+  rest of its request's chunks in that step (worthless without it); the step never waits for
+  the store.
 
 Each worker stores its share of a chunk under its own key (``WorkerShare.key``: TP rank, PP
 stage). Rank 0 of stage 0 records the store's events for the scheduler's mirror.
@@ -28,21 +40,31 @@ stage). Rank 0 of stage 0 records the store's events for the scheduler's mirror.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from kvtier.buffers import scatter, total_bytes
 from kvtier.errors import CorruptEntry
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, KVTierWorkerMetadata, LoadSpec
+from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, KVTierWorkerMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, TierDeltas, tier_counters
 from kvtier.integrations.vllm.pages import LoadStep, PageLayout
 from kvtier.keys import WorkerShare
 from kvtier.store import KVStore, TieredStore
 
 log = logging.getLogger(__name__)
+
+# Background saves (transfer_mode async): the staging slots, one chunk each, that bound the
+# backlog of chunks read from the engine but not yet in the store. As many slots as fit in
+# SAVE_BACKLOG_BYTES, at most SAVE_BACKLOG_CHUNKS and at least one.
+SAVE_BACKLOG_BYTES = 128 << 20
+SAVE_BACKLOG_CHUNKS = 64
 
 
 @dataclass
@@ -61,6 +83,131 @@ class BackgroundLoad:
     def tiers(self) -> list[str | None]:
         return [f.result() for f in self.futures]
 
+
+@dataclass
+class _SaveJob:
+    """One staged chunk waiting for the background writer."""
+
+    key: bytes  # the worker's own key (``WorkerShare.key``)
+    parent: bytes | None
+    chunk_index: int
+    slot: int
+
+
+class BackgroundSaves:
+    """Writes staged chunks into a store on one background thread (``transfer_mode: async``).
+
+    The engine's thread ``take``s a free staging slot per chunk (None when every slot is in use:
+    the caller drops the chunk), copies the chunk's bytes into ``slot(i)`` and ``submit``s the
+    jobs; the writer thread writes them into the store in order and frees each slot once the
+    store has copied it. The backlog never exceeds the slots: nothing is queued without limit.
+
+    Outcomes (``saved``, ``dropped``: the store refused the chunk or raised) are counted under a
+    lock and handed out by ``take_outcomes`` on the engine's thread. ``close`` writes what is
+    queued, then stops the thread; later ``take`` calls return None.
+    """
+
+    def __init__(self, store: KVStore, chunk_bytes: int, slots: int):
+        if slots < 1 or chunk_bytes < 1:
+            raise ValueError(f"need at least one slot of at least one byte, got {slots} x {chunk_bytes}")
+        self._store = store
+        self.chunk_bytes = chunk_bytes
+        self.slots = slots
+        self._buffer = np.empty(slots * chunk_bytes, dtype=np.uint8)
+        self._buffer.fill(0)  # touch every page now, not in the first steps that save
+        self._free = list(range(slots))
+        self._queue: deque[_SaveJob] = deque()
+        self._busy = 0  # jobs queued or being written
+        self._outcomes = {"saved": 0, "dropped": 0}
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="kvtier-save", daemon=True)
+        self._thread.start()
+
+    def take(self) -> int | None:
+        """A free staging slot for one chunk, or None when all are in use (or closed)."""
+        with self._cond:
+            if self._closed or not self._free:
+                return None
+            return self._free.pop()
+
+    def give_back(self, slots: list[int]) -> None:
+        """Return slots taken but not submitted (their copy failed)."""
+        with self._cond:
+            self._free.extend(slots)
+
+    def slot(self, i: int) -> np.ndarray:
+        """The bytes of staging slot ``i`` (one chunk)."""
+        return self._buffer[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]
+
+    def submit(self, jobs: list[_SaveJob]) -> None:
+        """Queue staged chunks for the writer (their slots hold the chunks' bytes)."""
+        if not jobs:
+            return
+        with self._cond:
+            self._queue.extend(jobs)
+            self._busy += len(jobs)
+            self._cond.notify_all()
+
+    def take_outcomes(self) -> dict[str, int]:
+        """Chunks written (``saved``) and refused (``dropped``) since the last call."""
+        with self._cond:
+            out, self._outcomes = self._outcomes, {"saved": 0, "dropped": 0}
+        return out
+
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Wait until every submitted chunk has been written or dropped; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Write what is queued (up to ``timeout``), then stop the writer thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("kvtier: background saves still running after %.0f s at close", timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return  # closed and drained
+                job = self._queue.popleft()
+            ok = self._write(job)
+            with self._cond:
+                self._free.append(job.slot)
+                self._outcomes["saved" if ok else "dropped"] += 1
+                self._busy -= 1
+                self._cond.notify_all()
+
+    def _write(self, job: _SaveJob) -> bool:
+        """Write one staged chunk; False when the store refused it or failed (never raises:
+        the writer must go on and free the slot)."""
+        data = self.slot(job.slot)
+        try:
+            return self._store.write(job.key, self.chunk_bytes, lambda segs: _fill_from(data, segs),
+                                     parent=job.parent, chunk_index=job.chunk_index)
+        except Exception:
+            log.exception("kvtier: background save of chunk %d failed; dropped", job.chunk_index)
+            return False
+
+
+def _fill_from(data: np.ndarray, segments) -> None:
+    """Copy ``data`` into the store's ``segments``; ValueError unless they hold exactly it."""
+    size = total_bytes(segments)
+    if size != data.size:
+        raise ValueError(f"store segments of {size} bytes for a chunk of {data.size}")
+    scatter(data, segments)
 
 class KVTierWorker:
     """The worker side of ``KVTierConnector`` (see the module docstring).
@@ -86,6 +233,7 @@ class KVTierWorker:
         self._background_pool: ThreadPoolExecutor | None = None  # async mode: reads off the step
         self._background: dict[str, BackgroundLoad] = {}  # request id -> its load in flight
         self._announced = False  # the one-time log line of the first background load
+        self._saves: BackgroundSaves | None = None  # async mode: store writes off the step
         self._failed_blocks: set[int] = set()
         self._stats = KVTierConnectorStats()
         self._tier_deltas = TierDeltas()  # the in-process store's tier counters, as deltas
@@ -111,6 +259,9 @@ class KVTierWorker:
             self._load_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-load")
         if self.config.transfer_mode == "async":
             self._background_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-bgload")
+            chunk = self._layout.chunk_bytes
+            slots = max(1, min(SAVE_BACKLOG_CHUNKS, SAVE_BACKLOG_BYTES // chunk))
+            self._saves = BackgroundSaves(self.store, chunk, slots)
 
     # ------------------------------------------------------------------------- loads
 
@@ -236,14 +387,25 @@ class KVTierWorker:
     # ------------------------------------------------------------------------- saves
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
-        """Copy the pages of this step's completed chunks into the store's top tier."""
+        """Save this step's completed chunks: into the store's top tier now (``sync``), or read
+        into staging slots now and written into the store by the background writer (``async``;
+        chunks that find no free slot are dropped and counted). Either way the engine's pages
+        are no longer needed when this returns."""
         layout = self._layout
         if layout is None or not meta.saves:
             return
         t0 = time.perf_counter()
-        step = layout.gather([save.block_ids for save in meta.saves])  # the step's pages, O(layers) copies
+        if self._saves is None:
+            self._save_inline(layout, meta.saves)
+        else:
+            self._save_background(layout, self._saves, meta.saves)
+        self._stats.observe("save_seconds", time.perf_counter() - t0)
+
+    def _save_inline(self, layout: PageLayout, saves: list[SaveSpec]) -> None:
+        """Copy the chunks' pages into the store's top tier (``sync``)."""
+        step = layout.gather([save.block_ids for save in saves])  # the step's pages, O(layers) copies
         try:
-            for i, save in enumerate(meta.saves):
+            for i, save in enumerate(saves):
                 parent = self.share.key(save.parent) if save.parent else None
                 ok = self.store.write(self.share.key(save.key), layout.chunk_bytes,
                                       lambda segs, i=i: step.copy_to(i, segs), parent=parent,
@@ -254,7 +416,46 @@ class KVTierWorker:
                     self._stats.count(save_dropped=1)
         finally:
             step.release()
-        self._stats.observe("save_seconds", time.perf_counter() - t0)
+
+    def _save_background(self, layout: PageLayout, saves: BackgroundSaves, specs: list[SaveSpec]) -> None:
+        """Read the chunks that get a staging slot (one batched gather) and queue them for the
+        background writer; drop and count the others (``async``)."""
+        jobs = self._stage_slots(saves, specs)
+        if not jobs:
+            return
+        taken = [job.slot for _, job in jobs]
+        try:
+            step = layout.gather([spec.block_ids for spec, _ in jobs])  # O(layers) copies
+            try:
+                for i, (_, job) in enumerate(jobs):
+                    step.copy_to(i, [saves.slot(job.slot)])
+            finally:
+                step.release()
+        except BaseException:
+            saves.give_back(taken)
+            raise
+        saves.submit([job for _, job in jobs])
+
+    def _stage_slots(self, saves: BackgroundSaves, specs: list[SaveSpec]) -> list[tuple[SaveSpec, _SaveJob]]:
+        """A staging slot for each chunk, in order, while slots are free. A chunk without one
+        is dropped with its request's later chunks of this step (a chunk is worth nothing
+        without the chunks before it); every drop is counted as ``save_backlog_dropped``."""
+        jobs: list[tuple[SaveSpec, _SaveJob]] = []
+        broken: set[str] = set()  # requests with a dropped chunk this step
+        for spec in specs:
+            slot = None if spec.req_id in broken else saves.take()
+            if slot is None:
+                broken.add(spec.req_id)
+                self._stats.count(save_backlog_dropped=1)
+                continue
+            parent = self.share.key(spec.parent) if spec.parent else None
+            jobs.append((spec, _SaveJob(self.share.key(spec.key), parent, spec.chunk_index, slot)))
+        return jobs
+
+    def drain_saves(self, timeout: float = 30.0) -> bool:
+        """Wait until every background save has been written or dropped (True at once in
+        ``sync`` mode, where saves end within their step); False on timeout."""
+        return self._saves is None or self._saves.drain(timeout)
 
     # ------------------------------------------------------------------------- reports
 
@@ -268,6 +469,10 @@ class KVTierWorker:
     def take_stats(self) -> KVTierConnectorStats | None:
         """This interval's counters (then reset), with the in-process store's per-tier counters
         since the last call (a cache server reports its own on its /metrics)."""
+        if self._saves is not None:  # the background writer's outcomes since the last call
+            done = self._saves.take_outcomes()
+            self._stats.count(saved_chunks=done["saved"], saved_bytes=done["saved"] * self._saves.chunk_bytes,
+                              save_dropped=done["dropped"])
         if not self.config.server:
             for tier, deltas in self._tier_deltas.take(tier_counters(self.store.tiers)).items():
                 self._stats.count_tier(tier, **deltas)
@@ -277,8 +482,11 @@ class KVTierWorker:
         return stats
 
     def close(self) -> None:
-        """Stop the load threads (background loads run to their end), drop the staging
-        buffers, close the store."""
+        """Stop the load threads (background loads run to their end) and the background
+        writer (queued saves are written first), drop the staging buffers, close the store."""
+        if self._saves is not None:
+            self._saves.close()
+            self._saves = None
         for pool in (self._load_pool, self._background_pool):
             if pool is not None:
                 pool.shutdown(wait=True)
