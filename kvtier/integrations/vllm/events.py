@@ -16,7 +16,10 @@ it is made of:
 * ``medium``/``locality``/``ownership`` in vLLM's vocabulary: kvtier's RAM tier is ``CPU``
   ``LOCAL``; its disk tier ``STORAGE`` ``LOCAL``; a tier every engine can load (fs, Redis, S3)
   ``STORAGE`` ``REMOTE`` with ``ownership`` ``kvtier:<tier>`` naming the shared pool; with a
-  per-node cache server every medium carries ``ownership`` ``kvtier:server/<medium>``.
+  per-node cache server (a pool every engine of the node loads) every medium is ``REMOTE`` with
+  ``ownership`` ``kvtier:server/<medium>`` (RAM ``CPU``, anything else ``STORAGE``). Routers
+  require exactly this pairing: vllm-router's ``kv_aware`` admits an event whose ``locality``
+  is ``LOCAL`` only without ``ownership`` and ``REMOTE`` only with one, and drops the rest.
 
 What each chunk needs is remembered when its save or load is planned (``ChunkEvents.record``), in
 a bounded LRU; an event for a chunk no longer remembered is not published (counted in
@@ -61,7 +64,7 @@ def event_medium(medium: str, server: bool = False) -> tuple[str, str, str | Non
     module docstring)."""
     medium = medium.upper()
     if server:
-        return (*_LOCAL_MEDIA.get(medium, ("STORAGE", "LOCAL")), f"kvtier:server/{medium.lower()}")
+        return _LOCAL_MEDIA.get(medium, ("STORAGE",))[0], "REMOTE", f"kvtier:server/{medium.lower()}"
     if medium in _LOCAL_MEDIA:
         return (*_LOCAL_MEDIA[medium], None)
     return "STORAGE", "REMOTE", f"kvtier:{medium.lower()}"
