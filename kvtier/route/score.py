@@ -12,8 +12,10 @@ score(e) = prefix_weight * prefix(e) + load_weight * load(e), both terms in [0, 
 A request-share guard keeps prefix affinity from piling a hot prefix onto one engine: among the
 last ``balance_window`` decisions, an engine whose count would exceed ``balance_ratio`` x the
 least-used candidate's count, and that count by more than ``balance_slack``, is passed over
-while another candidate is not. Ties go to the
-engine listed first among the lowest-load ones. Everything here is synchronous bookkeeping.
+while another candidate is not. Ties go to the lowest-load engine, then to the one with the
+fewest decisions in the window (so a prefix no engine holds is placed where it evens out the
+shares instead of moving a held prefix later), then to the one listed first. Everything here is
+synchronous bookkeeping.
 """
 
 from __future__ import annotations
@@ -203,7 +205,8 @@ class Scorer:
             score = cfg.prefix_weight * prefix + cfg.load_weight * load
             scores.append(EngineScore(e, prefix, run, load, score, e in held))
         eligible = [s for s in scores if not s.held_back] or scores
-        best = max(eligible, key=lambda s: (round(s.score, 9), -raw[s.engine]))
+        shares = self.shares()
+        best = max(eligible, key=lambda s: (round(s.score, 9), -raw[s.engine], -shares.get(s.engine, 0)))
         return Decision(best.engine, len(keys), tuple(scores))
 
     def commit(self, decision: Decision, keys: Sequence[bytes]) -> None:

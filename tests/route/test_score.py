@@ -148,3 +148,26 @@ def test_balance_guard_leaves_small_differences_to_affinity():
         s.commit(d, keys)
         engines.append(d.engine)
     assert engines == [engines[0]] * 2 + [engines[2]] and engines[2] != engines[0]
+
+
+def test_a_prefix_nobody_holds_goes_where_it_evens_out_the_shares():
+    """Equal scores and equal load: the engine with fewer decisions in the window wins, not the
+    one listed first (the guard is off here: this is the tie-break alone)."""
+    s, _ = _scorer(balance_ratio=0)
+    held = list(range(32))
+    _store(s, "http://a", held)
+    for _ in range(2):
+        d = s.choose(ENGINES, chunk_keys(held, BS), len(held))
+        assert d.engine == "http://a"
+        s.commit(d, chunk_keys(held, BS))
+    cold = list(range(500, 532))
+    d = s.choose(ENGINES, chunk_keys(cold, BS), len(cold))
+    assert {x.score for x in d.scores} == {d.scores[0].score}  # a tie
+    assert d.engine == "http://b"
+    s.commit(d, chunk_keys(cold, BS))
+    other = list(range(900, 932))  # shares 2:1 -> still b; then 2:2 -> back to the first listed
+    d = s.choose(ENGINES, chunk_keys(other, BS), len(other))
+    assert d.engine == "http://b"
+    s.commit(d, chunk_keys(other, BS))
+    last = list(range(1300, 1332))
+    assert s.choose(ENGINES, chunk_keys(last, BS), len(last)).engine == "http://a"
