@@ -78,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default="round_robin,cache_aware,kv_aware,kvtier-route,oracle",
                         help="comma list of round_robin, cache_aware, kv_aware, kvtier-route, oracle")
     parser.add_argument("--no-kill", action="store_true", help="skip the engine-killed run")
+    parser.add_argument("--log-decisions", action="store_true",
+                        help="kvtier route logs every decision (its log in --work-dir)")
     parser.add_argument("--no-connector", action="store_true",
                         help="engines without the kvtier connector (vLLM's own pool and events only)")
     parser.add_argument("--vllm-router", metavar="PATH", default=os.environ.get("KVTIER_VLLM_ROUTER") or shutil.which("vllm-router"),
@@ -352,7 +354,7 @@ def reset_caches(engines: list[Engine]) -> bool:
 
 
 def start_router(policy: str, engines: list[Engine], tokenizer: Path, vllm_router: str | None, work: Path,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, log_decisions: bool = False):
     """Start a router child for ``policy`` (``env``: extra environment, e.g. ``RUST_LOG``);
     returns (child, base URL)."""
     from kvtier.bench.procs import spawn, wait_ready
@@ -361,7 +363,7 @@ def start_router(policy: str, engines: list[Engine], tokenizer: Path, vllm_route
     port = free_port()
     if policy == "kvtier-route":
         argv = [sys.executable, "-m", "kvtier", "route", "--port", str(port), "--tokenizer", str(tokenizer),
-                "--log-level", "WARNING"]
+                "--block-size", str(BLOCK), "--log-level", "INFO" if log_decisions else "WARNING"] + (["--log-decisions"] if log_decisions else [])
         for e in engines:
             argv += ["--engine", e.url, "--kv-events", e.events, "--kv-replay", e.replay]
     else:
@@ -371,7 +373,12 @@ def start_router(policy: str, engines: list[Engine], tokenizer: Path, vllm_route
             for e in engines:
                 argv += ["--kv-event-source", f"{e.url}={e.events}", "--kv-event-replay-source", f"{e.url}={e.replay}"]
             argv += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", MODEL_NAME]
-    child = spawn(argv, name=f"router-{policy}", log=work / f"router-{policy}.log",
+    log = work / f"router-{policy}.log"
+    for n in range(2, 100):  # one log per router run (the hot and kill runs start kvtier route again)
+        if not log.exists():
+            break
+        log = work / f"router-{policy}-{n}.log"
+    child = spawn(argv, name=f"router-{policy}", log=log,
                   env=dict(os.environ, **env) if env else None)
     base = f"http://127.0.0.1:{port}"
     wait_ready(child, lambda: _get(base + "/v1/models") is not None, 120, f"router {policy}")
@@ -417,11 +424,16 @@ def run_policy(policy: str, engines: list[Engine], requests: list[Request], args
             pick = lambda r: engines[r.doc % len(engines)].url  # noqa: E731
             targets = [e.url for e in engines]
         else:
-            child, base = start_router(policy, engines, tokenizer, args.vllm_router, work)
+            child, base = start_router(policy, engines, tokenizer, args.vllm_router, work,
+                                       log_decisions=getattr(args, "log_decisions", False))
             pick, targets = None, [base]
         before = engine_counters(engines)
         results, wall = asyncio.run(drive(targets, requests, args.concurrency, args.max_tokens, pick))
         time.sleep(0.5)
+        with open(work / f"requests-{policy}-zipf{zipf}.jsonl", "w") as out:  # per request, for inspection
+            for req, res in zip(requests, results):
+                out.write(json.dumps({"doc": req.doc, "ok": res.ok, "ttft_ms": round(res.ttft_s * 1000, 1),
+                                      "error": res.error}) + "\n")
         return _row(policy, zipf, results, wall, before, engine_counters(engines))
     finally:
         if child is not None:
