@@ -11,8 +11,14 @@ score(e) = prefix_weight * prefix(e) + load_weight * load(e), both terms in [0, 
 
 A request-share guard keeps prefix affinity from piling a hot prefix onto one engine: among the
 last ``balance_window`` decisions, an engine whose count would exceed ``balance_ratio`` x the
-least-used candidate's count, and that count by more than ``balance_slack``, is passed over
-while another candidate is not. Ties go to the lowest-load engine, then to the one with the
+least-used candidate's count, and that count by more than ``balance_slack``, is over its share.
+An over-share engine is passed over (while another candidate is not) for a request that loses
+nothing by moving (no other candidate has a shorter weighted prefix than it), and for a request
+of the prefix that dominates the engine's share (the deepest block the engine holds of it is the
+most frequent among the engine's decisions in the window); a request of any other prefix it holds
+stays. Moving a held prefix costs a recompute and leaves a second copy: copying the dominant one
+is what spreads a hot prefix, while copying a lukewarm one costs the same and relieves little.
+Ties go to the lowest-load engine, then to the one with the
 fewest decisions in the window (so a prefix no engine holds is placed where it evens out the
 shares instead of moving a held prefix later), then to the one listed first. Everything here is
 synchronous bookkeeping.
@@ -197,6 +203,10 @@ class Scorer:
         raw = {e: self.load.in_flight(e) + self.load.queued_prefill(e) / cfg.prefill_norm_tokens for e in candidates}
         top = max(raw.values())
         held = self._held_back(candidates)
+        if held:
+            elsewhere = max((matches[e][0] for e in candidates if e not in held), default=0.0)
+            held = {e for e in held
+                    if matches[e][0] <= elsewhere + 1e-9 or self._dominant(e, _identity(keys, matches[e][1]))}
         scores = []
         for e in candidates:
             weighted, run = matches[e]
@@ -210,8 +220,15 @@ class Scorer:
         return Decision(best.engine, len(keys), tuple(scores))
 
     def commit(self, decision: Decision, keys: Sequence[bytes]) -> None:
-        """Record that the request went to ``decision.engine`` (share window, speculative keys)."""
-        self._recent.append(decision.engine)
+        """Record that the request went to ``decision.engine`` (share window, speculative keys).
+
+        The window also keeps the request's prefix identity on that engine when the engine won
+        it by affinity (its prefix longer than every other candidate's); a placement (no such
+        advantage) has none."""
+        chosen = next(s for s in decision.scores if s.engine == decision.engine)
+        others = max((s.prefix for s in decision.scores if s.engine != decision.engine), default=0.0)
+        identity = _identity(keys, chosen.matched_blocks) if chosen.prefix > others + 1e-9 else None
+        self._recent.append((decision.engine, identity))
         while len(self._recent) > self.config.balance_window:
             self._recent.popleft()
         self.speculative.add(decision.engine, keys)
@@ -225,7 +242,7 @@ class Scorer:
         if ratio <= 0 or len(candidates) < 2:
             return set()
         counts = {e: 0 for e in candidates}
-        for e in self._recent:
+        for e, _ in self._recent:
             if e in counts:
                 counts[e] += 1
         low = min(counts.values())
@@ -233,9 +250,25 @@ class Scorer:
         held = {e for e, c in counts.items() if c > low and c + 1 - low > slack and c + 1 > ratio * low}
         return held if len(held) < len(candidates) else set()
 
+    def _dominant(self, engine: str, identity: bytes | None) -> bool:
+        """Whether ``identity`` is (one of) the most frequent prefix identities among ``engine``'s
+        affinity decisions in the window (None, a prompt the engine held nothing of, never is)."""
+        if identity is None:
+            return False
+        counts: dict[bytes, int] = {}
+        for e, ident in self._recent:
+            if e == engine and ident is not None:
+                counts[ident] = counts.get(ident, 0) + 1
+        return counts.get(identity, 0) >= max(counts.values(), default=0) > 0
+
     def shares(self) -> Mapping[str, int]:
         """Decisions per engine in the current window."""
         out: dict[str, int] = {}
-        for e in self._recent:
+        for e, _ in self._recent:
             out[e] = out.get(e, 0) + 1
         return out
+
+
+def _identity(keys: Sequence[bytes], matched: int) -> bytes | None:
+    """A prompt's prefix identity on an engine: the deepest of its blocks the engine holds."""
+    return keys[matched - 1] if matched > 0 else None

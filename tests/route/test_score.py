@@ -171,3 +171,50 @@ def test_a_prefix_nobody_holds_goes_where_it_evens_out_the_shares():
     s.commit(d, chunk_keys(other, BS))
     last = list(range(1300, 1332))
     assert s.choose(ENGINES, chunk_keys(last, BS), len(last)).engine == "http://a"
+
+
+def test_guard_copies_the_dominant_prefix_not_a_lukewarm_one():
+    """Two prefixes held by engine a only, one hot (3 of 4 requests) and one lukewarm; events
+    follow decisions. The guard spreads the load by copying the hot prefix to b (once moved it
+    moves for free); the lukewarm one is never recomputed on b."""
+    s, _ = _scorer()
+    hot, warm = list(range(32)), list(range(1000, 1032))
+    _store(s, "http://a", hot)
+    _store(s, "http://a", warm, tag=1)
+    counts = {e: 0 for e in ENGINES}
+    warm_on_b = 0
+    for i in range(64):
+        doc = warm if i % 4 == 3 else hot
+        keys = chunk_keys(doc, BS)
+        d = s.choose(ENGINES, keys, len(doc))
+        s.commit(d, keys)
+        _store(s, d.engine, doc, tag=100 + i)
+        counts[d.engine] += 1
+        warm_on_b += doc is warm and d.engine == "http://b"
+    assert warm_on_b == 0
+    assert counts["http://b"] > 0 and max(counts.values()) / min(counts.values()) <= 1.5, counts
+
+
+
+def test_over_share_engine_keeps_lukewarm_requests_and_gives_up_the_dominant_prefix():
+    """a is over its share with 6 requests of a hot prefix and 2 of a lukewarm one, both held by a
+    only: a lukewarm request stays on a (moving it would recompute it), a hot one goes to b; with
+    the dominance rule switched off (fault injection) the lukewarm one would move too."""
+    def setup():
+        s, _ = _scorer(balance_slack=2)
+        hot, warm = list(range(32)), list(range(1000, 1032))
+        _store(s, "http://a", hot)
+        _store(s, "http://a", warm, tag=1)
+        for doc in [hot] * 6 + [warm] * 2:
+            s.commit(s.choose(["http://a"], chunk_keys(doc, BS), len(doc)), chunk_keys(doc, BS))
+        s.speculative.clear_engine("http://a")
+        return s, hot, warm
+
+    s, hot, warm = setup()
+    assert s.shares() == {"http://a": 8}
+    assert s.choose(ENGINES, chunk_keys(warm, BS), len(warm)).engine == "http://a"
+    d = s.choose(ENGINES, chunk_keys(hot, BS), len(hot))
+    assert d.engine == "http://b" and {x.engine for x in d.scores if x.held_back} == {"http://a"}
+    s, hot, warm = setup()
+    s._dominant = lambda engine, identity: True  # noqa: SLF001
+    assert s.choose(ENGINES, chunk_keys(warm, BS), len(warm)).engine == "http://b"
