@@ -213,7 +213,8 @@ class KVTierWorker:
     """The worker side of ``KVTierConnector`` (see the module docstring).
 
     vLLM calls it from the worker's engine thread; only the load threads run store reads and
-    page copies beside it (``PageLayout.load`` allows that).
+    page copies beside it (``PageLayout.load`` allows that), and in ``async`` mode the save
+    writer runs store writes from its staging slots (never touching the engine's pages).
     """
 
     def __init__(self, config: ConnectorConfig, geometry: ChunkGeometry, share: WorkerShare,
@@ -252,7 +253,9 @@ class KVTierWorker:
     # ------------------------------------------------------------------------- engine pages
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Learn the engine's per-layer page tensors."""
+        """Learn the engine's per-layer page tensors; start the load threads, and in ``async``
+        mode the background loads' threads and the save writer with its staging slots (as many
+        chunks as fit in ``SAVE_BACKLOG_BYTES``, at most ``SAVE_BACKLOG_CHUNKS``)."""
         num_blocks = self._num_blocks or next(iter(kv_caches.values())).shape[0]
         self._layout = PageLayout(kv_caches, num_blocks, self.geometry.blocks_per_chunk)
         if self.config.load_threads > 1:
