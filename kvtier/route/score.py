@@ -11,7 +11,10 @@ score(e) = prefix_weight * prefix(e) + load_weight * load(e), both terms in [0, 
 
 A request-share guard keeps prefix affinity from piling a hot prefix onto one engine: among the
 last ``balance_window`` decisions, an engine whose count would exceed ``balance_ratio`` x the
-least-used candidate's count, and that count by more than ``balance_slack``, is over its share.
+least-used candidate's count, and that count by more than ``balance_slack``, is over its share
+(measured once the window holds at least half of ``balance_window`` decisions: a ratio over a
+handful of decisions is noise, and acting on it splits a burst that speculative entries keep
+together).
 An over-share engine is passed over (while another candidate is not) for a request that loses
 nothing by moving (no other candidate has a shorter weighted prefix than it), and for a request
 of the prefix that dominates the engine's share (the deepest block the engine holds of it is the
@@ -239,7 +242,7 @@ class Scorer:
 
     def _held_back(self, candidates: Sequence[str]) -> set[str]:
         ratio = self.config.balance_ratio
-        if ratio <= 0 or len(candidates) < 2:
+        if ratio <= 0 or len(candidates) < 2 or 2 * len(self._recent) < self.config.balance_window:
             return set()
         counts = {e: 0 for e in candidates}
         for e, _ in self._recent:

@@ -138,8 +138,18 @@ def test_zipf_workload_keeps_documents_on_their_engine():
     assert hits >= 170
 
 
+def _fill_window(s, n: int, engines=ENGINES) -> None:
+    """``n`` decisions of distinct cold prompts, alternating over ``engines`` (a measured window)."""
+    for i in range(n):
+        cold = list(range(10_000 + 100 * i, 10_000 + 100 * i + 8))
+        keys = chunk_keys(cold, BS)
+        d = s.choose([engines[i % len(engines)]], keys, len(cold))
+        s.commit(d, keys)
+
+
 def test_balance_guard_leaves_small_differences_to_affinity():
     s, _ = _scorer(balance_slack=2)
+    _fill_window(s, 16)  # 8:8
     doc = list(range(32))
     keys = chunk_keys(doc, BS)
     engines = []
@@ -147,7 +157,29 @@ def test_balance_guard_leaves_small_differences_to_affinity():
         d = s.choose(ENGINES, keys, len(doc))
         s.commit(d, keys)
         engines.append(d.engine)
-    assert engines == [engines[0]] * 2 + [engines[2]] and engines[2] != engines[0]
+    assert engines == [engines[0]] * 3  # 11:8 is within 1.5x
+    d = s.choose(ENGINES, keys, len(doc))
+    s.commit(d, keys)
+    assert d.engine == engines[0]  # 12:8 still is
+    d = s.choose(ENGINES, keys, len(doc))  # 13:8 would not be: the burst's fifth moves
+    assert d.engine != engines[0]
+
+
+def test_balance_guard_waits_for_half_a_window_of_decisions():
+    """A share measured over a few decisions is noise: below half a window the guard never acts,
+    so a burst of one prefix stays together on one engine."""
+    s, _ = _scorer(balance_slack=2, balance_window=32)
+    doc = list(range(32))
+    keys = chunk_keys(doc, BS)
+    engines = set()
+    for _ in range(16):
+        d = s.choose(ENGINES, keys, len(doc))
+        assert not any(x.held_back for x in d.scores)
+        s.commit(d, keys)
+        engines.add(d.engine)
+    assert len(engines) == 1
+    d = s.choose(ENGINES, keys, len(doc))  # the 17th decision: 16:0 is measured, and over the share
+    assert {x.engine for x in d.scores if x.held_back} == engines
 
 
 def test_a_prefix_nobody_holds_goes_where_it_evens_out_the_shares():
@@ -197,7 +229,7 @@ def test_guard_copies_the_dominant_prefix_not_a_lukewarm_one():
 
 
 def test_over_share_engine_keeps_lukewarm_requests_and_gives_up_the_dominant_prefix():
-    """a is over its share with 6 requests of a hot prefix and 2 of a lukewarm one, both held by a
+    """a is over its share with 12 requests of a hot prefix and 4 of a lukewarm one, both held by a
     only: a lukewarm request stays on a (moving it would recompute it), a hot one goes to b; with
     the dominance rule switched off (fault injection) the lukewarm one would move too."""
     def setup():
@@ -205,13 +237,13 @@ def test_over_share_engine_keeps_lukewarm_requests_and_gives_up_the_dominant_pre
         hot, warm = list(range(32)), list(range(1000, 1032))
         _store(s, "http://a", hot)
         _store(s, "http://a", warm, tag=1)
-        for doc in [hot] * 6 + [warm] * 2:
+        for doc in [hot] * 12 + [warm] * 4:  # half a window: the guard is measuring
             s.commit(s.choose(["http://a"], chunk_keys(doc, BS), len(doc)), chunk_keys(doc, BS))
         s.speculative.clear_engine("http://a")
         return s, hot, warm
 
     s, hot, warm = setup()
-    assert s.shares() == {"http://a": 8}
+    assert s.shares() == {"http://a": 16}
     assert s.choose(ENGINES, chunk_keys(warm, BS), len(warm)).engine == "http://a"
     d = s.choose(ENGINES, chunk_keys(hot, BS), len(hot))
     assert d.engine == "http://b" and {x.engine for x in d.scores if x.held_back} == {"http://a"}
