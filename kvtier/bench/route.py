@@ -82,12 +82,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kvtier route logs every decision (its log in --work-dir)")
     parser.add_argument("--no-connector", action="store_true",
                         help="engines without the kvtier connector (vLLM's own pool and events only)")
-    parser.add_argument("--vllm-router", metavar="PATH", default=os.environ.get("KVTIER_VLLM_ROUTER") or shutil.which("vllm-router"),
-                        help="the vllm-router binary (its own venv; default $KVTIER_VLLM_ROUTER or PATH)")
+    parser.add_argument("--vllm-router", metavar="PATH", default=default_vllm_router(),
+                        help="the vllm-router binary (its own venv; default $KVTIER_VLLM_ROUTER, else "
+                             "./.venv-router/bin/vllm-router as `make router` installs it, else PATH)")
     parser.add_argument("--model", help="a local model directory (default: the small random Qwen2)")
     parser.add_argument("--work-dir", help="where logs and the tokenizer go, kept (default: a temp dir, removed)")
     parser.add_argument("--plot", metavar="PNG", help="also draw the table as a PNG")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
+
+
+def default_vllm_router() -> str | None:
+    """Where vllm-router is: ``$KVTIER_VLLM_ROUTER``, else ``.venv-router/bin/vllm-router`` in the
+    working directory (``make router`` installs it there), else on PATH; None when nowhere."""
+    local = Path(".venv-router") / "bin" / "vllm-router"
+    return os.environ.get("KVTIER_VLLM_ROUTER") or (str(local.resolve()) if local.is_file() else None) \
+        or shutil.which("vllm-router")
 
 
 def run(args: argparse.Namespace) -> int:

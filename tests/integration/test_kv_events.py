@@ -230,3 +230,20 @@ def test_with_several_workers_events_follow_rank_0_stage_0s_keys(model):
         assert [e.token_ids for e in events] == [tokens[:CHUNK], tokens[CHUNK:]]
     finally:
         conn.shutdown()
+
+
+def test_with_a_cache_server_every_medium_is_a_remote_pool_of_the_node():
+    """A per-node cache server's tiers are loaded by every engine of the node: REMOTE with an
+    ownership naming the server's pool (vllm-router admits REMOTE only with an ownership and
+    LOCAL only without one); ``kvtier route`` reads them back as the server."""
+    from kvtier.integrations.vllm.events import event_medium
+    from kvtier.route.index import normalize_medium
+
+    assert event_medium("CPU", server=True) == ("CPU", "REMOTE", "kvtier:server/cpu")
+    assert event_medium("DISK", server=True) == ("STORAGE", "REMOTE", "kvtier:server/disk")
+    for medium in ("CPU", "DISK", "REDIS"):
+        assert normalize_medium(*event_medium(medium, server=True)) == "SERVER"
+    for medium, expected in (("CPU", "CPU"), ("DISK", "STORAGE"), ("FS", "FS"), ("S3", "S3")):
+        med, locality, ownership = event_medium(medium)
+        assert (locality == "LOCAL") == (ownership is None)
+        assert normalize_medium(med, locality, ownership) == expected

@@ -13,8 +13,6 @@ it and is out of rotation within seconds while the rest complete on the survivor
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 
 import pytest
 
@@ -23,9 +21,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 
 def test_kvtier_route_in_front_of_two_vllm_servers(tmp_path):
-    from kvtier.bench.route import run_bench
+    from kvtier.bench.route import default_vllm_router, run_bench
 
-    vllm_router = os.environ.get("KVTIER_VLLM_ROUTER") or shutil.which("vllm-router")
+    vllm_router = default_vllm_router()
     policies = "kvtier-route,oracle" + (",round_robin" if vllm_router else "")
     args = argparse.Namespace(docs=4, doc_tokens=600, system_tokens=128, requests=24, concurrency=2, zipf=1.0,
                               hot_zipf=1.2, max_tokens=8, pool_blocks=32, seed=0, policies=policies,
