@@ -84,6 +84,7 @@ class Observer:
         self.preemptions = 0  # requests vLLM preempted (their blocks freed without request_finished)
         self.last_saved: set[int] = set()  # blocks the worker's latest wait_for_save saved from
         self.freed_after_save = 0  # blocks a preemption freed right after a save read them
+        self.digests: dict[bytes, set[str]] = {}  # stored key -> digests of its pages when saved
         self.stats = KVTierConnectorStats()
         if connector is not None:
             self._wrap(connector, get_kv_transfer_group())
@@ -105,6 +106,9 @@ class Observer:
         def wait_for_save_seen(meta):
             self.planned += len(meta.saves)
             self.last_saved = {b for save in meta.saves for b in save.block_ids}
+            for save in meta.saves:  # the pages as they are in this step
+                key = self.worker.share.key(save.key)
+                self.digests.setdefault(key, set()).add(_digest_pages(self.worker._layout, save.block_ids))
             return wait_for_save(meta)
 
         def take_stats_seen():
@@ -127,11 +131,44 @@ class Observer:
         self.worker.wait_for_save = wait_for_save_seen
         self.worker.take_stats = take_stats_seen
 
+    def compare_stored(self) -> dict:
+        """How many saved chunks the store holds, and how many of those hold bytes other than
+        the pages had in a step that saved them."""
+        compared = mismatched = 0
+        for key, digests in self.digests.items():
+            got: list[str] = []
+            if self.worker.store.read(key, lambda segs: got.append(_digest_segments(segs))) is None:
+                continue  # dropped or refused: not stored
+            compared += 1
+            mismatched += got[0] not in digests
+        return {"compared": compared, "mismatched": mismatched}
+
     def report(self) -> dict:
         pool = self.scheduler.kv_cache_manager.block_pool
-        return {"free_blocks": pool.get_num_free_blocks(), "total_blocks": pool.num_gpu_blocks,
+        return {"stored": self.compare_stored(),
+                "free_blocks": pool.get_num_free_blocks(), "total_blocks": pool.num_gpu_blocks,
                 "requests_left": len(self.scheduler.requests), "held": self.held, "sending": self.sending,
                 "planned": self.planned, "counters": self.stats.data["counters"]}
+
+
+def _digest_pages(layout, block_ids: list[int]) -> str:
+    """sha256 of a chunk's entry bytes as the engine's pages hold them now."""
+    import hashlib
+
+    import numpy as np
+
+    data = np.empty(layout.chunk_bytes, dtype=np.uint8)
+    layout.save(block_ids, [data])
+    return hashlib.sha256(data).hexdigest()
+
+
+def _digest_segments(segments) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for seg in segments:
+        h.update(memoryview(seg).cast("B"))
+    return h.hexdigest()
 
 
 def _open_gated(cfg):
@@ -284,6 +321,8 @@ def test_chunks_saved_around_a_preemption_are_the_documents_kv(engines):
     a, b = engines
     assert b["results"]["pair"]["preemptions"] >= 1
     assert b["results"]["pair"]["freed_after_save"] >= 1  # a block freed in the step after its save
+    stored = b["report"]["stored"]  # every stored chunk holds its pages' bytes of the saving step
+    assert 0 < stored["compared"] <= b["report"]["counters"]["saved_chunks"] and stored["mismatched"] == 0
     for i in (6, 7):
         kv, ref = b["results"][f"kv{i}"], a["results"][f"local{i}"]
         assert kv["hit_tokens"] == PAIR_LOADABLE, i
