@@ -138,7 +138,8 @@ def test_saves_that_find_no_free_slot_are_dropped_and_counted(tmp_path, monkeypa
     try:
         a, b, c = _keys(3), _keys(3, start=1000), _keys(2, start=2000)
         store.gate.clear()
-        worker.wait_for_save(KVTierMetadata(saves=_saves("a", a, list(range(0, 6))) + _saves("b", b, list(range(6, 12)))))
+        step = _saves("a", a, list(range(0, 6))) + _saves("b", b, list(range(6, 12)))
+        worker.wait_for_save(KVTierMetadata(saves=step))
         worker.wait_for_save(KVTierMetadata(saves=_saves("c", c, list(range(12, 16)))))
         store.gate.set()
         assert worker.drain_saves()
