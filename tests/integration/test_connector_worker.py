@@ -46,6 +46,7 @@ def _keys(n: int) -> list[bytes]:
 def _save(worker: KVTierWorker, keys: list[bytes], blocks: list[int]) -> None:
     saves = [SaveSpec("src", k, keys[c - 1] if c else None, c, blocks[2 * c : 2 * c + 2]) for c, k in enumerate(keys)]
     worker.wait_for_save(KVTierMetadata(saves=saves))
+    assert worker.drain_saves()  # async mode: the store writes run in the background
     assert worker.store.flush()
 
 
