@@ -22,8 +22,10 @@ Keys (all optional)::
                        needs it. async: a hit that lies (partly) below the RAM tier is loaded
                        in the background while the engine runs other requests (vLLM's
                        asynchronous load protocol: the request waits in WAITING_FOR_REMOTE_KVS);
-                       RAM-tier hits and hits through a cache server stay inline. Saves stay
-                       synchronous in both modes
+                       RAM-tier hits and hits through a cache server stay inline. Saves:
+                       sync writes the step's chunks into the store in the step; async copies
+                       their pages in the step and writes them on a background thread (a
+                       bounded backlog: what does not fit is dropped and counted)
     require_recompute  refuse to start unless vLLM's kv_load_failure_policy is "recompute"
                        (false: start with a one-line warning). vLLM's default, "fail", fails a
                        request whenever a chunk cannot be loaded (a tier down, a corrupt entry);
