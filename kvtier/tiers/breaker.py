@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 
 class CircuitBreaker:
@@ -23,10 +24,12 @@ class CircuitBreaker:
 
     Contract: a caller that got True from ``allow`` must report the outcome with ``success``,
     ``failure`` or ``abandon`` (a call that reached the server and got any answer, even an error
-    reply, is a success). Thread-safe.
+    reply, is a success). Thread-safe. ``clock``: seconds, monotonic (``time.monotonic``).
     """
 
-    def __init__(self, base_s: float, max_s: float, probe_timeout_s: float = 30.0):
+    def __init__(self, base_s: float, max_s: float, probe_timeout_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
         self._base, self._max = base_s, max(base_s, max_s)
         self._probe_timeout = probe_timeout_s
         self._window = 0.0  # 0: closed
@@ -41,14 +44,14 @@ class CircuitBreaker:
         with self._lock:
             if not self._window:
                 return "closed"
-            return "open" if time.monotonic() < self._open_until else "half-open"
+            return "open" if self._clock() < self._open_until else "half-open"
 
     def allow(self) -> bool:
         """Whether a call may try the server now: always when closed, never within the window,
         and only for the one admitted probe after it."""
         if not self._window:  # closed: the common case, no lock
             return True
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             if not self._window:
                 return True
@@ -64,7 +67,7 @@ class CircuitBreaker:
         """Record a fault: open (or widen) the window; a probe in flight is over."""
         with self._lock:
             self._window = min(self._max, self._window * 2 if self._window else self._base)
-            self._open_until = time.monotonic() + self._window
+            self._open_until = self._clock() + self._window
             self._probe_since = None
 
     def abandon(self) -> None:
