@@ -67,18 +67,29 @@ def serve(spec: dict) -> None:
     ``{"doc": I}`` sends document I, ``{"hit": I}`` the I-th engine-hit probe document, and
     ``{"quit": true}`` ends. Each answer is one stdout line: MARKER + JSON (see ``_one``).
     """
+    def handle(llm, cmd: dict, sampling) -> dict:
+        tokens = spec["docs"][cmd["doc"]] if "doc" in cmd else spec["hit_docs"][cmd["hit"]]
+        return _one(llm, tokens, sampling)
+
+    command_loop(spec, spec.get("logprobs", 5), handle)
+
+
+def command_loop(spec: dict, logprobs: int, handle) -> None:
+    """The engine processes' protocol: build ``spec``'s engine, send its warm-up prompt (one-off
+    costs), answer ``{"ready": true}``, then answer each stdin command (one JSON object per
+    line) with ``handle(llm, cmd, sampling)`` until ``{"quit": true}`` or EOF. ``sampling``:
+    one greedy token with ``logprobs`` log-probabilities."""
     from vllm import SamplingParams
 
     llm = make_llm(spec)
-    sampling = SamplingParams(max_tokens=1, temperature=0.0, logprobs=spec.get("logprobs", 5))
-    _one(llm, spec["warmup"], sampling)  # the first request pays one-off costs
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, logprobs=logprobs)
+    _one(llm, spec["warmup"], sampling)
     _answer({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("quit"):
             break
-        tokens = spec["docs"][cmd["doc"]] if "doc" in cmd else spec["hit_docs"][cmd["hit"]]
-        _answer(_one(llm, tokens, sampling))
+        _answer(handle(llm, cmd, sampling))
 
 
 def make_llm(spec: dict):

@@ -75,24 +75,16 @@ def _batch(llm, prompts: list[list[int]], concurrency: int, max_tokens: int) -> 
 
 def serve(spec: dict) -> None:
     """Start the engine, answer ``ready``, then answer commands from stdin until quit or EOF."""
-    from vllm import SamplingParams
+    from kvtier.bench.engine_run import _one, command_loop
 
-    from kvtier.bench.engine_run import _answer, _one, make_llm
-
-    llm = make_llm(spec)
-    sampling = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
-    _one(llm, spec["warmup"], sampling)  # the first request pays one-off costs
-    _answer({"ready": True})
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd.get("quit"):
-            break
+    def handle(llm, cmd: dict, sampling) -> dict:
         if cmd.get("reset"):
-            _answer({"ok": bool(llm.reset_prefix_cache())})
-        elif "batch" in cmd:
-            _answer(_batch(llm, cmd["batch"], int(cmd.get("concurrency", 1)), int(cmd.get("max_tokens", 16))))
-        else:
-            _answer(_one(llm, cmd["prompt"], sampling))
+            return {"ok": bool(llm.reset_prefix_cache())}
+        if "batch" in cmd:
+            return _batch(llm, cmd["batch"], int(cmd.get("concurrency", 1)), int(cmd.get("max_tokens", 16)))
+        return _one(llm, cmd["prompt"], sampling)
+
+    command_loop(spec, 0, handle)
 
 
 def main(argv: list[str]) -> int:
