@@ -111,11 +111,12 @@ def test_redis_dies_when_its_parent_is_sigkilled(registry, tmp_path):
 def test_script_child_that_arms_die_with_parent_dies_with_it():
     """A script started by plain subprocess (as the engine scripts are) that calls
     ``die_with_parent`` itself ends when its parent is SIGKILLed."""
-    child_code = "from kvtier.bench.procs import die_with_parent; import time; die_with_parent(); time.sleep(600)"
+    child_code = ("from kvtier.bench.procs import die_with_parent; import time; die_with_parent(); "
+                  "print('armed', flush=True); time.sleep(600)")
     parent = _parent(
         "import subprocess, sys, time\n"
-        f"c = subprocess.Popen([sys.executable, '-c', {child_code!r}])\n"
-        "time.sleep(1.0)\n"  # the child has armed the signal by then (or the assertion below fails)
+        f"c = subprocess.Popen([sys.executable, '-c', {child_code!r}], stdout=subprocess.PIPE, text=True)\n"
+        "assert c.stdout.readline().strip() == 'armed'\n"  # the child has armed the signal
         "print(c.pid, flush=True)\n"
         "time.sleep(600)\n")
     (pid,) = _read_ints(parent)
