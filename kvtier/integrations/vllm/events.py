@@ -122,9 +122,6 @@ class ChunkEvents:
         while len(self._info) > self.max_chunks:
             self._info.popitem(last=False)
 
-    def known(self, key: bytes) -> bool:
-        return key in self._info
-
     def events(self, store_events: Iterable[tuple[str, bytes, str]]) -> list[KVCacheEvent]:
         """vLLM events for kvtier store events ``(kind, key, medium)``, in order."""
         out: list[KVCacheEvent] = []
