@@ -145,7 +145,7 @@ def _documents(num_docs: int, tokens: int) -> tuple[list[list[int]], list[int], 
     """Deterministic random documents, a warm-up prompt and documents for the engine-hit probe."""
     rng = np.random.default_rng(20261007)
     docs = [rng.integers(100, 31000, tokens).tolist() for _ in range(num_docs)]
-    warmup = rng.integers(100, 31000, 600).tolist()
+    warmup = rng.integers(100, 31000, 600).tolist()[:tokens]  # never longer than a document (max_model_len)
     hit_docs = [rng.integers(100, 31000, tokens).tolist() for _ in range(3)]
     return docs, warmup, hit_docs
 
