@@ -89,3 +89,10 @@ def test_bench_tiers_json_carries_the_targets(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     assert {r["target"] for r in report["targets"]} == {"ram put 4 MiB vs memcpy", "ram get 4 MiB vs memcpy"}
+
+
+def test_demo_warm_up_prompt_fits_the_shortest_documents():
+    """--tokens 512 once failed at engine start: the 600-token warm-up exceeded max_model_len."""
+    docs, warmup, hit_docs = offload._documents(1, 300)
+    assert len(warmup) == 300 and len(docs[0]) == 300 and all(len(d) == 300 for d in hit_docs)
+    assert len(offload._documents(1, 5000)[1]) == 600
