@@ -23,6 +23,7 @@ from kvtier.integrations.vllm import worker as worker_module
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats
+from kvtier.integrations.vllm.pages import PageLayout, SaveStep
 from kvtier.integrations.vllm.worker import KVTierWorker
 from kvtier.keys import WorkerShare, chunk_keys
 from kvtier.store import TieredStore
@@ -61,9 +62,10 @@ def _kv_caches(seed: int) -> dict[str, torch.Tensor]:
             for i in range(3)}
 
 
-def _worker(tmp: Path, monkeypatch, mode: str = "async", slots: int | None = None
+def _worker(tmp: Path, monkeypatch, mode: str = "async", slots: int | None = None, engine: str = "host"
             ) -> tuple[KVTierWorker, dict[str, torch.Tensor], GatedStore]:
-    """A worker on a gated real store (RAM + disk); ``slots`` staging slots when given."""
+    """A worker on a gated real store (RAM + disk); ``slots`` staging slots when given; its pages
+    copied by the ``engine`` copy engine (``torch``: the CUDA code path, run on CPU tensors)."""
     if slots is not None:
         monkeypatch.setattr(worker_module, "SAVE_BACKLOG_CHUNKS", slots)
     gated: list[GatedStore] = []
@@ -78,6 +80,9 @@ def _worker(tmp: Path, monkeypatch, mode: str = "async", slots: int | None = Non
     worker = KVTierWorker(config, GEOMETRY, WorkerShare())
     kv = _kv_caches(0)
     worker.register_kv_caches(kv)
+    if engine != worker._layout.engine:
+        worker._layout.close()
+        worker._layout = PageLayout(kv, NUM_BLOCKS, GEOMETRY.blocks_per_chunk, engine=engine)
     return worker, kv, gated[0]
 
 
@@ -102,11 +107,13 @@ def _counters(worker: KVTierWorker) -> dict:
     return stats.data["counters"] if stats is not None else {}
 
 
-def test_the_step_returns_before_the_store_write_and_stores_the_pages_of_the_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ["host", "torch"])
+def test_the_step_returns_before_the_store_write_and_stores_the_pages_of_the_step(tmp_path, monkeypatch, engine):
     """The write waits at a closed gate, yet ``wait_for_save`` returns; the pages are then
     overwritten (a preempted request's freed blocks reused by the next forward pass). What
-    reaches the store is the pages as they were in the step: a load gives them back."""
-    worker, kv, store = _worker(tmp_path, monkeypatch)
+    reaches the store is the pages as they were in the step: a load gives them back. With the
+    ``torch`` engine the writer lands the gather in the slots after the step."""
+    worker, kv, store = _worker(tmp_path, monkeypatch, engine=engine)
     try:
         keys, src = _keys(3), list(range(0, 6))
         before = _pages(kv, src)
@@ -238,3 +245,52 @@ def test_sync_mode_still_writes_within_the_step(tmp_path, monkeypatch):
 def test_background_saves_refuse_an_empty_backlog(chunk_bytes, slots):
     with pytest.raises(ValueError):
         worker_module.BackgroundSaves(None, chunk_bytes, slots)
+
+
+def test_the_torch_engine_lands_the_gather_on_the_writer_thread_not_in_the_step(tmp_path, monkeypatch):
+    """The CUDA path (``torch`` engine): the step issues the gather and returns; waiting for the
+    copy to host and moving the bytes into the slots (``SaveStep.copy_to``) happens on the
+    background writer's thread, never the engine's. With the ``host`` engine it is the step's."""
+    threads: list[str] = []
+    real_copy_to = SaveStep.copy_to
+
+    def copy_to(self, i, segments):
+        threads.append(threading.current_thread().name)
+        return real_copy_to(self, i, segments)
+
+    monkeypatch.setattr(SaveStep, "copy_to", copy_to)
+    for engine, expected in (("torch", "kvtier-save"), ("host", threading.current_thread().name)):
+        worker, kv, store = _worker(tmp_path / engine, monkeypatch, engine=engine)
+        try:
+            threads.clear()
+            keys = _keys(2)
+            worker.wait_for_save(KVTierMetadata(saves=_saves("r", keys, list(range(4)))))
+            assert worker.drain_saves() and store.lookup(keys) == 2
+            assert threads == [expected, expected], engine
+        finally:
+            worker.close()
+
+
+def test_a_landing_that_fails_drops_its_chunks_and_frees_their_slots(tmp_path, monkeypatch):
+    """The copy to host fails on the writer thread (injected): every chunk of that step is a
+    counted drop, nothing reaches the store, the slots serve the next step."""
+    worker, kv, store = _worker(tmp_path, monkeypatch, slots=2, engine="torch")
+    try:
+        real_copy_to, fail = SaveStep.copy_to, [True]
+
+        def copy_to(self, i, segments):
+            if fail[0]:
+                raise RuntimeError("injected device-to-host failure")
+            return real_copy_to(self, i, segments)
+
+        monkeypatch.setattr(SaveStep, "copy_to", copy_to)
+        keys = _keys(2)
+        worker.wait_for_save(KVTierMetadata(saves=_saves("r", keys, list(range(4)))))
+        assert worker.drain_saves() and store.lookup(keys) == 0
+        assert _counters(worker)["save_dropped"] == 2
+        fail[0] = False
+        worker.wait_for_save(KVTierMetadata(saves=_saves("r", keys, list(range(4)))))
+        assert worker.drain_saves() and store.lookup(keys) == 2
+        assert _counters(worker)["saved_chunks"] == 2
+    finally:
+        worker.close()

@@ -61,7 +61,9 @@ class PageLayout:
 
     ``save``/``load`` move one chunk; ``gather``/``begin_load`` move a step's chunks together.
     Thread safety: ``load`` and ``LoadStep.fill`` may run on several threads at once (lower-tier
-    reads); ``save``, ``gather`` and ``LoadStep.scatter`` are called from the engine's thread.
+    reads); ``save``, ``gather`` and ``LoadStep.scatter`` are called from the engine's thread; a
+    ``SaveStep`` of the ``torch`` engine may be finished (``copy_to``, ``release``) by one other
+    thread (the connector's background writer).
     """
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, blocks_per_chunk: int,
@@ -140,7 +142,13 @@ class PageLayout:
         ``torch`` engine: one indexed copy per layer into a device staging buffer and one copy to
         host (pinned on CUDA, ``non_blocking`` on a side stream that first waits for the compute
         stream). ``host`` engine: nothing yet; ``SaveStep.copy_to`` copies pages straight into the
-        entry. The pages must not change until ``SaveStep.wait`` returns (``copy_to`` waits).
+        entry.
+
+        When the pages may change: ``torch`` engine, at once (on CPU the gather has completed when
+        this returns; on CUDA the compute stream waits for the gather's device copies, so work it
+        runs later, such as the next forward pass reusing these blocks, cannot overwrite a page
+        before it is read; the copy to host may still run, and ``copy_to``/``wait`` wait for it,
+        from any thread). ``host`` engine: only after the last ``copy_to``.
         """
         chunks = [list(c) for c in chunks]
         for blocks in chunks:
@@ -235,9 +243,13 @@ class SaveStep:
                 index = layout._index(blocks)
                 for i, layer in enumerate(layout.layers):  # one indexed copy per layer
                     torch.index_select(layer.rows, 0, index, out=staging.device[: len(blocks), i])
+                gathered = _event(stream)  # the pages are no longer read after this point
                 if staging.host is not staging.device:  # one device-to-host copy for the group
                     staging.host[: len(blocks)].copy_(staging.device[: len(blocks)], non_blocking=True)
                 group.record(stream)
+            if gathered is not None:  # later work on the compute stream (the next forward pass,
+                # which may reuse these blocks) waits for the gather, not for the copy to host
+                torch.cuda.current_stream(layout.device).wait_event(gathered)
 
     def ready(self) -> bool:
         """Whether the gather has completed (never blocks)."""
@@ -267,6 +279,15 @@ class SaveStep:
             group.wait()
             self._layout._buffers.give(group.staging)
         self._groups = []
+
+
+def _event(stream):
+    """An event recorded on ``stream`` now (None on CPU, where copies are synchronous)."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 class _Group:

@@ -21,17 +21,21 @@ KV tensors, and carries out the plan the scheduler side put in the step's ``KVTi
   (``PageLayout.gather``) and copied into the store's top tier; lower tiers are written in the
   background by the store. A save the store cannot take is dropped and counted;
 - background saves (``transfer_mode: async``, ``BackgroundSaves``): the step still reads the
-  chunks' pages (the same batched gather, into a staging slot per chunk: a memcpy per page on
-  CPU), and one background thread writes the staged chunks into the store (top-tier placement,
-  eviction, write-through queueing, or the round trip to a cache server), off the step. The
-  pages are read inside the step because a running request's blocks can be freed without
-  ``request_finished`` (preemption, in the next step's scheduling) and reused by the very next
-  forward pass, and no worker call that this side receives comes before that pass. So vLLM
-  never has to keep a request's blocks for kvtier: ``request_finished`` answers False in both
-  modes and no request is ever reported as sending. The staging slots bound the backlog: a
-  chunk that finds no free slot is dropped and counted (``save_backlog_dropped``), with the
-  rest of its request's chunks in that step (worthless without it); the step never waits for
-  the store.
+  chunks' pages, and one background thread writes them into the store (top-tier placement,
+  eviction, write-through queueing, or the round trip to a cache server), off the step. With
+  the ``host`` copy engine (CPU) the step copies the pages into a staging slot per chunk (a
+  memcpy per page); with the ``torch`` engine (CUDA) the step only issues the batched gather
+  (one indexed copy per layer on the side stream, the compute stream waiting for it, then one
+  non-blocking copy to pinned host memory) and the writer thread waits for that copy and moves
+  the bytes into the slots (``_Landing``), so the step never waits for the device-to-host
+  copy. The pages are read inside the step because a running request's blocks can be freed
+  without ``request_finished`` (preemption, in the next step's scheduling) and reused by the
+  very next forward pass, and no worker call that this side receives comes before that pass.
+  So vLLM never has to keep a request's blocks for kvtier: ``request_finished`` answers False
+  in both modes and no request is ever reported as sending. The staging slots bound the
+  backlog: a chunk that finds no free slot is dropped and counted (``save_backlog_dropped``),
+  with the rest of its request's chunks in that step (worthless without it); the step never
+  waits for the store.
 
 Each worker stores its share of a chunk under its own key (``WorkerShare.key``: TP rank, PP
 stage). Rank 0 of stage 0 records the store's events for the scheduler's mirror.
@@ -54,7 +58,7 @@ from kvtier.errors import CorruptEntry
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, KVTierWorkerMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, TierDeltas, tier_counters
-from kvtier.integrations.vllm.pages import LoadStep, PageLayout
+from kvtier.integrations.vllm.pages import LoadStep, PageLayout, SaveStep
 from kvtier.keys import WorkerShare
 from kvtier.store import KVStore, TieredStore
 
@@ -85,22 +89,55 @@ class BackgroundLoad:
 
 
 @dataclass
+class _Landing:
+    """A step's gather still on its way to host memory (``torch`` copy engine): the background
+    writer waits for it and copies chunk ``i`` into staging slot ``slots[i]`` before it writes
+    the first of them (``land``)."""
+
+    step: SaveStep
+    slots: list[int]
+    landed: bool | None = None  # None: not yet; True: the slots hold the chunks; False: failed
+
+    def land(self, saves: "BackgroundSaves") -> bool:
+        """Move the gathered chunks into their slots once (later calls return the outcome);
+        False when that failed (the chunks are then dropped). Never raises."""
+        if self.landed is None:
+            try:
+                for i, slot in enumerate(self.slots):
+                    self.step.copy_to(i, [saves.slot(slot)])
+                self.landed = True
+            except Exception:
+                log.exception("kvtier: a background save's copy to host failed; %d chunks dropped", len(self.slots))
+                self.landed = False
+            finally:
+                try:
+                    self.step.release()
+                except Exception:
+                    log.exception("kvtier: releasing a save's staging buffer failed")
+                    self.landed = False
+        return self.landed
+
+
+@dataclass
 class _SaveJob:
-    """One staged chunk waiting for the background writer."""
+    """One chunk waiting for the background writer: in its staging slot, or on its way there
+    (``landing``)."""
 
     key: bytes  # the worker's own key (``WorkerShare.key``)
     parent: bytes | None
     chunk_index: int
     slot: int
+    landing: _Landing | None = None
 
 
 class BackgroundSaves:
     """Writes staged chunks into a store on one background thread (``transfer_mode: async``).
 
     The engine's thread ``take``s a free staging slot per chunk (None when every slot is in use:
-    the caller drops the chunk), copies the chunk's bytes into ``slot(i)`` and ``submit``s the
-    jobs; the writer thread writes them into the store in order and frees each slot once the
-    store has copied it. The backlog never exceeds the slots: nothing is queued without limit.
+    the caller drops the chunk), copies the chunk's bytes into ``slot(i)`` (or gives the job a
+    ``_Landing`` that the writer completes first) and ``submit``s the jobs; the writer thread
+    writes them into the store in order and frees each slot once the store has copied it. The
+    backlog never exceeds the slots: nothing is queued without limit.
 
     Outcomes (``saved``, ``dropped``: the store refused the chunk or raised) are counted under a
     lock and handed out by ``take_outcomes`` on the engine's thread. ``close`` writes what is
@@ -191,8 +228,10 @@ class BackgroundSaves:
                 self._cond.notify_all()
 
     def _write(self, job: _SaveJob) -> bool:
-        """Write one staged chunk; False when the store refused it or failed (never raises:
-        the writer must go on and free the slot)."""
+        """Write one staged chunk; False when its landing failed or the store refused it or
+        failed (never raises: the writer must go on and free the slot)."""
+        if job.landing is not None and not job.landing.land(self):
+            return False
         data = self.slot(job.slot)
         try:
             return self._store.write(job.key, self.chunk_bytes, lambda segs: _fill_from(data, segs),
@@ -422,18 +461,26 @@ class KVTierWorker:
 
     def _save_background(self, layout: PageLayout, saves: BackgroundSaves, specs: list[SaveSpec]) -> None:
         """Read the chunks that get a staging slot (one batched gather) and queue them for the
-        background writer; drop and count the others (``async``)."""
+        background writer; drop and count the others (``async``). ``host`` engine: the pages are
+        copied into the slots now. ``torch`` engine: the gather is issued now (the pages may
+        change once it returns) and the writer lands it in the slots, so the step does not wait
+        for the device-to-host copy."""
         jobs = self._stage_slots(saves, specs)
         if not jobs:
             return
         taken = [job.slot for _, job in jobs]
         try:
             step = layout.gather([spec.block_ids for spec, _ in jobs])  # O(layers) copies
-            try:
-                for i, (_, job) in enumerate(jobs):
-                    step.copy_to(i, [saves.slot(job.slot)])
-            finally:
-                step.release()
+            if layout.engine == "torch":
+                landing = _Landing(step, taken)
+                for _, job in jobs:
+                    job.landing = landing
+            else:
+                try:
+                    for i, (_, job) in enumerate(jobs):
+                        step.copy_to(i, [saves.slot(job.slot)])
+                finally:
+                    step.release()
         except BaseException:
             saves.give_back(taken)
             raise
