@@ -32,7 +32,9 @@ tokens. ``--json`` prints ``{"rows": [...], "targets": [...]}`` (issue 10's targ
 
 Settings (``SETTINGS``): ``vllm`` (no connector), ``kvtier`` (today's synchronous transfers),
 and ``kvtier-async`` (kvtier with ``transfer_mode: async``: hits below the RAM tier load in the
-background); add a setting by adding one builder to ``SETTINGS``.
+background); not by default, ``kvtier-async-ram`` (``async_ram_loads``: RAM-tier hits load in the
+background too, inline vs background measured side by side); add a setting by adding one
+builder to ``SETTINGS``.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ SETTINGS: dict[str, Callable[[Path, Workload], dict | None]] = {
     "vllm": lambda work, load: None,
     "kvtier": lambda work, load: _kvtier(work, load),  # today's synchronous transfers
     "kvtier-async": lambda work, load: _kvtier(work, load, {"transfer_mode": "async"}),
+    "kvtier-async-ram": lambda work, load: _kvtier(work, load, {"transfer_mode": "async", "async_ram_loads": True}),
 }
 DEFAULT_SETTINGS = ("vllm", "kvtier", "kvtier-async")
 

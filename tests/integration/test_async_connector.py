@@ -187,11 +187,11 @@ def tiny_model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("async-ns") / "model")
 
 
-def _scheduler(model, disk: Path, mode: str | None):
+def _scheduler(model, disk: Path, mode: str | None, **more):
     from tests.integration._vllm_config import scheduler_connector, vllm_config
 
     tiers = [{"type": "ram", "capacity": "16MiB"}, {"type": "disk", "path": str(disk), "capacity": "64MiB"}]
-    extra = {"tiers": tiers, **({"transfer_mode": mode} if mode else {})}
+    extra = {"tiers": tiers, **({"transfer_mode": mode} if mode else {}), **more}
     return scheduler_connector(vllm_config(model, extra=extra))
 
 
@@ -282,6 +282,31 @@ def test_a_hit_in_the_ram_tier_stays_inline_in_async_mode(tiny_model, tmp_path):
             assert disk.put(keys[2], b"x" * 64)
         assert conn.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, True)
         assert conn.get_num_new_matched_tokens(req, 2 * CHUNK) == (CHUNK, True)
+    finally:
+        conn.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_async_ram_loads_send_ram_tier_hits_to_the_background_in_async_mode_only(tiny_model, tmp_path, mode):
+    """``async_ram_loads``: a hit wholly in the RAM tier (the mirror) loads in the background too,
+    planned at allocation; in sync mode the option changes nothing."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from tests.integration._vllm_config import CHUNK
+
+    from kvtier.integrations.vllm.connector import KVTierWorkerMetadata
+
+    conn = _scheduler(tiny_model, tmp_path / "disk", mode, async_ram_loads=True)
+    try:
+        req = _request(list(range(100, 100 + 4 * CHUNK + 5)), "r1")
+        keys = list(conn._request_state(req).keys)
+        conn.update_connector_output(KVConnectorOutput(
+            kv_connector_worker_meta=KVTierWorkerMetadata([("stored", k, "CPU") for k in keys[:2]])))
+        assert conn.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, mode == "async")
+        conn.update_state_after_alloc(req, _blocks(list(range(6))), 2 * CHUNK)
+        loads = conn.build_connector_meta(_empty_output()).loads
+        assert [(load.req_id, load.background, load.keys) for load in loads] == \
+            ([("r1", True, keys[:2])] if mode == "async" else [])
     finally:
         conn.shutdown()
 

@@ -26,6 +26,10 @@ Keys (all optional)::
                        sync writes the step's chunks into the store in the step; async copies
                        their pages in the step and writes them on a background thread (a
                        bounded backlog: what does not fit is dropped and counted)
+    async_ram_loads    with transfer_mode "async": load RAM-tier hits in the background too
+                       (false). The step then never copies a load, but each such request waits
+                       at least one step longer for its first token (measured by kvtier bench
+                       serve's "kvtier-async-ram" setting). Ignored in "sync" mode
     require_recompute  refuse to start unless vLLM's kv_load_failure_policy is "recompute"
                        (false: start with a one-line warning). vLLM's default, "fail", fails a
                        request whenever a chunk cannot be loaded (a tier down, a corrupt entry);
@@ -67,6 +71,7 @@ class ConnectorConfig:
     weights_id: str | None = None
     require_recompute: bool = False
     transfer_mode: str = "sync"
+    async_ram_loads: bool = False
 
     def __post_init__(self):
         if self.chunk_tokens is not None and self.chunk_tokens <= 0:

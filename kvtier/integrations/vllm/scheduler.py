@@ -67,7 +67,7 @@ class RequestState:
     request: "Request | None" = None  # vLLM's request (its block hashes and extra keys, for events)
     block_ids: list[int] = field(default_factory=list)
     hit_chunks: int = 0  # chunks found in the store at lookup
-    hit_below_ram: bool = False  # some chunk of the hit is known only to a probe (a lower tier)
+    background: bool = False  # async mode: the hit loads in the background (below RAM, or async_ram_loads)
     local_tokens: int = 0  # tokens vLLM's own prefix cache had
     load: tuple[int, int, int] | None = None  # (first_chunk, end_chunk, skip_blocks) pending
     saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or being stored
@@ -93,6 +93,7 @@ class KVTierScheduler:
                              if publish_events else None)
         self._events: list = []
         self._background = config.transfer_mode == "async"
+        self._async_ram = config.async_ram_loads  # every hit counts as below RAM: all load in the background
         self._async_loads: list[LoadSpec] = []  # planned at allocation, sent with the next metadata
         # media the worker's store knows only privately: mirrored from the worker's events
         self._mirrored = frozenset(spec.medium for spec in config.store.tiers
@@ -111,17 +112,18 @@ class KVTierScheduler:
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens beyond ``num_computed_tokens`` that the store holds (whole chunks, less than
         the prompt), and whether they load asynchronously: in ``async`` mode when some chunk
-        of the hit lies below the RAM tier (never for 0 tokens)."""
+        of the hit lies below the RAM tier, or any hit with ``async_ram_loads`` (never for 0
+        tokens)."""
         state = self.request_state(request)
         chunk = self.geometry.chunk_tokens
         max_chunks = (state.prompt_len - 1) // chunk
         state.hit_chunks, mirrored = self._lookup(self._share.keys(state.keys[:max_chunks]))
-        state.hit_below_ram = mirrored < state.hit_chunks
+        state.background = self._background and (mirrored < state.hit_chunks or self._async_ram)
         state.local_tokens = num_computed_tokens
         hit_tokens = state.hit_chunks * chunk
         if hit_tokens <= num_computed_tokens:
             return 0, False
-        return hit_tokens - num_computed_tokens, self._background and state.hit_below_ram
+        return hit_tokens - num_computed_tokens, state.background
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         """Plan the load of the external tokens into the request's newly allocated blocks: at
@@ -142,7 +144,7 @@ class KVTierScheduler:
         first_chunk = start // chunk
         skip = (start - first_chunk * chunk) // self.geometry.block_size
         state.load = (first_chunk, end // chunk, skip)
-        if self._background and state.hit_below_ram:  # vLLM took (n, True): the request waits
+        if state.background:  # vLLM took (n, True): the request waits
             self._async_loads.append(self._take_load(request.request_id, state, background=True))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVTierMetadata:
