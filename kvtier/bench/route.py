@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from kvtier.config import parse_size
 from kvtier.errors import ConfigError
 
 VLLM_ROUTER_POLICIES = ("round_robin", "cache_aware", "kv_aware")
@@ -82,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kvtier route logs every decision (its log in --work-dir)")
     parser.add_argument("--no-connector", action="store_true",
                         help="engines without the kvtier connector (vLLM's own pool and events only)")
+    parser.add_argument("--kvtier-ram", default=CONNECTOR_RAM, metavar="SIZE",
+                        help=f"each engine's kvtier RAM tier (default {CONNECTOR_RAM}: holds every document; a "
+                             "size below the documents' KV makes each engine's tiers hold only part of them)")
     parser.add_argument("--vllm-router", metavar="PATH", default=default_vllm_router(),
                         help="the vllm-router binary (its own venv; default $KVTIER_VLLM_ROUTER, else "
                              "./.venv-router/bin/vllm-router as `make router` installs it, else PATH)")
@@ -120,6 +124,8 @@ def _policies(args: argparse.Namespace) -> list[str]:
         raise ConfigError(f"--policies: unknown {', '.join(bad)}; valid: {', '.join(valid)}")
     if args.docs < 1 or args.requests < 1 or args.concurrency < 1 or args.doc_tokens < BLOCK:
         raise ConfigError("--docs, --requests, --concurrency must be >= 1 and --doc-tokens >= 128")
+    if parse_size(getattr(args, "kvtier_ram", CONNECTOR_RAM), "--kvtier-ram") < (1 << 20):
+        raise ConfigError("--kvtier-ram: at least 1MiB")
     if args.system_tokens + args.doc_tokens + 64 + args.max_tokens > max_model_len(args.pool_blocks):
         raise ConfigError(f"a prompt (system + document + question + output) must fit "
                           f"{max_model_len(args.pool_blocks)} tokens (4096, or (--pool-blocks - 1) x 128 when smaller)")
@@ -274,12 +280,12 @@ def max_model_len(pool_blocks: int) -> int:
     return min(4096, (pool_blocks - 1) * BLOCK)
 
 
-def connector_config(tiers: list[dict] | None = None) -> dict:
+def connector_config(tiers: list[dict] | None = None, ram: str = CONNECTOR_RAM) -> dict:
     """The ``--kv-transfer-config`` of an engine with the kvtier connector: in-process tiers
-    ``tiers`` (default one RAM tier of ``CONNECTOR_RAM``), vLLM recomputing what cannot be loaded."""
+    ``tiers`` (default one RAM tier of ``ram``), vLLM recomputing what cannot be loaded."""
     return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"tiers": tiers or [{"type": "ram", "capacity": CONNECTOR_RAM}]}}
+            "kv_connector_extra_config": {"tiers": tiers or [{"type": "ram", "capacity": ram}]}}
 
 
 def start_engines(model: str, tokenizer: Path, pool_blocks: int, work: Path, cores: list[int],
@@ -538,7 +544,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     if len(cores) < 2:
         cores = [cores[0], cores[0]]
     model = args.model or str(make_random_model("small"))
-    connector = None if getattr(args, "no_connector", False) else connector_config()
+    connector = None if getattr(args, "no_connector", False) else connector_config(
+        ram=getattr(args, "kvtier_ram", CONNECTOR_RAM))
     content = iter(range(1, 1000))  # one fresh text per run: the same choices, no shared words
 
     def workload(zipf: float, seed: int) -> list[Request]:
