@@ -224,6 +224,10 @@ def test_transfer_mode_is_checked():
     assert ConnectorConfig.from_extra_config({"transfer_mode": "async"}).transfer_mode == "async"
     with pytest.raises(ConfigError, match="transfer_mode.*sync, async"):
         ConnectorConfig.from_extra_config({"transfer_mode": "later"})
+    # a careless operator: background RAM loads asked for without background transfers
+    with pytest.raises(ConfigError, match="async_ram_loads.*transfer_mode"):
+        ConnectorConfig.from_extra_config({"transfer_mode": "sync", "async_ram_loads": True})
+    assert ConnectorConfig.from_extra_config({"transfer_mode": "async", "async_ram_loads": True}).async_ram_loads
 
 
 @pytest.mark.parametrize("mode", [None, "sync", "async"])
@@ -286,27 +290,25 @@ def test_a_hit_in_the_ram_tier_stays_inline_in_async_mode(tiny_model, tmp_path):
         conn.shutdown()
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_async_ram_loads_send_ram_tier_hits_to_the_background_in_async_mode_only(tiny_model, tmp_path, mode):
+def test_async_ram_loads_send_ram_tier_hits_to_the_background(tiny_model, tmp_path):
     """``async_ram_loads``: a hit wholly in the RAM tier (the mirror) loads in the background too,
-    planned at allocation; in sync mode the option changes nothing."""
+    planned at allocation (in sync mode the option is refused: ``test_transfer_mode_is_checked``)."""
     from vllm.v1.outputs import KVConnectorOutput
 
     from tests.integration._vllm_config import CHUNK
 
     from kvtier.integrations.vllm.connector import KVTierWorkerMetadata
 
-    conn = _scheduler(tiny_model, tmp_path / "disk", mode, async_ram_loads=True)
+    conn = _scheduler(tiny_model, tmp_path / "disk", "async", async_ram_loads=True)
     try:
         req = _request(list(range(100, 100 + 4 * CHUNK + 5)), "r1")
         keys = list(conn._request_state(req).keys)
         conn.update_connector_output(KVConnectorOutput(
             kv_connector_worker_meta=KVTierWorkerMetadata([("stored", k, "CPU") for k in keys[:2]])))
-        assert conn.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, mode == "async")
+        assert conn.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)
         conn.update_state_after_alloc(req, _blocks(list(range(6))), 2 * CHUNK)
         loads = conn.build_connector_meta(_empty_output()).loads
-        assert [(load.req_id, load.background, load.keys) for load in loads] == \
-            ([("r1", True, keys[:2])] if mode == "async" else [])
+        assert [(load.req_id, load.background, load.keys) for load in loads] == [("r1", True, keys[:2])]
     finally:
         conn.shutdown()
 

@@ -254,9 +254,9 @@ def test_the_torch_engine_lands_the_gather_on_the_writer_thread_not_in_the_step(
     threads: list[str] = []
     real_copy_to = SaveStep.copy_to
 
-    def copy_to(self, i, segments):
+    def copy_to(self, i, segments, **kwargs):
         threads.append(threading.current_thread().name)
-        return real_copy_to(self, i, segments)
+        return real_copy_to(self, i, segments, **kwargs)
 
     monkeypatch.setattr(SaveStep, "copy_to", copy_to)
     for engine, expected in (("torch", "kvtier-save"), ("host", threading.current_thread().name)):
@@ -278,10 +278,10 @@ def test_a_landing_that_fails_drops_its_chunks_and_frees_their_slots(tmp_path, m
     try:
         real_copy_to, fail = SaveStep.copy_to, [True]
 
-        def copy_to(self, i, segments):
+        def copy_to(self, i, segments, **kwargs):
             if fail[0]:
                 raise RuntimeError("injected device-to-host failure")
-            return real_copy_to(self, i, segments)
+            return real_copy_to(self, i, segments, **kwargs)
 
         monkeypatch.setattr(SaveStep, "copy_to", copy_to)
         keys = _keys(2)

@@ -213,3 +213,20 @@ def test_staging_is_bounded_steps_move_in_groups(group_chunks):
         assert torch.equal(t[17].view(torch.int16), t[5].view(torch.int16))
         assert torch.equal(t[18:20].view(torch.int16), t[6:8].view(torch.int16))
     layout.close()
+
+
+def test_load_staging_holds_the_step_not_a_full_group():
+    """A one-chunk load takes staging for one chunk, not for a whole group (with background
+    loads every request in flight holds its own staging: a full group each, 256 MiB of device
+    and pinned memory on CUDA, would run the device out of memory)."""
+    kv = _cpu_layout(num_blocks=24)
+    layout = PageLayout(kv, 24, blocks_per_chunk=2, engine="torch")
+    assert layout.group_chunks > 3
+    entry = np.zeros(layout.chunk_bytes, dtype=np.uint8)
+    for n in (1, 3):
+        load = layout.begin_load(n)
+        load.fill(0, [entry], [20, 21])
+        assert load._groups[0].staging.blocks == n * layout.blocks_per_chunk
+        load.release()
+        layout._buffers.clear()  # the next take must size a new buffer
+    layout.close()

@@ -29,7 +29,7 @@ Keys (all optional)::
     async_ram_loads    with transfer_mode "async": load RAM-tier hits in the background too
                        (false). The step then never copies a load, but each such request waits
                        at least one step longer for its first token (measured by kvtier bench
-                       serve's "kvtier-async-ram" setting). Ignored in "sync" mode
+                       serve's "kvtier-async-ram" setting). Refused in "sync" mode
     require_recompute  refuse to start unless vLLM's kv_load_failure_policy is "recompute"
                        (false: start with a one-line warning). vLLM's default, "fail", fails a
                        request whenever a chunk cannot be loaded (a tier down, a corrupt entry);
@@ -81,6 +81,9 @@ class ConnectorConfig:
         if self.transfer_mode not in TRANSFER_MODES:
             raise ConfigError(f"kv_connector_extra_config.transfer_mode: must be one of {', '.join(TRANSFER_MODES)}, "
                               f"got {self.transfer_mode!r}")
+        if self.async_ram_loads and self.transfer_mode != "async":
+            raise ConfigError("kv_connector_extra_config.async_ram_loads: needs transfer_mode \"async\" "
+                              f"(got {self.transfer_mode!r}); valid: remove it, or set transfer_mode async")
         for i, spec in enumerate(self.store.tiers):
             check_tier_spec(spec, f"kv_connector_extra_config.tiers[{i}]")
 

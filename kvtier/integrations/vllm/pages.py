@@ -18,8 +18,8 @@ Two copy engines execute the same plan (which blocks, which entry rows, in which
 
 - ``torch``: indexed copies, one ``index_select`` per layer gathering every block of a step into
   a staging buffer, one ``index_copy_`` per layer scattering on load; on CUDA the staging buffer
-  is on the device and crosses to pinned host memory in one ``non_blocking`` copy on a side
-  stream. Copy calls per step: O(layers), whatever the number of blocks and pieces.
+  is on the device and crosses to pinned host memory in one ``non_blocking`` copy on a stream
+  of its own (loads use a side stream). Copy calls per step: O(layers), whatever the number of blocks and pieces.
 - ``host``: one ``memcpy`` per page with numpy, large batches split over a few threads, straight
   between the engine's pages and the entry's segments (no staging copy). The CPU default:
   measured on this project's 2-core machines, torch's CPU indexed copies reach 0.6-9 GB/s and
@@ -87,7 +87,11 @@ class PageLayout:
         # chunks staged together (torch engine): a step larger than this moves in several groups,
         # each O(layers) copies, so staging never holds more than max_staging_bytes per buffer
         self.group_chunks = max(1, max_staging_bytes // max(1, self.chunk_bytes))
-        self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(device=self.device) if cuda else None  # gathers, loads
+        # saves' copies to host run on a stream of their own, so a step's load scatter (on the
+        # side stream) never queues behind the previous step's device-to-host copy
+        self._d2h_stream = torch.cuda.Stream(device=self.device) if cuda else None
         self._buffers = _Buffers(self)
         # Host copies of a large chunk are split over a few threads (numpy releases the GIL while
         # copying): one thread does not reach the memory bandwidth of the machine.
@@ -139,9 +143,10 @@ class PageLayout:
     def gather(self, chunks: Sequence[Sequence[int]]) -> "SaveStep":
         """Start copying the pages of a step's chunks (each a list of ``blocks_per_chunk`` block ids).
 
-        ``torch`` engine: one indexed copy per layer into a device staging buffer and one copy to
-        host (pinned on CUDA, ``non_blocking`` on a side stream that first waits for the compute
-        stream). ``host`` engine: nothing yet; ``SaveStep.copy_to`` copies pages straight into the
+        ``torch`` engine: one indexed copy per layer into a device staging buffer (on CUDA on a
+        side stream that first waits for the compute stream) and one copy to host (pinned on
+        CUDA, ``non_blocking`` on a stream of its own that waits only for the gather, so later
+        loads on the side stream do not queue behind it). ``host`` engine: nothing yet; ``SaveStep.copy_to`` copies pages straight into the
         entry.
 
         When the pages may change: ``torch`` engine, at once (on CPU the gather has completed when
@@ -244,12 +249,16 @@ class SaveStep:
                 for i, layer in enumerate(layout.layers):  # one indexed copy per layer
                     torch.index_select(layer.rows, 0, index, out=staging.device[: len(blocks), i])
                 gathered = _event(stream)  # the pages are no longer read after this point
-                if staging.host is not staging.device:  # one device-to-host copy for the group
-                    staging.host[: len(blocks)].copy_(staging.device[: len(blocks)], non_blocking=True)
-                group.record(stream)
-            if gathered is not None:  # later work on the compute stream (the next forward pass,
-                # which may reuse these blocks) waits for the gather, not for the copy to host
-                torch.cuda.current_stream(layout.device).wait_event(gathered)
+            if gathered is None:  # CPU: the gather is done and staging is host memory
+                continue
+            # later work on the compute stream (the next forward pass, which may reuse these
+            # blocks) waits for the gather, not for the copy to host
+            torch.cuda.current_stream(layout.device).wait_event(gathered)
+            d2h = layout._d2h_stream
+            d2h.wait_event(gathered)
+            with torch.cuda.stream(d2h):  # one device-to-host copy for the group
+                staging.host[: len(blocks)].copy_(staging.device[: len(blocks)], non_blocking=True)
+            group.record(d2h, blocking=True)  # waited for by the writer thread: sleep, not spin
 
     def ready(self) -> bool:
         """Whether the gather has completed (never blocks)."""
@@ -260,18 +269,21 @@ class SaveStep:
         for group in self._groups:
             group.wait()
 
-    def copy_to(self, i: int, segments: Sequence) -> None:
+    def copy_to(self, i: int, segments: Sequence, parallel: bool = True) -> None:
         """Copy chunk ``i``'s entry bytes into ``segments`` (CorruptEntry, before any byte is
-        copied, unless they hold exactly one chunk)."""
+        copied, unless they hold exactly one chunk). ``parallel=False``: on the calling thread
+        only (a background caller must not queue work ahead of the engine's own copies on the
+        layout's copy threads)."""
         layout = self._layout
         arrays = layout._arrays(segments)
+        copy = layout._copy if parallel else _copy_all
         if not self._groups:  # host engine: straight from the pages
-            layout._copy(layout._page_pairs(self._chunks[i], arrays, 0, to_entry=True))
+            copy(layout._page_pairs(self._chunks[i], arrays, 0, to_entry=True))
             return
         group = self._groups[i // layout.group_chunks]
         group.wait()
         j, bpc = i % layout.group_chunks, layout.blocks_per_chunk
-        layout._copy(_split_copy(arrays, group.staging.host_bytes(j * bpc, (j + 1) * bpc), to_segments=True))
+        copy(_split_copy(arrays, group.staging.host_bytes(j * bpc, (j + 1) * bpc), to_segments=True))
 
     def release(self) -> None:
         """Return the staging buffers (waits for the gather first)."""
@@ -297,9 +309,12 @@ class _Group:
         self.staging = staging
         self.event = None
 
-    def record(self, stream) -> None:
+    def record(self, stream, blocking: bool = False) -> None:
+        """Mark the group's copies queued so far on ``stream`` (CUDA; nothing on CPU).
+        ``blocking``: ``wait`` sleeps until they complete instead of spinning (for waits off
+        the engine's thread)."""
         if stream is not None:
-            self.event = torch.cuda.Event()
+            self.event = torch.cuda.Event(blocking=blocking)
             self.event.record(stream)
 
     def ready(self) -> bool:
@@ -329,9 +344,10 @@ class LoadStep:
     def _group(self, g: int) -> "_Group":
         with self._lock:
             group = self._groups.get(g)
-            if group is None:
-                blocks = self._layout.group_chunks * self._layout.blocks_per_chunk
-                group = self._groups[g] = _Group(self._layout._buffers.take(blocks))
+            if group is None:  # staging for the chunks this group holds, not a full group
+                size = self._layout.group_chunks
+                chunks = min(size, self._n - g * size)
+                group = self._groups[g] = _Group(self._layout._buffers.take(chunks * self._layout.blocks_per_chunk))
             return group
 
     def fill(self, i: int, segments: Sequence, block_ids: Sequence[int], first: int = 0) -> None:

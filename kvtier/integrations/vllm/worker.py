@@ -103,8 +103,8 @@ class _Landing:
         False when that failed (the chunks are then dropped). Never raises."""
         if self.landed is None:
             try:
-                for i, slot in enumerate(self.slots):
-                    self.step.copy_to(i, [saves.slot(slot)])
+                for i, slot in enumerate(self.slots):  # on this thread: the copy threads are the step's
+                    self.step.copy_to(i, [saves.slot(slot)], parallel=False)
                 self.landed = True
             except Exception:
                 log.exception("kvtier: a background save's copy to host failed; %d chunks dropped", len(self.slots))
