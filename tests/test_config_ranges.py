@@ -45,6 +45,8 @@ CASES = {
     "fs stale_tmp_s negative": (lambda p: {"tiers": [ram(), fs(p, stale_tmp_s=-5)]}, "(fs).stale_tmp_s", "[0, inf)"),
     "store write_queue_depth 0": (lambda p: {"write_queue_depth": 0}, "store.write_queue_depth", "[1, inf)"),
     "store max_entry_bytes 0": (lambda p: {"max_entry_bytes": 0}, "store.max_entry_bytes", "[1, inf)"),
+    "store writer_nice 20": (lambda p: {"writer_nice": 20}, "store.writer_nice", "[0, 19]"),
+    "store writer_nice -1": (lambda p: {"writer_nice": -1}, "store.writer_nice", "[0, 19]"),
 }
 
 

@@ -306,6 +306,30 @@ def test_full_write_queue_drops_and_counts_without_blocking():
         store.close()
 
 
+@pytest.mark.skipif(not hasattr(os, "getpriority") or not os.uname().sysname == "Linux",
+                    reason="per-thread niceness is Linux's")
+@pytest.mark.parametrize("nice", [0, 10])
+def test_lower_tier_writers_run_nicer_than_the_engine(nice):
+    """``writer_nice``: the writer thread of a lower tier runs that many steps nicer than the
+    thread that built the store (which, in the connector, is the engine's), and the engine's
+    own thread is left as it was."""
+    lower = GatedRam(64 * PAGE)
+    me = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, me)
+    store = store_over([ram(16), lower], writer_nice=nice)
+    try:
+        assert store.put(key(0), payload(0))
+        assert lower.entered.wait(10)  # the writer is running
+        writer = next(t for t in threading.enumerate() if t.name == "kvtier-writer-gated")
+        assert os.getpriority(os.PRIO_PROCESS, writer.native_id) == min(19, before + nice)
+        assert os.getpriority(os.PRIO_PROCESS, me) == before
+        lower.gate.set()
+        assert store.flush() and lower.get(key(0)) == payload(0)
+    finally:
+        lower.gate.set()
+        store.close()
+
+
 def test_top_entry_evicted_before_its_lower_write_ran_still_reaches_the_lower_tier():
     lower = GatedRam(64 * PAGE)
     store = store_over([ram(2), lower], write_queue_depth=64)

@@ -33,8 +33,9 @@ tokens. ``--json`` prints ``{"rows": [...], "targets": [...]}`` (issue 10's targ
 Settings (``SETTINGS``): ``vllm`` (no connector), ``kvtier`` (today's synchronous transfers),
 and ``kvtier-async`` (kvtier with ``transfer_mode: async``: hits below the RAM tier load in the
 background); not by default, ``kvtier-async-ram`` (``async_ram_loads``: RAM-tier hits load in the
-background too, inline vs background measured side by side); add a setting by adding one
-builder to ``SETTINGS``.
+background too, inline vs background measured side by side) and ``kvtier-writers-nice10``
+(the store's ``writer_nice``: lower-tier writers yield the CPU to the engine); add a setting by
+adding one builder to ``SETTINGS``.
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ SETTINGS: dict[str, Callable[[Path, Workload], dict | None]] = {
     "kvtier": lambda work, load: _kvtier(work, load),  # today's synchronous transfers
     "kvtier-async": lambda work, load: _kvtier(work, load, {"transfer_mode": "async"}),
     "kvtier-async-ram": lambda work, load: _kvtier(work, load, {"transfer_mode": "async", "async_ram_loads": True}),
+    # the lower tiers' writers 10 steps nicer than the engine (store option writer_nice)
+    "kvtier-writers-nice10": lambda work, load: _kvtier(work, load, {"writer_nice": 10}),
 }
 DEFAULT_SETTINGS = ("vllm", "kvtier", "kvtier-async")
 

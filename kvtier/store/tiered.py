@@ -86,7 +86,8 @@ class TieredStore(KVStore):
         for i in range(len(self._levels)):
             self._learn(i)
         lanes = [None] + [Lane(level.tier.name, level.tier.stats) for level in self._levels[1:]]
-        self._writeback = WriteBack(lanes, self.config.write_queue_depth, self._lock, self._counters, self._copy_down)
+        self._writeback = WriteBack(lanes, self.config.write_queue_depth, self._lock, self._counters, self._copy_down,
+                                    nice=self.config.writer_nice)
         self._prefetcher = Prefetcher(self.config.write_queue_depth, self._prefetch)
 
     # ----------------------------------------------------------------------------- construction

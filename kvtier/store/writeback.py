@@ -19,7 +19,9 @@ worker threads take it themselves. Imports: ``kvtier.keys``, ``kvtier.tiers.base
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -58,12 +60,28 @@ class Lane:
 ApplyCopy = Callable[[int, Copy], None]
 
 
+def lower_priority(nice: int) -> bool:
+    """Make the calling thread ``nice`` steps nicer (at most 19), best effort: Linux sets a
+    thread's niceness by its native id, other systems have no per-thread niceness and are left
+    as they are. True when it took effect. Raising niceness needs no privilege."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return False
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        return False
+    return True
+
+
 class WriteBack:
     """Queues, writer threads and in-flight bookkeeping for levels 1.. of a store."""
 
     def __init__(self, lanes: Sequence[Lane | None], depth: int, lock: threading.RLock, counters: Counters,
-                 apply: ApplyCopy):
-        """``lanes[i]`` describes level ``i`` (``lanes[0]``, the top level, is None)."""
+                 apply: ApplyCopy, nice: int = 0):
+        """``lanes[i]`` describes level ``i`` (``lanes[0]``, the top level, is None); the writer
+        threads run ``nice`` steps nicer than the thread that starts them (see ``lower_priority``)."""
+        self._nice = nice
         self._lock = lock
         self._counters = counters
         self._apply = apply
@@ -200,6 +218,10 @@ class WriteBack:
     def _writer(self, i: int) -> None:
         """Worker of level ``i``: carries queued copies out until told to stop."""
         q, lane = self._queues[i], self._lanes[i]
+        try:
+            lower_priority(self._nice)
+        except Exception:  # the writer runs on at the process's priority rather than not at all
+            log.exception("kvtier: could not lower the priority of the %s writer", lane.name)
         while True:
             item = q.get()
             if item is _STOP:
