@@ -246,6 +246,7 @@ class Router:
         if decision is not None and self.config.log_decisions:
             decisions_log.info(json.dumps({"engine": decision.engine, "blocks": decision.blocks,
                                            "tokens": n_tokens, "retry": bool(exclude),
+                                           "placement": decision.placement,
                                            "scores": [s.as_dict() for s in decision.scores]}))
         return decision
 

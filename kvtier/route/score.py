@@ -23,8 +23,19 @@ stays. Moving a held prefix costs a recompute and leaves a second copy: copying 
 is what spreads a hot prefix, while copying a lukewarm one costs the same and relieves little.
 Ties go to the lowest-load engine, then to the one with the
 fewest decisions in the window (so a prefix no engine holds is placed where it evens out the
-shares instead of moving a held prefix later), then to the one listed first. Everything here is
-synchronous bookkeeping.
+shares instead of moving a held prefix later), then to the one listed first.
+
+Placement by working set. A request whose prompt no candidate holds beyond what every candidate
+holds (say, only a shared system prompt) is a *placement*: wherever it lands becomes its
+prefix's home, and affinity keeps it there. Placed by load alone, homes pile up on whichever
+engine happened to be idle, and an engine with more distinct prefixes than its caches hold
+thrashes while the other's capacity idles (seen in ``kvtier bench route``: 5 documents on one
+engine, 3 on the other, one engine recomputing its own documents). So a placement passes over
+a candidate whose working set (the distinct blocks of the prompts routed to it in the window)
+exceeds the smallest by more than half of the new prompt's unshared blocks, unless every
+candidate left has more than ``balance_slack`` requests in flight beyond the least busy one;
+among those left, the score decides as usual.
+Everything here is synchronous bookkeeping.
 """
 
 from __future__ import annotations
@@ -142,19 +153,23 @@ class EngineScore:
     load: float
     score: float
     held_back: bool = False
+    crowded: bool = False  # a placement passed it over: more distinct prefixes than another
 
     def as_dict(self) -> dict:
         return {"engine": self.engine, "prefix": round(self.prefix, 4), "matched_blocks": self.matched_blocks,
-                "load": round(self.load, 4), "score": round(self.score, 4), "held_back": self.held_back}
+                "load": round(self.load, 4), "score": round(self.score, 4), "held_back": self.held_back,
+                "crowded": self.crowded}
 
 
 @dataclass(frozen=True)
 class Decision:
-    """The chosen engine and every candidate's score (for the decision log)."""
+    """The chosen engine and every candidate's score (for the decision log); ``placement``: some
+of the prompt's blocks are held by no candidate, and none holds more of it than every other."""
 
     engine: str
     blocks: int
     scores: tuple[EngineScore, ...]
+    placement: bool = False
 
     def matched_blocks(self) -> int:
         return next(s.matched_blocks for s in self.scores if s.engine == self.engine)
@@ -210,17 +225,40 @@ class Scorer:
             elsewhere = max((matches[e][0] for e in candidates if e not in held), default=0.0)
             held = {e for e in held
                     if matches[e][0] <= elsewhere + 1e-9 or self._dominant(e, _identity(keys, matches[e][1]))}
+        common = min(run for _, run in matches.values())
+        weights = [w for w, _ in matches.values()]
+        placement = common < len(keys) and max(weights) - min(weights) <= 1e-9
+        crowded = (self._crowded(candidates, (len(keys) - common) / 2)
+                   if placement and cfg.balance_ratio > 0 else set())
         scores = []
         for e in candidates:
             weighted, run = matches[e]
             prefix = weighted / len(keys) if keys else 0.0
             load = 1.0 - raw[e] / top if top > 0 else 1.0
             score = cfg.prefix_weight * prefix + cfg.load_weight * load
-            scores.append(EngineScore(e, prefix, run, load, score, e in held))
-        eligible = [s for s in scores if not s.held_back] or scores
+            scores.append(EngineScore(e, prefix, run, load, score, e in held, e in crowded))
+        eligible = ([s for s in scores if not s.held_back and not s.crowded]
+                    or [s for s in scores if not s.held_back] or scores)
         shares = self.shares()
         best = max(eligible, key=lambda s: (round(s.score, 9), -raw[s.engine], -shares.get(s.engine, 0)))
-        return Decision(best.engine, len(keys), tuple(scores))
+        return Decision(best.engine, len(keys), tuple(scores), placement)
+
+    def _crowded(self, candidates: Sequence[str], tolerance: float) -> set[str]:
+        """Candidates a placement passes over: a working set in the window (distinct blocks of
+        the prompts routed there) more than ``tolerance`` blocks above the smallest, unless every
+        other candidate is busier than the least busy by more than ``balance_slack`` in-flight
+        requests (then none: load decides)."""
+        blocks: dict[str, set[bytes]] = {e: set() for e in candidates}
+        for e, _, keys in self._recent:
+            if e in blocks:
+                blocks[e].update(keys)
+        smallest = min(len(v) for v in blocks.values())
+        crowded = {e for e in candidates if len(blocks[e]) - smallest > tolerance}
+        least_busy = min(self.load.in_flight(e) for e in candidates)
+        roomy = [e for e in candidates if e not in crowded]
+        if all(self.load.in_flight(e) - least_busy > self.config.balance_slack for e in roomy):
+            return set()
+        return crowded
 
     def commit(self, decision: Decision, keys: Sequence[bytes]) -> None:
         """Record that the request went to ``decision.engine`` (share window, speculative keys).
@@ -231,7 +269,7 @@ class Scorer:
         chosen = next(s for s in decision.scores if s.engine == decision.engine)
         others = max((s.prefix for s in decision.scores if s.engine != decision.engine), default=0.0)
         identity = _identity(keys, chosen.matched_blocks) if chosen.prefix > others + 1e-9 else None
-        self._recent.append((decision.engine, identity))
+        self._recent.append((decision.engine, identity, tuple(keys)))
         while len(self._recent) > self.config.balance_window:
             self._recent.popleft()
         self.speculative.add(decision.engine, keys)
@@ -245,7 +283,7 @@ class Scorer:
         if ratio <= 0 or len(candidates) < 2 or 2 * len(self._recent) < self.config.balance_window:
             return set()
         counts = {e: 0 for e in candidates}
-        for e, _ in self._recent:
+        for e, _, _ in self._recent:
             if e in counts:
                 counts[e] += 1
         low = min(counts.values())
@@ -259,7 +297,7 @@ class Scorer:
         if identity is None:
             return False
         counts: dict[bytes, int] = {}
-        for e, ident in self._recent:
+        for e, ident, _ in self._recent:
             if e == engine and ident is not None:
                 counts[ident] = counts.get(ident, 0) + 1
         return counts.get(identity, 0) >= max(counts.values(), default=0) > 0
@@ -267,7 +305,7 @@ class Scorer:
     def shares(self) -> Mapping[str, int]:
         """Decisions per engine in the current window."""
         out: dict[str, int] = {}
-        for e, _ in self._recent:
+        for e, _, _ in self._recent:
             out[e] = out.get(e, 0) + 1
         return out
 

@@ -250,3 +250,47 @@ def test_over_share_engine_keeps_lukewarm_requests_and_gives_up_the_dominant_pre
     s, hot, warm = setup()
     s._dominant = lambda engine, identity: True  # noqa: SLF001
     assert s.choose(ENGINES, chunk_keys(warm, BS), len(warm)).engine == "http://b"
+
+
+def test_placements_even_out_the_distinct_prefixes_per_engine():
+    """New documents (only a shared system prompt held, by both) arriving while engine a is
+    always the idle one: placed by load alone they would all go to a; placed by working set they
+    split evenly, and each document's re-reads then stay on its home (events follow decisions)."""
+    s, _ = _scorer()
+    system = list(range(8))
+    for e in ENGINES:
+        _store(s, e, system)
+    docs = [system + list(range(1000 * (d + 1), 1000 * (d + 1) + 24)) for d in range(8)]
+    busy = s.load.start("http://b", 4000)  # b is always busy, a always idle
+    home = {}
+    for d, doc in enumerate(docs):
+        keys = chunk_keys(doc, BS)
+        decision = s.choose(ENGINES, keys, len(doc))
+        assert decision.placement
+        s.commit(decision, keys)
+        _store(s, decision.engine, doc, tag=d)
+        home[d] = decision.engine
+    assert sorted(home.values()) == ["http://a"] * 4 + ["http://b"] * 4
+    for d, doc in enumerate(docs):  # re-reads: affinity, not placement
+        keys = chunk_keys(doc, BS)
+        decision = s.choose(ENGINES, keys, len(doc))
+        assert not decision.placement and decision.engine == home[d]
+    s.load.finish(busy)
+
+
+def test_a_placement_yields_to_load_when_the_roomy_engine_is_swamped():
+    """The engine with fewer distinct prefixes has more than ``balance_slack`` requests in flight
+    beyond the other: load decides the placement."""
+    s, _ = _scorer(balance_slack=2)
+    for d in range(2):  # a already serves two prompts, b none
+        doc = list(range(100 * d, 100 * d + 16))
+        s.commit(s.choose(["http://a"], chunk_keys(doc, BS), len(doc)), chunk_keys(doc, BS))
+    tickets = [s.load.start("http://b", 100) for _ in range(3)]
+    cold = list(range(5000, 5016))
+    decision = s.choose(ENGINES, chunk_keys(cold, BS), len(cold))
+    assert decision.placement and decision.engine == "http://a"
+    assert not any(x.crowded for x in decision.scores)
+    s.load.finish(tickets[0])  # 2 beyond a: within the slack, the roomy engine takes it
+    decision = s.choose(ENGINES, chunk_keys(cold, BS), len(cold))
+    assert decision.engine == "http://b"
+    assert {x.engine: x.crowded for x in decision.scores} == {"http://a": True, "http://b": False}
