@@ -316,6 +316,8 @@ def test_lower_tier_writers_run_nicer_than_the_engine(nice):
     lower = GatedRam(64 * PAGE)
     me = threading.get_native_id()
     before = os.getpriority(os.PRIO_PROCESS, me)
+    if nice and before + nice > 19:
+        pytest.skip(f"this test runs at nice {before}: no room to be {nice} nicer")
     store = store_over([ram(16), lower], writer_nice=nice)
     try:
         assert store.put(key(0), payload(0))

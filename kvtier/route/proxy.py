@@ -149,6 +149,7 @@ class Router:
         self._out_event(url).set()
         dropped = self.index.clear_engine(url)
         self.speculative.clear_engine(url)
+        self.scorer.forget(url)
         sub = self.subscribers.get(url)
         if sub is not None:
             sub.paused = True

@@ -33,15 +33,18 @@ thrashes while the other's capacity idles (seen in ``kvtier bench route``: 5 doc
 engine, 3 on the other, one engine recomputing its own documents). So a placement passes over
 a candidate whose working set (the distinct blocks of the prompts routed to it in the window)
 exceeds the smallest by more than half of the new prompt's unshared blocks, unless every
-candidate left has more than ``balance_slack`` requests in flight beyond the least busy one;
-among those left, the score decides as usual.
+candidate left is busier than the least busy one by more than ``balance_slack`` plus the new
+prompt's own prefill (in the load term's units: requests in flight + queued prefill tokens /
+``prefill_norm_tokens``: a placement already costs a full prefill, and waiting about as long
+again buys a home that does not crowd out others); among those left, the score decides. The working sets are counted as decisions enter and
+leave the window, so a decision costs O(prompt blocks), not O(window x prompt blocks).
 Everything here is synchronous bookkeeping.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -153,7 +156,7 @@ class EngineScore:
     load: float
     score: float
     held_back: bool = False
-    crowded: bool = False  # a placement passed it over: more distinct prefixes than another
+    crowded: bool = False  # a placement passed it over: its working set too far above the smallest
 
     def as_dict(self) -> dict:
         return {"engine": self.engine, "prefix": round(self.prefix, 4), "matched_blocks": self.matched_blocks,
@@ -163,8 +166,9 @@ class EngineScore:
 
 @dataclass(frozen=True)
 class Decision:
-    """The chosen engine and every candidate's score (for the decision log); ``placement``: some
-of the prompt's blocks are held by no candidate, and none holds more of it than every other."""
+    """The chosen engine and every candidate's score (for the decision log); ``placement``: no
+    candidate holds the whole prompt and every candidate's tier-weighted prefix is the same (no
+    engine has an edge for it, so wherever it goes becomes its home)."""
 
     engine: str
     blocks: int
@@ -208,7 +212,8 @@ class Scorer:
     index: PrefixIndex
     load: LoadTracker
     speculative: Speculative
-    _recent: deque = field(default_factory=deque)
+    _recent: deque = field(default_factory=deque)  # (engine, affinity identity, prompt keys)
+    _working: dict = field(default_factory=dict)  # engine -> Counter of its window's prompt blocks
 
     def choose(self, candidates: Sequence[str], keys: Sequence[bytes], prompt_tokens: int) -> Decision | None:
         """Score ``candidates`` (in preference order for ties) for a prompt with ``keys``; None when
@@ -228,8 +233,12 @@ class Scorer:
         common = min(run for _, run in matches.values())
         weights = [w for w, _ in matches.values()]
         placement = common < len(keys) and max(weights) - min(weights) <= 1e-9
-        crowded = (self._crowded(candidates, (len(keys) - common) / 2)
-                   if placement and cfg.balance_ratio > 0 else set())
+        if placement and cfg.balance_ratio > 0:
+            block = self.index.block_size or cfg.block_size
+            own = max(0, prompt_tokens - common * block) / cfg.prefill_norm_tokens  # its own prefill
+            crowded = self._crowded(candidates, (len(keys) - common) / 2, cfg.balance_slack + own)
+        else:
+            crowded = set()
         scores = []
         for e in candidates:
             weighted, run = matches[e]
@@ -243,22 +252,26 @@ class Scorer:
         best = max(eligible, key=lambda s: (round(s.score, 9), -raw[s.engine], -shares.get(s.engine, 0)))
         return Decision(best.engine, len(keys), tuple(scores), placement)
 
-    def _crowded(self, candidates: Sequence[str], tolerance: float) -> set[str]:
+    def _crowded(self, candidates: Sequence[str], tolerance: float, patience: float) -> set[str]:
         """Candidates a placement passes over: a working set in the window (distinct blocks of
         the prompts routed there) more than ``tolerance`` blocks above the smallest, unless every
-        other candidate is busier than the least busy by more than ``balance_slack`` in-flight
-        requests (then none: load decides)."""
-        blocks: dict[str, set[bytes]] = {e: set() for e in candidates}
-        for e, _, keys in self._recent:
-            if e in blocks:
-                blocks[e].update(keys)
-        smallest = min(len(v) for v in blocks.values())
-        crowded = {e for e in candidates if len(blocks[e]) - smallest > tolerance}
-        least_busy = min(self.load.in_flight(e) for e in candidates)
+        candidate not passed over is busier than the least busy by more than ``patience`` (in the
+        load term's units; then none is passed over: load decides)."""
+        size = {e: len(self._working.get(e, ())) for e in candidates}
+        smallest = min(size.values())
+        crowded = {e for e in candidates if size[e] - smallest > tolerance}
+        load = {e: self.load.in_flight(e) + self.load.queued_prefill(e) / self.config.prefill_norm_tokens
+                for e in candidates}
+        least_busy = min(load.values())
         roomy = [e for e in candidates if e not in crowded]
-        if all(self.load.in_flight(e) - least_busy > self.config.balance_slack for e in roomy):
+        if all(load[e] - least_busy > patience for e in roomy):
             return set()
         return crowded
+
+    def forget(self, engine: str) -> None:
+        """Drop ``engine``'s decisions from the window (it left: its caches are gone)."""
+        self._recent = deque(entry for entry in self._recent if entry[0] != engine)
+        self._working.pop(engine, None)
 
     def commit(self, decision: Decision, keys: Sequence[bytes]) -> None:
         """Record that the request went to ``decision.engine`` (share window, speculative keys).
@@ -270,8 +283,15 @@ class Scorer:
         others = max((s.prefix for s in decision.scores if s.engine != decision.engine), default=0.0)
         identity = _identity(keys, chosen.matched_blocks) if chosen.prefix > others + 1e-9 else None
         self._recent.append((decision.engine, identity, tuple(keys)))
+        self._working.setdefault(decision.engine, Counter()).update(keys)
         while len(self._recent) > self.config.balance_window:
-            self._recent.popleft()
+            engine, _, old = self._recent.popleft()
+            working = self._working.get(engine)
+            if working is not None:
+                working.subtract(old)
+                for key in old:
+                    if working.get(key, 0) <= 0:
+                        working.pop(key, None)
         self.speculative.add(decision.engine, keys)
 
     def uncached_tokens(self, decision: Decision, prompt_tokens: int) -> int:

@@ -26,9 +26,12 @@ class StoreConfig:
     is opened). ``policy`` is ignored for self-managed (shared) tiers. ``max_entry_bytes``: the
     largest entry the store reads (a chunk's bytes; the connector can set its exact chunk
     size); a stored header announcing more is a corrupt entry, so a forged length never sizes
-    an allocation. ``writer_nice``: how much nicer than the process the threads that write the
-    lower tiers run (write-through and demotion copies; Linux, per thread; 0, the default: the
-    same priority). Where the engine's compute threads and the store share cores (a CPU
+    an allocation. ``writer_nice``: how much nicer than the thread that builds the store the
+    threads that write the lower tiers run (write-through and demotion copies; Linux, per
+    thread; 0, the default: the same priority). Threads a lower tier starts from its writer
+    inherit it (the S3 tier's transfer pool, which also serves reads), and the writer briefly
+    holds the store's lock while it snapshots an entry, so a nice writer can slow a lookup on
+    saturated cores. Where the engine's compute threads and the store share cores (a CPU
     engine), a nicer writer yields the CPU to the forward pass, and its bounded queue drops what
     it cannot keep up with (counted): under sustained load, lower-tier completeness traded for
     prefill time. Measured by ``kvtier bench serve``'s ``kvtier-writers-nice10`` setting (KV-heavy

@@ -219,7 +219,9 @@ class WriteBack:
         """Worker of level ``i``: carries queued copies out until told to stop."""
         q, lane = self._queues[i], self._lanes[i]
         try:
-            lower_priority(self._nice)
+            if self._nice > 0 and not lower_priority(self._nice):
+                log.warning("kvtier: the %s writer runs at the store's priority (writer_nice not applied)",
+                            lane.name)
         except Exception:  # the writer runs on at the process's priority rather than not at all
             log.exception("kvtier: could not lower the priority of the %s writer", lane.name)
         while True:

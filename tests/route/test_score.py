@@ -261,7 +261,7 @@ def test_placements_even_out_the_distinct_prefixes_per_engine():
     for e in ENGINES:
         _store(s, e, system)
     docs = [system + list(range(1000 * (d + 1), 1000 * (d + 1) + 24)) for d in range(8)]
-    busy = s.load.start("http://b", 4000)  # b is always busy, a always idle
+    busy = s.load.start("http://b", 0)  # b is always busy, a always idle
     home = {}
     for d, doc in enumerate(docs):
         keys = chunk_keys(doc, BS)
@@ -279,14 +279,19 @@ def test_placements_even_out_the_distinct_prefixes_per_engine():
 
 
 def test_a_placement_yields_to_load_when_the_roomy_engine_is_swamped():
-    """The engine with fewer distinct prefixes has more than ``balance_slack`` requests in flight
-    beyond the other: load decides the placement."""
+    """The engine with the smaller working set is busier than the other by more than
+    ``balance_slack`` + the prompt's own prefill (requests in flight + queued prefill /
+    prefill_norm_tokens): load decides the placement."""
     s, _ = _scorer(balance_slack=2)
     for d in range(2):  # a already serves two prompts, b none
         doc = list(range(100 * d, 100 * d + 16))
         s.commit(s.choose(["http://a"], chunk_keys(doc, BS), len(doc)), chunk_keys(doc, BS))
-    tickets = [s.load.start("http://b", 100) for _ in range(3)]
     cold = list(range(5000, 5016))
+    long_prefills = [s.load.start("http://b", 32_000) for _ in range(2)]  # 2 in flight, 64k tokens queued
+    assert s.choose(ENGINES, chunk_keys(cold, BS), len(cold)).engine == "http://a"
+    for t in long_prefills:
+        s.load.finish(t)
+    tickets = [s.load.start("http://b", 0) for _ in range(3)]
     decision = s.choose(ENGINES, chunk_keys(cold, BS), len(cold))
     assert decision.placement and decision.engine == "http://a"
     assert not any(x.crowded for x in decision.scores)
@@ -294,3 +299,31 @@ def test_a_placement_yields_to_load_when_the_roomy_engine_is_swamped():
     decision = s.choose(ENGINES, chunk_keys(cold, BS), len(cold))
     assert decision.engine == "http://b"
     assert {x.engine: x.crowded for x in decision.scores} == {"http://a": True, "http://b": False}
+
+
+def test_placement_balance_is_off_with_the_guard_and_forgets_an_engine_that_left():
+    """``balance_ratio=0`` turns placement by working set off (load alone places); ``forget``
+    (an ejected engine) drops that engine's working set, so it gets placements again."""
+    off, _ = _scorer(balance_ratio=0)
+    on, _ = _scorer()
+    for s in (off, on):
+        for d in range(3):  # a serves three prompts
+            doc = list(range(100 * d, 100 * d + 16))
+            s.commit(s.choose(["http://a"], chunk_keys(doc, BS), len(doc)), chunk_keys(doc, BS))
+    busy = [s.load.start("http://b", 0) for s in (off, on)]
+    cold = list(range(7000, 7016))
+    assert off.choose(ENGINES, chunk_keys(cold, BS), len(cold)).engine == "http://a"  # b is busy
+    assert on.choose(ENGINES, chunk_keys(cold, BS), len(cold)).engine == "http://b"  # a's set is larger
+    on.forget("http://a")
+    assert on.choose(ENGINES, chunk_keys(cold, BS), len(cold)).engine == "http://a"
+    assert on.shares() == {}
+    del busy
+
+
+def test_the_working_set_follows_the_window():
+    """Decisions leaving the window leave the working set too (counted, not rebuilt)."""
+    s, _ = _scorer(balance_window=4)
+    docs = [list(range(100 * d, 100 * d + 16)) for d in range(6)]
+    for doc in docs:
+        s.commit(s.choose(["http://a"], chunk_keys(doc, BS), len(doc)), chunk_keys(doc, BS))
+    assert set(s._working["http://a"]) == {k for doc in docs[2:] for k in chunk_keys(doc, BS)}
