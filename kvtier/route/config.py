@@ -53,7 +53,7 @@ class RouteConfig:
     prefill_norm_tokens: int = 1024
     balance_ratio: float = 1.5  # 0 disables the request-share guard and placement by working set
     balance_window: int = 32
-    balance_slack: int = 2  # the guard ignores differences of this many requests or fewer (a placement: in flight)
+    balance_slack: int = 2  # the guard ignores differences of this many requests or fewer (see score.py)
     health_interval_s: float = 1.0
     health_timeout_s: float = 1.0
     unhealthy_after: int = 2

@@ -36,8 +36,9 @@ exceeds the smallest by more than half of the new prompt's unshared blocks, unle
 candidate left is busier than the least busy one by more than ``balance_slack`` plus the new
 prompt's own prefill (in the load term's units: requests in flight + queued prefill tokens /
 ``prefill_norm_tokens``: a placement already costs a full prefill, and waiting about as long
-again buys a home that does not crowd out others); among those left, the score decides. The working sets are counted as decisions enter and
-leave the window, so a decision costs O(prompt blocks), not O(window x prompt blocks).
+again buys a home that does not crowd out others); among those left, the score decides. The
+working sets are counted as decisions enter and leave the window, so a decision costs
+O(prompt blocks), not O(window x prompt blocks).
 Everything here is synchronous bookkeeping.
 """
 
@@ -236,7 +237,7 @@ class Scorer:
         if placement and cfg.balance_ratio > 0:
             block = self.index.block_size or cfg.block_size
             own = max(0, prompt_tokens - common * block) / cfg.prefill_norm_tokens  # its own prefill
-            crowded = self._crowded(candidates, (len(keys) - common) / 2, cfg.balance_slack + own)
+            crowded = self._crowded(candidates, raw, (len(keys) - common) / 2, cfg.balance_slack + own)
         else:
             crowded = set()
         scores = []
@@ -252,17 +253,16 @@ class Scorer:
         best = max(eligible, key=lambda s: (round(s.score, 9), -raw[s.engine], -shares.get(s.engine, 0)))
         return Decision(best.engine, len(keys), tuple(scores), placement)
 
-    def _crowded(self, candidates: Sequence[str], tolerance: float, patience: float) -> set[str]:
+    def _crowded(self, candidates: Sequence[str], load: Mapping[str, float], tolerance: float,
+                 patience: float) -> set[str]:
         """Candidates a placement passes over: a working set in the window (distinct blocks of
         the prompts routed there) more than ``tolerance`` blocks above the smallest, unless every
-        candidate not passed over is busier than the least busy by more than ``patience`` (in the
-        load term's units; then none is passed over: load decides)."""
+        candidate not passed over is busier (``load``: the load term's raw values) than the least
+        busy by more than ``patience`` (then none is passed over: load decides)."""
         size = {e: len(self._working.get(e, ())) for e in candidates}
         smallest = min(size.values())
         crowded = {e for e in candidates if size[e] - smallest > tolerance}
-        load = {e: self.load.in_flight(e) + self.load.queued_prefill(e) / self.config.prefill_norm_tokens
-                for e in candidates}
-        least_busy = min(load.values())
+        least_busy = min(load[e] for e in candidates)
         roomy = [e for e in candidates if e not in crowded]
         if all(load[e] - least_busy > patience for e in roomy):
             return set()

@@ -19,7 +19,8 @@ Two copy engines execute the same plan (which blocks, which entry rows, in which
 - ``torch``: indexed copies, one ``index_select`` per layer gathering every block of a step into
   a staging buffer, one ``index_copy_`` per layer scattering on load; on CUDA the staging buffer
   is on the device and crosses to pinned host memory in one ``non_blocking`` copy on a stream
-  of its own (loads use a side stream). Copy calls per step: O(layers), whatever the number of blocks and pieces.
+  of its own (loads use a side stream). Copy calls per step: O(layers), whatever the number of
+  blocks and pieces.
 - ``host``: one ``memcpy`` per page with numpy, large batches split over a few threads, straight
   between the engine's pages and the entry's segments (no staging copy). The CPU default:
   measured on this project's 2-core machines, torch's CPU indexed copies reach 0.6-9 GB/s and
@@ -146,8 +147,8 @@ class PageLayout:
         ``torch`` engine: one indexed copy per layer into a device staging buffer (on CUDA on a
         side stream that first waits for the compute stream) and one copy to host (pinned on
         CUDA, ``non_blocking`` on a stream of its own that waits only for the gather, so later
-        loads on the side stream do not queue behind it). ``host`` engine: nothing yet; ``SaveStep.copy_to`` copies pages straight into the
-        entry.
+        loads on the side stream do not queue behind it). ``host`` engine: nothing yet;
+        ``SaveStep.copy_to`` copies pages straight into the entry.
 
         When the pages may change: ``torch`` engine, at once (on CPU the gather has completed when
         this returns; on CUDA the compute stream waits for the gather's device copies, so work it
