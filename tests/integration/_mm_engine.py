@@ -40,4 +40,5 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     os.environ.setdefault("OMP_NUM_THREADS", "2")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: see scenario.py
     main()
