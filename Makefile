@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-loaded install system router bench clean
+.PHONY: demo test test-bench test-loaded install system router bench clean
 
 $(STAMP): requirements/lock.txt pyproject.toml requirements/vllm_launcher.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,10 @@ demo: install
 
 test: install system router
 	$(PY) -m pytest -q -ra
+
+# The benchmark smoke runs (marker bench_e2e), also where `make test` skips them (CPUs without native bf16).
+test-bench: install system
+	KVTIER_BENCH_E2E=1 $(PY) -m pytest -q -ra -m bench_e2e
 
 # The race check: the whole suite in a shuffled order while every core is kept busy.
 SHUFFLE ?= $(shell date +%s)

@@ -53,3 +53,17 @@ def make_random_model(variant: str = "small", out_dir: str | Path | None = None,
     cfg_path.write_text(json.dumps(cfg, indent=2))
     marker.write_text("ok\n")
     return out
+
+
+def native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16); False when unknown.
+
+    Without it, vLLM's CPU backend cannot build a oneDNN bf16 matmul and falls back to a torch
+    linear: the bf16 models made here then prefill about 4 x slower than in fp32 (measured on
+    an AVX2-only machine: 2,000 tokens in 8.7 s vs 2.2 s)."""
+    try:
+        with open(cpuinfo) as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})

@@ -131,6 +131,7 @@ def test_unknown_experiment_is_one_line_and_exit_2():
 
 
 @pytest.mark.vllm
+@pytest.mark.bench_e2e
 @pytest.mark.timeout(600)
 def test_quick_json_on_vllm(tmp_path):
     """The real engines, reduced: the shared group only (vLLM alone, RAM tier, disk tier)."""

@@ -63,6 +63,7 @@ def test_spec_interleaves_documents_and_short_decodes():
     assert spec["pool_blocks"] * 128 >= 4 * spec["max_model_len"]
 
 
+@pytest.mark.bench_e2e
 def test_quick_run_against_vllm(tmp_path, capsys):
     pytest.importorskip("vllm")
     parser = argparse.ArgumentParser()
