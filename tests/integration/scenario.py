@@ -6,7 +6,8 @@ document and records its result under NAME (``"max_tokens": N`` generates N toke
 spec's default); ``{"follow": NAME, "then": DOC, "tag": NAME2}`` sends the next turn of a
 conversation: NAME's prompt, the tokens it generated, then the first 64 tokens of DOC;
 ``{"reset_prefix_cache": true}`` empties vLLM's own prefix cache; ``{"rss": NAME}`` records the
-summed RSS of this process tree (the engine runs in this process; vLLM's own processes count when it has any).
+summed RSS of this process tree (the engine runs in this process; vLLM's own processes count
+when it has any).
 """
 
 from __future__ import annotations
