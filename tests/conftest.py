@@ -13,6 +13,7 @@ Other fixture groups may be appended below; keep one section per concern.
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import uuid
 
@@ -47,8 +48,6 @@ def _skip_bench_runs_on_slow_cpus(items) -> None:
     """Skip the ``bench_e2e`` tests, with the reason, on a CPU without native bf16 unless
     ``KVTIER_BENCH_E2E=1`` (``make test-bench``): there the bf16 engines prefill ~4 x slower and
     these two runs alone take ~12 of the suite's minutes, which CI's 90-minute budget cannot spare."""
-    import os
-
     from kvtier.bench.models import native_bf16
 
     if os.environ.get("KVTIER_BENCH_E2E") == "1" or native_bf16():

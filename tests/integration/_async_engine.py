@@ -25,9 +25,7 @@ if __name__ in ("__main__", "__mp_main__"):
 
     die_with_parent()
 
-# vLLM's in-process mode (engine core and worker in this process): ~30 s less per engine start than
-# its three processes; the HTTP-server and benchmark tests keep the processes.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: see scenario.py
 
 
 def _first_logprobs(completion) -> dict[str, float]:

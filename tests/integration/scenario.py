@@ -26,7 +26,8 @@ if __name__ in ("__main__", "__mp_main__"):
     die_with_parent()
 
 # vLLM's in-process mode (engine core and worker in this process): ~30 s less per engine start than
-# its three processes; the HTTP-server and benchmark tests keep the processes.
+# its three processes. The other offline engine scripts of the tests do the same; the HTTP-server
+# and benchmark tests keep vLLM's processes (connector metadata crossing a process boundary).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 

@@ -11,9 +11,7 @@ import sys
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# vLLM's in-process mode (engine core and worker in this process): ~30 s less per engine start than
-# its three processes; the HTTP-server and benchmark tests keep the processes.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: see scenario.py
 
 
 def main() -> None:
