@@ -89,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default="round_robin,cache_aware,kv_aware,kvtier-route,oracle",
                         help="comma list of round_robin, cache_aware, kv_aware, kvtier-route, oracle")
     parser.add_argument("--no-kill", action="store_true", help="skip the engine-killed run")
+    parser.add_argument("--overhead-requests", type=int, default=12, metavar="N",
+                        help="the router-overhead probe: one warm document sent N times straight to an engine, "
+                             "through kvtier route and through vllm-router, interleaved (default 12; 0 skips)")
     parser.add_argument("--log-decisions", action="store_true",
                         help="kvtier route logs every decision (its log in --work-dir)")
     parser.add_argument("--no-connector", action="store_true",
@@ -140,11 +143,15 @@ def _policies(args: argparse.Namespace) -> list[str]:
         raise ConfigError(f"--policies: unknown {', '.join(bad)}; valid: {', '.join(valid)}")
     if args.docs < 1 or args.requests < 1 or args.concurrency < 1 or args.doc_tokens < BLOCK:
         raise ConfigError("--docs, --requests, --concurrency must be >= 1 and --doc-tokens >= 128")
+    if getattr(args, "overhead_requests", 0) < 0:
+        raise ConfigError("--overhead-requests: 0 (skip) or more")
     if getattr(args, "rounds", 1) < 1:
         raise ConfigError("--rounds: at least 1")
     share = getattr(args, "kvtier_ram_docs", None)
     if share is not None and not (0 < share <= 64):
         raise ConfigError("--kvtier-ram-docs: a share of the documents' KV in (0, 64], e.g. 0.5")
+    if share is not None and getattr(args, "no_connector", False):
+        raise ConfigError("--kvtier-ram-docs sizes the kvtier connector's RAM tier: drop --no-connector or it")
     if parse_size(getattr(args, "kvtier_ram", CONNECTOR_RAM), "--kvtier-ram") < (1 << 20):
         raise ConfigError("--kvtier-ram: at least 1MiB")
     if args.system_tokens + args.doc_tokens + 64 + args.max_tokens > max_model_len(args.pool_blocks):
@@ -602,6 +609,46 @@ def _kvtier_ram(args: argparse.Namespace, model: str) -> str:
     return f"{kvtier_ram_bytes(share, per_token, args.docs, args.doc_tokens, args.system_tokens)}B"
 
 
+def overhead_order(paths: list[str], n: int) -> list[str]:
+    """``n`` rounds of ``paths``, each round rotated by one (so no path always sends a prompt
+    first, when a block the first send completes could become a hit for the others)."""
+    k = len(paths)
+    return [paths[(i + j) % k] for i in range(n) for j in range(k)] if k else []
+
+
+def run_overhead(engine: Engine, request: Request, args, tokenizer: Path, work: Path) -> dict:
+    """What a router adds to a request: ``request`` made warm on ``engine``, then sent
+    ``--overhead-requests`` times at concurrency 1 straight to it, through kvtier route and
+    through vllm-router (``round_robin``, when installed), each router in front of this one engine
+    alone (every send is the same prefix hit), interleaved by ``overhead_order``. Per path the
+    median TTFT (ms); ``*_minus_direct_ms`` is a router's median minus the direct one."""
+    reset_caches([engine])
+    asyncio.run(drive([engine.url], [request], 1, args.max_tokens))  # warm
+    bases, children = {"direct": engine.url}, []
+    try:
+        for policy, name in (("kvtier-route", "kvtier_route"), ("round_robin", "vllm_router")):
+            if policy == "round_robin" and not args.vllm_router:
+                continue
+            child, base = start_router(policy, [engine], tokenizer, args.vllm_router, work)
+            children.append(child)
+            bases[name] = base
+        ttfts: dict[str, list[float]] = {name: [] for name in bases}
+        for name in overhead_order(list(bases), args.overhead_requests):
+            results, _ = asyncio.run(drive([bases[name]], [request], 1, args.max_tokens))
+            if results[0].ok:
+                ttfts[name].append(results[0].ttft_s * 1000)
+    finally:
+        for child in children:
+            child.stop(grace=3.0)
+    out: dict[str, Any] = {"requests": args.overhead_requests}
+    for name, values in ttfts.items():
+        out[f"{name}_p50_ms"] = round(statistics.median(values), 1) if values else None
+    for name in bases:
+        if name != "direct" and out[f"{name}_p50_ms"] is not None and out["direct_p50_ms"] is not None:
+            out[f"{name}_minus_direct_ms"] = round(out[f"{name}_p50_ms"] - out["direct_p50_ms"], 1)
+    return out
+
+
 @contextlib.contextmanager
 def _work_dir(path: str | None) -> Iterator[Path]:
     """``path`` (created, kept: logs stay for inspection) or a temporary directory."""
@@ -644,6 +691,8 @@ def run_bench(args: argparse.Namespace) -> dict:
             if args.hot_zipf > 0 and "kvtier-route" in policies:
                 rows += run_rounds(["kvtier-route"], 1, args.hot_zipf, lambda r, p: run_policy(
                     p, engines, workload(args.hot_zipf, args.seed + 1), args, tokenizer, work, args.hot_zipf))
+            overhead = None if not getattr(args, "overhead_requests", 0) else run_overhead(
+                engines[0], workload(args.zipf, args.seed)[0], args, tokenizer, work)
             kill = None if args.no_kill else run_kill(engines, workload(args.zipf, args.seed), args, tokenizer, work)
         finally:
             stop_all(engines)
@@ -654,7 +703,7 @@ def run_bench(args: argparse.Namespace) -> dict:
                         "caches_reset_between_policies": can_reset,
                         "kvtier_connector": connector["kv_connector_extra_config"] if connector else None,
                         "fresh_content_per_policy": True, "skipped": skipped},
-              "rows": rows, "kill": kill}
+              "rows": rows, "overhead": overhead, "kill": kill}
     report["targets"] = targets(report)
     return report
 
@@ -722,6 +771,11 @@ def print_report(report: dict) -> None:
         print(f"{r['policy']:<14}{r['zipf']:>6}{_f(r['ttft_p50_ms']):>10}{_f(r['ttft_p95_ms']):>10}"
               f"{_f(r['hit_share'], 3):>11}{_f(r.get('kvtier_hit_share'), 3):>10}{_f(r['output_tok_s']):>11}  "
               f"{str(r['requests_per_engine']):<11} {r['failed']}")
+    if report.get("overhead"):
+        o = report["overhead"]
+        paths = ", ".join(f"{name} {o[f'{name}_p50_ms']}" for name in ("direct", "kvtier_route", "vllm_router")
+                          if o.get(f"{name}_p50_ms") is not None)
+        print(f"router overhead (one warm document, {o['requests']} sends per path, concurrency 1, TTFT p50 ms): {paths}")
     if report.get("kill"):
         k = report["kill"]
         print(f"engine killed after {k['killed_after']} requests: {k['failed']} failed (in flight on it: "

@@ -43,6 +43,14 @@ def test_rounds_interleave_policies_and_reverse_every_other_round():
     assert route.round_order(["a"], 1) == [(0, "a")]
 
 
+def test_overhead_sends_rotate_so_no_path_always_goes_first():
+    order = route.overhead_order(["direct", "kvtier_route", "vllm_router"], 3)
+    rounds = [order[i:i + 3] for i in range(0, 9, 3)]
+    assert [r[0] for r in rounds] == ["direct", "kvtier_route", "vllm_router"]
+    assert all(sorted(r) == ["direct", "kvtier_route", "vllm_router"] for r in rounds)
+    assert route.overhead_order([], 5) == [] and route.overhead_order(["direct"], 0) == []
+
+
 def test_a_row_pools_its_rounds():
     runs = [_run([100, 200, 300], hits=60, queries=100, external=20, per_engine=[2, 1]),
             _run([400, 500, 600, 700], hits=30, queries=100, external=10, per_engine=[1, 3], wall_s=30.0)]
@@ -99,6 +107,8 @@ def test_kvtier_ram_is_a_share_of_the_documents_kv(tmp_path):
 
 @pytest.mark.parametrize("over, message", [
     ({"rounds": 0}, "--rounds: at least 1"),
+    ({"overhead_requests": -1}, "--overhead-requests"),
+    ({"kvtier_ram_docs": 0.5, "no_connector": True}, "drop --no-connector"),
     ({"kvtier_ram_docs": 0.0}, "--kvtier-ram-docs"),
     ({"kvtier_ram_docs": float("nan")}, "--kvtier-ram-docs"),
     ({"kvtier_ram": "512KiB"}, "--kvtier-ram: at least 1MiB"),

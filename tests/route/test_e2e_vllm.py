@@ -27,7 +27,8 @@ def test_kvtier_route_in_front_of_two_vllm_servers(tmp_path):
     policies = "kvtier-route,oracle" + (",round_robin" if vllm_router else "")
     args = argparse.Namespace(docs=4, doc_tokens=600, system_tokens=128, requests=24, concurrency=2, zipf=1.0,
                               hot_zipf=1.2, max_tokens=8, pool_blocks=32, seed=0, policies=policies,
-                              no_kill=False, vllm_router=vllm_router, model=None, work_dir=str(tmp_path))
+                              no_kill=False, vllm_router=vllm_router, model=None, work_dir=str(tmp_path),
+                              overhead_requests=3)
     report = run_bench(args)
     rows = {(r["policy"], r["zipf"]): r for r in report["rows"]}
     kv, oracle = rows[("kvtier-route", 1.0)], rows[("oracle", 1.0)]
@@ -39,6 +40,10 @@ def test_kvtier_route_in_front_of_two_vllm_servers(tmp_path):
         assert kv["hit_share"] > rows[("round_robin", 1.0)]["hit_share"]
     per = rows[("kvtier-route", 1.2)]["requests_per_engine"]
     assert min(per) > 0 and max(per) / min(per) <= 2.0, per
+    overhead = report["overhead"]  # every path answered each of its sends
+    assert overhead["direct_p50_ms"] > 0 and overhead["kvtier_route_p50_ms"] > 0, overhead
+    assert "kvtier_route_minus_direct_ms" in overhead
+    assert (overhead.get("vllm_router_p50_ms") or 0) > 0 or not vllm_router, overhead
     kill = report["kill"]
     assert kill["failed"] <= kill["in_flight_on_killed"], kill
     assert kill["completed"] >= kill["requests"] - kill["in_flight_on_killed"]
