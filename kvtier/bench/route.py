@@ -621,15 +621,22 @@ def run_overhead(engine: Engine, request: Request, args, tokenizer: Path, work: 
     ``--overhead-requests`` times at concurrency 1 straight to it, through kvtier route and
     through vllm-router (``round_robin``, when installed), each router in front of this one engine
     alone (every send is the same prefix hit), interleaved by ``overhead_order``. Per path the
-    median TTFT (ms); ``*_minus_direct_ms`` is a router's median minus the direct one."""
+    median TTFT (ms); ``*_minus_direct_ms`` is a router's median minus the direct one; a router
+    that would not start is left out (its error under ``errors``)."""
+    from kvtier.bench.procs import ServiceUnavailable
+
     reset_caches([engine])
     asyncio.run(drive([engine.url], [request], 1, args.max_tokens))  # warm
-    bases, children = {"direct": engine.url}, []
+    bases, children, errors = {"direct": engine.url}, [], {}
     try:
         for policy, name in (("kvtier-route", "kvtier_route"), ("round_robin", "vllm_router")):
             if policy == "round_robin" and not args.vllm_router:
                 continue
-            child, base = start_router(policy, [engine], tokenizer, args.vllm_router, work)
+            try:
+                child, base = start_router(policy, [engine], tokenizer, args.vllm_router, work)
+            except ServiceUnavailable as exc:  # that path is left out, the others still measured
+                errors[name] = str(exc)[:300]
+                continue
             children.append(child)
             bases[name] = base
         ttfts: dict[str, list[float]] = {name: [] for name in bases}
@@ -641,6 +648,8 @@ def run_overhead(engine: Engine, request: Request, args, tokenizer: Path, work: 
         for child in children:
             child.stop(grace=3.0)
     out: dict[str, Any] = {"requests": args.overhead_requests}
+    if errors:
+        out["errors"] = errors
     for name, values in ttfts.items():
         out[f"{name}_p50_ms"] = round(statistics.median(values), 1) if values else None
     for name in bases:
