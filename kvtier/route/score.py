@@ -6,8 +6,16 @@ score(e) = prefix_weight * prefix(e) + load_weight * load(e), both terms in [0, 
   weighted by the best place it is in for e (its own pool > its kvtier RAM > its disk > a shared
   medium, which counts for every engine), divided by the prompt's block count. A block the router
   sent to e moments ago (a speculative entry, alive ``speculative_ttl_s``) counts as in e's pool.
-* ``load(e)``: 1 - L(e) / max L over candidates, with L = requests in flight + queued prefill
-  tokens / ``prefill_norm_tokens`` (both tracked by the router). 1 for every engine when idle.
+* ``load(e)``: 1 - min(1, (L(e) - min L) / P), with L = requests in flight + queued prefill
+  tokens / ``prefill_norm_tokens`` (both tracked by the router), min L over the candidates, and
+  P = the prompt's tokens / ``prefill_norm_tokens``: how much longer e's queue is than the
+  shortest, measured against this request's own prefill. 1 for the least busy engine (every
+  engine when they are equally busy), 0 for one whose queue is longer by at least the prompt (a
+  prompt of unknown length counts as one token: any difference is long). Measured against the
+  request, not against the busiest candidate: relative load made any difference, however
+  short, worth as much as half a long prompt's blocks, so a partly evicted document left the
+  busy engine that still held most of it for an idle one that recomputed it all, where it
+  crowded out that engine's own documents (seen in ``kvtier bench route --kvtier-ram-docs 0.4``).
 
 A request-share guard keeps prefix affinity from piling a hot prefix onto one engine: among the
 last ``balance_window`` decisions, an engine whose count would exceed ``balance_ratio`` x the
@@ -225,7 +233,8 @@ class Scorer:
         matches = prefix_matches(keys, candidates, self.index, self.speculative, cfg.weight_of,
                                  frozenset(cfg.shared_media))
         raw = {e: self.load.in_flight(e) + self.load.queued_prefill(e) / cfg.prefill_norm_tokens for e in candidates}
-        top = max(raw.values())
+        least = min(raw.values())
+        own = max(1, prompt_tokens) / cfg.prefill_norm_tokens  # this request's prefill, in the load's units
         held = self._held_back(candidates)
         if held:
             elsewhere = max((matches[e][0] for e in candidates if e not in held), default=0.0)
@@ -244,7 +253,7 @@ class Scorer:
         for e in candidates:
             weighted, run = matches[e]
             prefix = weighted / len(keys) if keys else 0.0
-            load = 1.0 - raw[e] / top if top > 0 else 1.0
+            load = 1.0 - min(1.0, (raw[e] - least) / own)
             score = cfg.prefix_weight * prefix + cfg.load_weight * load
             scores.append(EngineScore(e, prefix, run, load, score, e in held, e in crowded))
         eligible = ([s for s in scores if not s.held_back and not s.crowded]

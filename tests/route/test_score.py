@@ -104,6 +104,44 @@ def test_load_breaks_ties_and_queued_prefill_counts():
     assert s.load.in_flight("http://a") == 0
 
 
+def test_a_busy_engine_holding_most_of_a_long_prompt_keeps_it_until_its_queue_is_as_long():
+    """Load is measured against the request's own prefill: one request decoding on the engine that
+    holds 7 of a prompt's 12 blocks is a shorter wait than recomputing 11 blocks on an idle engine
+    that holds only the shared first one (relative load sent it there: a tie, broken by load);
+    a queue longer than the prompt itself is not."""
+    s, _ = _scorer(balance_ratio=0, prefill_norm_tokens=16)
+    prompt = list(range(48))  # 12 blocks: P = 48 / 16 = 3
+    keys = chunk_keys(prompt, BS)
+    _store(s, "http://a", prompt[:28])  # 7 blocks
+    _store(s, "http://b", prompt[:4], tag=1)  # the shared first block
+    decoding = s.load.start("http://a", 20)
+    s.load.first_byte(decoding)  # prefilled, now decoding: L(a) = 1
+    d = s.choose(ENGINES, keys, len(prompt))
+    by = {x.engine: x for x in d.scores}
+    assert d.engine == "http://a", d
+    assert abs(by["http://a"].load - (1 - 1 / 3)) < 1e-9 and by["http://b"].load == 1.0
+    prefilling = s.load.start("http://a", 200)  # L(a) = 2 + 200 / 16: longer than the prompt
+    assert s.choose(ENGINES, keys, len(prompt)).engine == "http://b"
+    for t in (decoding, prefilling):
+        s.load.finish(t)
+
+
+def test_equally_busy_engines_leave_it_to_the_prefix_and_a_longer_queue_repels_short_prompts():
+    s, _ = _scorer(balance_ratio=0, prefill_norm_tokens=16)
+    doc = list(range(32))
+    _store(s, "http://a", doc)
+    tickets = [s.load.start(e, 0) for e in ENGINES for _ in range(5)]
+    d = s.choose(ENGINES, chunk_keys(doc, BS), len(doc))
+    assert d.engine == "http://a" and all(x.load == 1.0 for x in d.scores)
+    tickets.append(s.load.start("http://a", 0))  # a: one request more
+    short = list(range(500, 508))  # 8 tokens nobody holds: P = 0.5, a's extra request is longer
+    d = s.choose(ENGINES, chunk_keys(short, BS), len(short))
+    assert d.engine == "http://b" and {x.engine: x.load for x in d.scores} == {"http://a": 0.0, "http://b": 1.0}
+    assert s.choose(ENGINES, [], 0).engine == "http://b"  # unknown length: any difference counts fully
+    for t in tickets:
+        s.load.finish(t)
+
+
 def test_balance_guard_spreads_one_hot_prefix():
     s, _ = _scorer()
     hot = list(range(32))
