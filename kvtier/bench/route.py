@@ -462,18 +462,20 @@ def _row(policy: str, zipf: float, runs: list[PolicyRun]) -> dict:
     def delta(key: str) -> float:
         return sum(a[key] - b[key] for run in runs for a, b in zip(run.after, run.before))
 
-    def p50(results: list[Result]) -> float | None:
-        ttfts = [r.ttft_s * 1000 for r in results if r.ok]
+    def ok_ms(results: list[Result]) -> list[float]:
+        return [r.ttft_s * 1000 for r in results if r.ok]
+
+    def p50(ttfts: list[float]) -> float | None:
         return round(statistics.median(ttfts), 1) if ttfts else None
 
     results = [r for run in runs for r in run.results]
-    ttfts = [r.ttft_s * 1000 for r in results if r.ok]
+    ttfts = ok_ms(results)
     external = delta("external_hits")
     hits, queries = delta("hits") + external, delta("queries")
     wall = sum(run.wall_s for run in runs)
     engines = len(runs[0].after) if runs else 0
     row = {"policy": policy, "zipf": zipf,
-           "ttft_p50_ms": p50(results),
+           "ttft_p50_ms": p50(ttfts),
            "ttft_p95_ms": round(_pct(ttfts, 0.95), 1) if ttfts else None,
            "hit_share": round(hits / queries, 4) if queries else None,
            "kvtier_hit_share": round(external / queries, 4) if queries else None,
@@ -483,7 +485,7 @@ def _row(policy: str, zipf: float, runs: list[PolicyRun]) -> dict:
            "ok": sum(r.ok for r in results), "failed": sum(not r.ok for r in results)}
     if len(runs) > 1:
         row["rounds"] = len(runs)
-        row["ttft_p50_ms_rounds"] = [p50(run.results) for run in runs]
+        row["ttft_p50_ms_rounds"] = [p50(ok_ms(run.results)) for run in runs]
     return row
 
 
@@ -652,7 +654,6 @@ def run_overhead(engine: Engine, request: Request, args, tokenizer: Path, work: 
         out["errors"] = errors
     for name, values in ttfts.items():
         out[f"{name}_p50_ms"] = round(statistics.median(values), 1) if values else None
-    for name in bases:
         if name != "direct" and out[f"{name}_p50_ms"] is not None and out["direct_p50_ms"] is not None:
             out[f"{name}_minus_direct_ms"] = round(out[f"{name}_p50_ms"] - out["direct_p50_ms"], 1)
     return out
