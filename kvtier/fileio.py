@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from typing import Sequence
+
+# Flags of every open that must not follow a symbolic link planted at the name.
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class ShortRead(EOFError):
@@ -74,10 +78,11 @@ def advance(views: Sequence[memoryview], n: int) -> list[memoryview]:
     return out
 
 
-def unlink_quietly(path: str) -> bool:
-    """Remove ``path``; True if removed, False if it was absent or could not be removed."""
+def unlink_quietly(path: str, dir_fd: int | None = None) -> bool:
+    """Remove ``path`` (relative to ``dir_fd`` when given); True if removed, False if it was
+    absent or could not be removed."""
     try:
-        os.unlink(path)
+        os.unlink(path, dir_fd=dir_fd)
         return True
     except OSError:
         return False
@@ -85,11 +90,166 @@ def unlink_quietly(path: str) -> bool:
 
 def fsync_dir(path: str) -> None:
     """Make a directory's entries (a rename into it) durable."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-__all__ = ["ShortRead", "advance", "fsync_dir", "read_exact", "read_upto", "unlink_quietly", "write_all"]
+class NotRegularFile(OSError):
+    """The name is a symbolic link, a FIFO, a device, a socket or a directory, not a regular file."""
+
+
+def open_dir_at(dir_fd: int | None, name: str) -> int:
+    """A descriptor of the real directory ``name`` (relative to ``dir_fd``; None: the current
+    directory), opened without following a symbolic link at ``name``.
+
+    OSError (ELOOP for a symlink, ENOTDIR for anything else that is not a directory,
+    FileNotFoundError when absent). The caller closes the descriptor.
+    """
+    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=dir_fd)
+
+
+def open_regular_at(dir_fd: int | None, name: str, flags: int = 0) -> tuple[int, os.stat_result]:
+    """Open the regular file ``name`` (relative to ``dir_fd``) for reading: (descriptor, fstat).
+
+    Never blocks and never follows a link: the open is ``O_NONBLOCK | O_NOFOLLOW`` (a FIFO or a
+    device opens at once and is then refused; on a regular file O_NONBLOCK changes nothing), and
+    ``fstat`` must say regular file. NotRegularFile when it is not (a symlink included);
+    FileNotFoundError when absent; other OSError for faults. ``flags`` are added (O_DIRECT).
+    """
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW | flags, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):  # symlink; directory; socket
+            raise NotRegularFile(exc.errno, f"{name} is not a regular file") from exc
+        raise
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise NotRegularFile(errno.EINVAL, f"{name} is not a regular file")
+    return fd, st
+
+
+def create_exclusive_at(dir_fd: int | None, name: str, mode: int, gid: int = -1, flags: int = 0) -> int:
+    """Create ``name`` (relative to ``dir_fd``) for writing, failing if anything (a symlink
+    included) is there; its mode is exactly ``mode`` (the umask does not apply) and its group
+    ``gid`` when not -1. The caller closes the descriptor."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | flags, mode, dir_fd=dir_fd)
+    try:
+        if gid != -1:
+            os.fchown(fd, -1, gid)
+        os.fchmod(fd, mode)
+    except OSError:
+        os.close(fd)
+        unlink_quietly(name, dir_fd)
+        raise
+    return fd
+
+
+def make_dir_at(dir_fd: int | None, name: str, mode: int, gid: int = -1) -> int:
+    """The real directory ``name`` (relative to ``dir_fd``), created with exactly ``mode`` (and
+    group ``gid`` when not -1) if absent; an existing one is opened as it is. OSError (ELOOP,
+    ENOTDIR) when a symlink or a non-directory holds the name. The caller closes the descriptor."""
+    try:
+        os.mkdir(name, mode, dir_fd=dir_fd)
+        created = True
+    except FileExistsError:
+        created = False
+    fd = open_dir_at(dir_fd, name)
+    if created:
+        try:
+            if gid != -1:
+                os.fchown(fd, -1, gid)
+            os.fchmod(fd, mode)
+        except OSError:
+            os.close(fd)
+            raise
+    return fd
+
+
+def parse_mode(text: object, no_shared_write: bool = False) -> int:
+    """The permission bits of an octal mode string such as ``"0600"`` or ``"640"``.
+
+    ValueError (a phrase naming the valid form) unless it is a string of 3 or 4 octal digits
+    whose value keeps read and write for the owner (the tier must read what it wrote) and sets
+    nothing above the permission bits; with ``no_shared_write``, group and others may not write.
+    """
+    if not isinstance(text, str) or not 3 <= len(text) <= 4 or any(c not in "01234567" for c in text):
+        raise ValueError(f"must be an octal permission string like \"0600\" or \"0640\" (quote it in YAML), "
+                         f"got {text!r}"[:200])
+    mode = int(text, 8)
+    if mode > 0o777:
+        raise ValueError(f"must hold permission bits only (at most \"0777\"), got {text!r}")
+    if mode & 0o600 != 0o600:
+        raise ValueError(f"must let the owner read and write (at least \"0600\"), got {text!r}")
+    if no_shared_write and mode & 0o022:
+        raise ValueError(f"must not let group or others write (e.g. \"0600\" or \"0640\"), got {text!r}")
+    return mode
+
+
+def dir_mode_for(file_mode: int) -> int:
+    """The mode of a directory holding files of ``file_mode``: the same bits, plus search (x)
+    wherever read is granted (0600 -> 0700, 0640 -> 0750, 0660 -> 0770)."""
+    return file_mode | ((file_mode & 0o444) >> 2)
+
+
+def resolve_group(group: object) -> int:
+    """The gid of ``group`` (a group name or a decimal gid); -1 for None (keep the default).
+    ValueError naming the problem for an unknown group."""
+    import grp
+
+    if group is None:
+        return -1
+    if isinstance(group, bool) or not isinstance(group, (str, int)) or group == "":
+        raise ValueError(f"must be a group name or a numeric gid, got {group!r}"[:200])
+    if isinstance(group, int) or group.isdigit():
+        gid = int(group)
+        if not 0 <= gid < 2**32 - 1:
+            raise ValueError(f"must be a gid in [0, 4294967294], got {group!r}")
+        return gid
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ValueError(f"no group named {group!r} on this machine"[:200]) from None
+
+
+def untrusted_dir(st: os.stat_result, who: str = "process") -> str | None:
+    """Why a directory with status ``st`` cannot be trusted with private files, or None.
+
+    ``kvtier serve``'s rule for its socket directory, shared by the disk tier: the directory must
+    belong to this process's user or root, and neither its group nor others may write it (they
+    could plant, rename or remove names in it). The reason is a phrase that follows the path.
+    """
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid not in (os.geteuid(), 0):
+        return (f"belongs to uid {st.st_uid}, not to this {who}'s user (uid {os.geteuid()}) or root")
+    if st.st_mode & 0o022:
+        return f"is writable by other users (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def unlink_at(dir_fd: int | None, name: str, same_as: os.stat_result | None = None) -> bool:
+    """Remove the name ``name`` in ``dir_fd`` (never follows a link: a symlink itself is what
+    goes); with ``same_as``, only if it is still that file (same inode), so a file published
+    meanwhile under the name is kept. True if removed."""
+    try:
+        if same_as is not None:
+            now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if (now.st_ino, now.st_dev) != (same_as.st_ino, same_as.st_dev):
+                return False
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    except OSError:
+        return False
+
+
+__all__ = ["NotRegularFile", "ShortRead", "advance", "create_exclusive_at", "dir_mode_for", "fsync_dir",
+           "make_dir_at", "open_dir_at", "open_regular_at", "parse_mode", "resolve_group", "read_exact", "read_upto", "unlink_at", "unlink_quietly",
+           "untrusted_dir", "write_all"]

@@ -11,35 +11,65 @@ whole entry or none, never a torn one. A file that fails its header or checksum 
 bit rot, a foreign file) is a counted miss and is removed, but only if it is still the same file
 (same inode) that was read, so a concurrent good publish is not removed.
 
-Byte budget (payload bytes, see ``_payload``): file sizes are summed by scanning the directory, at most every ``scan_interval_s``
-seconds or sooner when this process's writes since the last scan would cross ``capacity``; when
-over budget the oldest files by mtime are removed until ``low_watermark x capacity`` is reached.
-Several nodes may scan at once; removing a file twice is harmless. Temp files older than
-``stale_tmp_s`` (a writer that crashed) are removed by the scan.
+A directory others write (hostile names): every file and fan-out directory is opened relative to
+a directory descriptor, never through a symbolic link (``O_NOFOLLOW``). A fan-out name that is
+not a real directory (a symlink to elsewhere, a file) is skipped and counted in ``stats.errors``:
+nothing is written, read or deleted through it. An entry name that is not a regular file (a
+FIFO, a symlink, a device) is a counted corrupt miss, opened with ``O_NONBLOCK`` so it never
+blocks, and left alone; ``contains`` and ``keys`` do not report it. Files are created with
+``mode`` (default ``"0600"``, owner only) and fan-out directories with the same bits plus search
+(``0700``), in ``group`` when given, so sharing with other users is a deliberate setting. The
+root and the fan-out directories may belong to anyone (the directory is shared by design), but
+one that every user can write without the sticky bit is refused (at start: TierUnavailable with
+one line; a fan-out directory that becomes so later: skipped and counted) unless ``mode`` grants
+others write, which declares that sharing with every user is intended.
+
+Byte budget (payload bytes, see ``_payload``): file sizes are summed by scanning the directory;
+when over budget the oldest files by mtime are removed until ``low_watermark x capacity`` is
+reached. Several nodes may scan at once; removing a file twice is harmless. Temp files older
+than ``stale_tmp_s`` (a writer that crashed) are removed by the scan. A background thread scans
+every ``usage_refresh_s`` seconds (the first scan right after start; 0: no thread, one scan at
+start); a put scans on its own thread when this process's count goes over ``capacity`` or the
+last scan is older than ``scan_interval_s``. ``used_bytes`` never scans: it answers from a
+counter, the last scan's total plus this process's puts and deletes since (exact for this
+process's own changes, including those made while a scan ran; other nodes' changes appear at
+the next scan).
 
 Faults (EACCES, ENOSPC, EIO, a vanished mount) are counted in ``stats.errors`` and reported as a
 miss / a False put, never raised. ``get_into`` reads straight into ``out`` and then verifies, so on
 a corrupt miss ``out`` may hold garbage (it returns None; the caller must not use it).
-All methods are thread-safe.
+All methods are thread-safe; ``close`` stops the scan thread.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
+import re
 import socket
+import stat
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
 from kvtier import entry
 from kvtier.config import Size, ranged, validate
-from kvtier.errors import CorruptEntry
-from kvtier.fileio import ShortRead, read_exact, unlink_quietly, write_all
+from kvtier.errors import ConfigError, CorruptEntry, TierUnavailable
+from kvtier.fileio import (NotRegularFile, ShortRead, create_exclusive_at, dir_mode_for, make_dir_at, open_dir_at,
+                           open_regular_at, parse_mode, read_exact, resolve_group, unlink_at, write_all)
 from kvtier.tiers.base import Key, Tier
 
+log = logging.getLogger(__name__)
+
 _TMP = ".tmp"
+_FANOUT = re.compile(r"^[0-9a-f]{2}$")
+_ENTRY = re.compile(r"^[0-9a-f]{64}$")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -48,7 +78,12 @@ class FsConfig:
 
     ``path``: the shared directory (created if missing). ``capacity``: bytes of entry files the
     tier keeps (all nodes together). ``fsync``: fsync each file before publishing it (durable
-    across a node crash; slower). ``scan_interval_s``: at most this long between budget scans.
+    across a node crash; slower). ``scan_interval_s``: a put scans when the last scan is older.
+    ``usage_refresh_s``: period of the background scan that keeps ``used_bytes`` current with
+    other writers (0: no background thread). ``mode``: permission bits of created files as an
+    octal string (``"0600"``: owner only; e.g. ``"0640"`` to let a group read, ``"0660"`` to let
+    it write too); directories get the same bits plus search. ``group``: group name or gid
+    given to created files and directories (None: the process's default).
     """
 
     path: str
@@ -57,6 +92,29 @@ class FsConfig:
     scan_interval_s: float = ranged(30.0, ge=0)
     low_watermark: float = ranged(0.9, gt=0, le=1)
     stale_tmp_s: float = ranged(3600.0, ge=0)
+    usage_refresh_s: float = ranged(10.0, ge=0, le=86400)
+    mode: str = "0600"
+    group: str | None = None
+
+    def check(self, where: str) -> None:
+        """ConfigError (one line) for a ``mode`` that is not an octal permission string keeping
+        owner read/write, or a ``group`` unknown here."""
+        try:
+            parse_mode(self.mode)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.mode: {exc}") from None
+        try:
+            resolve_group(self.group)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.group: {exc}") from None
+
+
+class _ForeignDir(Exception):
+    """A fan-out name that is not a real directory, or (``unsafe``) one every user may write."""
+
+    def __init__(self, why: str, unsafe: bool = False):
+        super().__init__(why)
+        self.unsafe = unsafe
 
 
 class FsTier(Tier):
@@ -70,22 +128,118 @@ class FsTier(Tier):
         super().__init__(name)
         validate(config, name)
         self.config = config
+        self._mode = parse_mode(config.mode)
+        self._dir_mode = dir_mode_for(self._mode)
+        self._gid = resolve_group(config.group)
         self._root = os.path.abspath(config.path)
-        os.makedirs(self._root, exist_ok=True)
         self._tag = f"{socket.gethostname()}.{os.getpid()}"
-        self._lock = threading.Lock()  # guards the budget counters and scans
-        self._scanned_bytes = 0
-        self._written_since_scan = 0
-        self._last_scan = 0.0
-        self._scan()
+        self._warned: set[str] = set()
+        self._prepare_root()
+        self._usage_lock = threading.Lock()  # guards _used/_pending/_last_scan; never held across I/O
+        self._scan_lock = threading.Lock()  # one scan at a time in this process
+        self._used = 0
+        self._pending: dict[str, int] | None = None  # during a scan: key hex -> payload after our last change
+        self._last_scan = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if config.usage_refresh_s > 0:
+            self._thread = threading.Thread(target=_refresh_loop, name=f"kvtier-{name}-usage", daemon=True,
+                                            args=(weakref.ref(self), self._stop, config.usage_refresh_s))
+            self._thread.start()
+        else:
+            self._scan()
+
+    # -- start ------------------------------------------------------------------------------
+
+    def _prepare_root(self) -> None:
+        """Create the root if missing (``mode`` bits, ``group``); TierUnavailable with one line if
+        it cannot be used or it, or a fan-out directory in it, is writable by every user without
+        the sticky bit while ``mode`` does not declare sharing with every user."""
+        try:
+            if not os.path.isdir(self._root):
+                os.makedirs(os.path.dirname(self._root), exist_ok=True)
+                os.close(make_dir_at(None, self._root, self._dir_mode, self._gid))
+            root = os.open(self._root, _DIR_FLAGS)
+        except OSError as exc:
+            raise TierUnavailable(f"fs tier {self.name}: cannot use directory {self._root}: "
+                                  f"{exc.strerror or exc}") from None
+        try:
+            problem = self._open_problem(os.fstat(root))
+            if problem:
+                raise TierUnavailable(f"fs tier {self.name}: directory {self._root} {problem}")
+            with os.scandir(root) as it:
+                subs = sorted(e.name for e in it if _FANOUT.match(e.name))
+            for sub in subs:
+                try:
+                    os.close(self._open_fanout(root, sub, create=False))
+                except _ForeignDir as exc:
+                    if exc.unsafe:
+                        raise TierUnavailable(f"fs tier {self.name}: directory {os.path.join(self._root, sub)} "
+                                              f"{exc}") from None
+                    self._foreign(sub, str(exc))
+                except OSError:
+                    continue
+        finally:
+            os.close(root)
+
+    def _open_problem(self, st: os.stat_result) -> str | None:
+        """Why a directory with status ``st`` is refused, or None: every user may write it, it
+        has no sticky bit, and ``mode`` does not grant others write (sharing with everyone)."""
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o002 and not mode & stat.S_ISVTX and not self._mode & 0o002:
+            return (f"is writable by every user (mode {mode:04o}) without the sticky bit, so any local user "
+                    f"could replace or remove entries; restrict it (e.g. chmod 1777 or 0770 with a group), or "
+                    f"set mode to grant others write (e.g. \"0666\") if sharing with every user is deliberate")
+        return None
 
     # -- paths ------------------------------------------------------------------------------
 
-    def _dir(self, key: Key) -> str:
-        return os.path.join(self._root, f"{entry.check_key(key)[0]:02x}")
+    def _name(self, key: Key) -> str:
+        return entry.check_key(key).hex()
 
     def _path(self, key: Key) -> str:
-        return os.path.join(self._dir(key), bytes(key).hex())
+        name = self._name(key)
+        return os.path.join(self._root, name[:2], name)
+
+    def _open_fanout(self, root: int, sub: str, create: bool) -> int:
+        """Descriptor of the real fan-out directory ``sub`` under the root descriptor (created
+        with ``mode`` when ``create``). _ForeignDir when the name is a symlink or not a directory
+        or the directory is refused (``_open_problem``); FileNotFoundError when absent."""
+        try:
+            fd = make_dir_at(root, sub, self._dir_mode, self._gid) if create else open_dir_at(root, sub)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise _ForeignDir("is not a real directory (a symbolic link or a file)") from None
+            raise
+        try:
+            problem = self._open_problem(os.fstat(fd))
+        except OSError:
+            os.close(fd)
+            raise
+        if problem:
+            os.close(fd)
+            raise _ForeignDir(problem, unsafe=True)
+        return fd
+
+    @contextlib.contextmanager
+    def _fanout(self, name: str, create: bool = False):
+        """The fan-out directory of entry ``name`` as a descriptor (closed on exit)."""
+        root = os.open(self._root, _DIR_FLAGS)
+        try:
+            fd = self._open_fanout(root, name[:2], create)
+        finally:
+            os.close(root)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _foreign(self, sub: str, why: str) -> None:
+        """Count a fan-out name that is skipped (warned once per name)."""
+        self.stats.add(errors=1)
+        if sub not in self._warned:
+            self._warned.add(sub)
+            log.warning("fs tier %s: skipping %s: it %s", self.name, os.path.join(self._root, sub), why)
 
     # -- Tier protocol ----------------------------------------------------------------------
 
@@ -94,13 +248,20 @@ class FsTier(Tier):
         return int(self.config.capacity)
 
     def used_bytes(self) -> int:
-        """Payload bytes of the entry files present now (a fresh directory walk; see ``_payload``)."""
-        return sum(_payload(st.st_size) for _p, _n, st in self._walk(stat=True))
+        """Payload bytes of the entry files, from counters (never a walk): the last scan's total
+        plus this process's puts and deletes since."""
+        with self._usage_lock:
+            return max(0, self._used)
 
     def contains(self, key: Key) -> bool:
+        """Whether a regular entry file exists in a real fan-out directory (two lstat calls; a
+        hint: the file may vanish before it is read)."""
+        path = self._path(key)
         try:
-            os.stat(self._path(key))
-            return True
+            sub = os.lstat(os.path.dirname(path))
+            if not stat.S_ISDIR(sub.st_mode) or self._open_problem(sub):
+                return False
+            return stat.S_ISREG(os.lstat(path).st_mode)
         except FileNotFoundError:
             return False
         except OSError:
@@ -110,27 +271,30 @@ class FsTier(Tier):
     def size_of(self, key: Key) -> int | None:
         """Payload bytes from the file's header, or None when absent or corrupt (a header that
         does not parse, names another key, disagrees with the file's size or announces more than
-        the tier can hold: counted and removed)."""
-        path = self._path(key)
+        the tier can hold: counted and removed; not a regular file: counted)."""
+        name = self._name(key)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            with self._fanout(name) as dfd:
+                fd, st = open_regular_at(dfd, name)
+                try:
+                    header = self._checked_header(fd, key, st)
+                finally:
+                    os.close(fd)
+                if header is None:
+                    self._corrupt(dfd, name, st, count_miss=False)
+                    return None
+                return header.length
         except FileNotFoundError:
             return None
+        except NotRegularFile:
+            self.stats.add(corrupt=1)
+            return None
+        except _ForeignDir as exc:
+            self._foreign(name[:2], str(exc))
+            return None
         except OSError:
             self.stats.add(errors=1)
             return None
-        try:
-            st = os.fstat(fd)
-            header = self._checked_header(fd, key, st)
-        except OSError:
-            self.stats.add(errors=1)
-            return None
-        finally:
-            os.close(fd)
-        if header is None:
-            self._corrupt(path, st, count_miss=False)
-            return None
-        return header.length
 
     def _checked_header(self, fd: int, key: Key, st: os.stat_result) -> entry.EntryHeader | None:
         """The file's header if it parses, names ``key``, fits the tier and matches the file's
@@ -144,28 +308,30 @@ class FsTier(Tier):
         return header
 
     def get_into(self, key: Key, out) -> int | None:
-        path = self._path(key)
+        name = self._name(key)
+        dest = memoryview(out).cast("B")
         try:
-            fd = os.open(path, os.O_RDONLY)
+            with self._fanout(name) as dfd:
+                fd, st = open_regular_at(dfd, name)
+                try:
+                    return self._read(fd, dfd, name, st, key, dest)
+                finally:
+                    os.close(fd)
         except FileNotFoundError:
             self.stats.add(misses=1)
-            return None
+        except NotRegularFile:
+            self.stats.add(corrupt=1, misses=1)
+        except _ForeignDir as exc:
+            self._foreign(name[:2], str(exc))
+            self.stats.add(misses=1)
         except OSError:
             self.stats.add(errors=1, misses=1)
-            return None
-        try:
-            return self._read(fd, path, key, memoryview(out).cast("B"))
-        except OSError:
-            self.stats.add(errors=1, misses=1)
-            return None
-        finally:
-            os.close(fd)
+        return None
 
-    def _read(self, fd: int, path: str, key: Key, dest: memoryview) -> int | None:
-        st = os.fstat(fd)
+    def _read(self, fd: int, dfd: int, name: str, st: os.stat_result, key: Key, dest: memoryview) -> int | None:
         header = self._checked_header(fd, key, st)
         if header is None:
-            return self._corrupt(path, st)
+            return self._corrupt(dfd, name, st)
         if dest.nbytes < header.length:
             self.stats.add(errors=1, misses=1)
             return None
@@ -174,20 +340,16 @@ class FsTier(Tier):
             read_exact(fd, [target], header.header_bytes)  # short reads happen on network file systems
             entry.verify(header, target)
         except (ShortRead, CorruptEntry):
-            return self._corrupt(path, st)
+            return self._corrupt(dfd, name, st)
         self.stats.add(hits=1, bytes_read=header.length)
         return header.length
 
-    def _corrupt(self, path: str, st: os.stat_result, count_miss: bool = True) -> None:
+    def _corrupt(self, dfd: int, name: str, st: os.stat_result, count_miss: bool = True) -> None:
         """Count a corrupt entry (as a miss when ``count_miss``); remove it if it is still the
         file that was read."""
         self.stats.add(corrupt=1, misses=int(count_miss))
-        try:
-            now = os.stat(path)
-            if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
-                os.unlink(path)
-        except OSError:
-            pass  # already replaced or removed by another node
+        if unlink_at(dfd, name, same_as=st):
+            self._note(name, _payload(st.st_size), 0)
         return None
 
     def put(self, key: Key, data, dtype: str = "uint8", shape: tuple[int, ...] | None = None) -> bool:
@@ -200,25 +362,31 @@ class FsTier(Tier):
         if size > self.config.capacity:
             self.stats.add(dropped=1)
             return False
-        directory = self._dir(key)
-        tmp = os.path.join(directory, f".{bytes(key).hex()}.{self._tag}.{uuid.uuid4().hex[:12]}{_TMP}")
+        name = bytes(key).hex()
+        tmp = f".{name}.{self._tag}.{uuid.uuid4().hex[:12]}{_TMP}"
         try:
-            self._write(directory, tmp, header, view)
-            os.replace(tmp, self._path(key))
+            with self._fanout(name, create=True) as dfd:
+                try:
+                    self._write(dfd, tmp, header, view)
+                    old = _regular_payload(dfd, name)
+                    os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                except OSError:
+                    unlink_at(dfd, tmp)
+                    raise
+        except _ForeignDir as exc:
+            self._foreign(name[:2], str(exc))
+            self.stats.add(dropped=1)
+            return False
         except OSError:
             self.stats.add(errors=1, dropped=1)
-            unlink_quietly(tmp)
             return False
-        self.stats.add(puts=1, bytes_written=view.nbytes)
-        self._account(size)
+        self.stats.add(puts=1, bytes_written=size)
+        self._note(name, old, _payload(len(header) + size))
+        self._account()
         return True
 
-    def _write(self, directory: str, tmp: str, header: bytes, view: memoryview) -> None:
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileNotFoundError:  # the fan-out directory is new (or another node removed it)
-            os.makedirs(directory, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    def _write(self, dfd: int, tmp: str, header: bytes, view: memoryview) -> None:
+        fd = create_exclusive_at(dfd, tmp, self._mode, self._gid)
         try:
             write_all(fd, [header, view])
             if self.config.fsync:
@@ -227,90 +395,201 @@ class FsTier(Tier):
             os.close(fd)
 
     def delete(self, key: Key) -> bool:
+        """Remove the key's entry file (only a regular file: anything else at the name is left)."""
+        name = self._name(key)
         try:
-            os.unlink(self._path(key))
+            with self._fanout(name) as dfd:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    return False
+                os.unlink(name, dir_fd=dfd)
         except FileNotFoundError:
+            return False
+        except _ForeignDir as exc:
+            self._foreign(name[:2], str(exc))
             return False
         except OSError:
             self.stats.add(errors=1)
             return False
         self.stats.add(deletes=1)
+        self._note(name, _payload(st.st_size), 0)
         return True
 
     def keys(self) -> Iterator[Key]:
-        """Keys whose files exist now (listed from the file system; a weak snapshot)."""
-        return iter([bytes.fromhex(name) for _path, name, _st in self._walk(stat=False)])
+        """Keys whose regular files exist now (listed from the file system; a weak snapshot)."""
+        return iter([bytes.fromhex(name) for _sub, name, _st in self._walk()])
+
+    def close(self) -> None:
+        """Stop the background scan (waits briefly for one in progress to notice)."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
 
     # -- budget -----------------------------------------------------------------------------
 
-    def _account(self, size: int) -> None:
-        with self._lock:
-            self._written_since_scan += size
+    def _note(self, name: str, old: int, new: int) -> None:
+        """This process changed entry ``name`` from ``old`` to ``new`` payload bytes (0: absent)."""
+        with self._usage_lock:
+            self._used += new - old
+            if self._pending is not None:
+                self._pending[name] = new
+
+    def _account(self) -> None:
+        """After a put: scan now when this process's count is over budget or the last scan is
+        older than ``scan_interval_s``."""
+        with self._usage_lock:
             due = time.monotonic() - self._last_scan >= self.config.scan_interval_s
-            over = self._scanned_bytes + self._written_since_scan > self.config.capacity
+            over = self._used > self.config.capacity
         if due or over:
-            self._scan()
+            self._scan(unless_fresh=True)
 
-    def _scan(self) -> None:
-        """Sum file sizes; remove the oldest by mtime until under the low watermark; drop stale temps."""
-        with self._lock:
-            files = []
-            now = time.time()
-            for path, _name, st in self._walk(stat=True, now=now):
-                files.append((st.st_mtime, _payload(st.st_size), path))
-            total = sum(size for _m, size, _p in files)
-            evicted = 0
-            if total > self.config.capacity:
-                goal = self.config.capacity * self.config.low_watermark
-                for _mtime, size, path in sorted(files):
-                    if total <= goal:
-                        break
-                    if unlink_quietly(path):
-                        evicted += 1
-                    total -= size  # gone either way: we removed it or another node did
-            self._scanned_bytes = total
-            self._written_since_scan = 0
-            self._last_scan = time.monotonic()
-        if evicted:
-            self.stats.add(evictions=evicted)
+    def _scan(self, unless_fresh: bool = False) -> None:
+        """Sum file sizes; remove the oldest by mtime until under the low watermark; drop stale
+        temps. With ``unless_fresh``, skipped when a scan that finished meanwhile left the count
+        within budget and recent (another thread scanned while this one waited)."""
+        with self._scan_lock:
+            with self._usage_lock:
+                if unless_fresh and self._used <= self.config.capacity and (
+                        time.monotonic() - self._last_scan < self.config.scan_interval_s):
+                    return
+                self._pending = {}
+            try:
+                seen = {name: (st.st_mtime, _payload(st.st_size), sub, st)
+                        for sub, name, st in self._walk(now=time.time())}
+                total = sum(v[1] for v in seen.values())
+                evicted = self._evict(seen, total) if total > self.config.capacity else {}
+                total -= sum(evicted.values())
+            finally:
+                with self._usage_lock:
+                    pending, self._pending = self._pending or {}, None
+            with self._usage_lock:
+                for name, new in pending.items():  # this process's changes while the walk ran
+                    if name in evicted:
+                        continue
+                    total += new - (seen[name][1] if name in seen else 0)
+                self._used = total
+                self._last_scan = time.monotonic()
 
-    def _walk(self, stat: bool, now: float | None = None):
-        """Yield (path, key-hex name, stat or None) of entry files; remove stale temps when ``now``."""
+    def _evict(self, seen: dict, total: int) -> dict[str, int]:
+        """Remove the oldest entries of ``seen`` (still the same files) until ``total`` is under
+        the low watermark; {name: payload} of those gone (removed here or by another node)."""
+        goal = self.config.capacity * self.config.low_watermark
+        gone: dict[str, int] = {}
+        dirs: dict[str, int] = {}
+        removed = 0
         try:
-            subdirs = [e for e in os.scandir(self._root) if len(e.name) == 2]
+            root = os.open(self._root, _DIR_FLAGS)
+        except OSError:
+            self.stats.add(errors=1)
+            return gone
+        try:
+            for name, (_mtime, size, sub, st) in sorted(seen.items(), key=lambda kv: kv[1][0]):
+                if total <= goal:
+                    break
+                if sub not in dirs:
+                    try:
+                        dirs[sub] = self._open_fanout(root, sub, create=False)
+                    except (OSError, _ForeignDir):
+                        dirs[sub] = -1
+                if dirs[sub] < 0:
+                    continue
+                if unlink_at(dirs[sub], name, same_as=st):
+                    removed += 1
+                gone[name] = size  # gone either way unless replaced: we removed it or another node did
+                total -= size
+        finally:
+            for fd in dirs.values():
+                if fd >= 0:
+                    os.close(fd)
+            os.close(root)
+        if removed:
+            self.stats.add(evictions=removed)
+        return gone
+
+    def _walk(self, now: float | None = None):
+        """Yield (fan-out name, key-hex name, lstat) of the regular entry files in real fan-out
+        directories, each where its key puts it; remove stale temps when ``now``. Stops early
+        once the tier is closed."""
+        try:
+            root = os.open(self._root, _DIR_FLAGS)
         except OSError:
             self.stats.add(errors=1)
             return
-        for sub in subdirs:
-            try:
-                entries = list(os.scandir(sub.path))
-            except OSError:
-                continue  # removed by another node meanwhile
-            for e in entries:
-                name = e.name
-                if name.endswith(_TMP):
-                    if now is not None:
-                        self._maybe_drop_tmp(e, now)
-                    continue
-                if len(name) != 64:
-                    continue
-                if not stat:
-                    yield e.path, name, None
-                    continue
-                try:
-                    yield e.path, name, e.stat()
-                except OSError:
-                    continue
-
-    def _maybe_drop_tmp(self, e: os.DirEntry, now: float) -> None:
         try:
-            if now - e.stat().st_mtime > self.config.stale_tmp_s:
-                unlink_quietly(e.path)
+            with os.scandir(root) as it:
+                subs = sorted(e.name for e in it if _FANOUT.match(e.name))
+            for sub in subs:
+                if self._stop.is_set():
+                    return
+                try:
+                    dfd = self._open_fanout(root, sub, create=False)
+                except _ForeignDir as exc:
+                    self._foreign(sub, str(exc))
+                    continue
+                except OSError:
+                    continue  # removed by another node meanwhile
+                try:
+                    yield from self._walk_fanout(dfd, sub, now)
+                finally:
+                    os.close(dfd)
         except OSError:
-            pass
+            self.stats.add(errors=1)
+        finally:
+            os.close(root)
+
+    def _walk_fanout(self, dfd: int, sub: str, now: float | None):
+        with os.scandir(dfd) as it:
+            names = [e.name for e in it]
+        for name in names:
+            if name.endswith(_TMP):
+                if now is not None:
+                    self._maybe_drop_tmp(dfd, name, now)
+                continue
+            if not _ENTRY.match(name) or not name.startswith(sub):
+                continue  # not where this tier would keep that key: not ours
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                yield sub, name, st
+
+    def _maybe_drop_tmp(self, dfd: int, name: str, now: float) -> None:
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except OSError:
+            return
+        if stat.S_ISREG(st.st_mode) and now - st.st_mtime > self.config.stale_tmp_s:
+            unlink_at(dfd, name, same_as=st)
 
     def __repr__(self) -> str:
         return f"FsTier(name={self.name!r}, path={self._root!r})"
+
+
+def _refresh_loop(ref: "weakref.ref[FsTier]", stop: threading.Event, interval: float) -> None:
+    """Scan at once, then every ``interval`` seconds until ``stop`` is set or the tier is gone."""
+    delay = 0.0
+    while not stop.wait(delay):
+        tier = ref()
+        if tier is None:
+            return
+        try:
+            tier._scan()
+        except Exception:  # a scan must never kill the thread: count it and go on
+            tier.stats.add(errors=1)
+            log.exception("fs tier %s: usage scan failed", tier.name)
+        del tier
+        delay = interval
+
+
+def _regular_payload(dfd: int, name: str) -> int:
+    """Payload bytes of the regular file ``name`` in ``dfd`` now (0 if absent or not regular)."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except OSError:
+        return 0
+    return _payload(st.st_size) if stat.S_ISREG(st.st_mode) else 0
 
 
 def _payload(file_bytes: int) -> int:
