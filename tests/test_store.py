@@ -346,7 +346,7 @@ def test_top_entry_evicted_before_its_lower_write_ran_still_reaches_the_lower_ti
         for i in range(8):
             assert lower.get(key(i)) == payload(i), i
             assert store.get(key(i)) == payload(i), i
-        assert store._writeback.idle()  # no bytes kept past their writes
+        assert store._ledger.idle()  # no bytes kept past their writes
     finally:
         lower.gate.set()
         store.close()
@@ -711,7 +711,7 @@ def test_delete_wins_over_a_write_through_copy_in_flight():
         assert not lower.contains(key(1)) and store.get(key(1)) is None and store.lookup([key(1)]) == 0
         assert store.stats()["cancelled_writes"] == 1
         assert_accounting(store)
-        assert store._writeback.idle()  # no tombstone outlives its copies
+        assert store._ledger.idle()  # no tombstone outlives its copies
     finally:
         lower.gate.set()
         store.close()
@@ -749,7 +749,7 @@ def test_deleted_keys_stay_deleted_in_every_tier_after_flush(tmp_path):
         assert store.flush(30)
         back = [k for k in keys if store.get(k) is not None or any(t.contains(k) for t in store.tiers)]
         assert back == [], f"{len(back)} of {len(keys)} deleted keys came back"
-        assert store._writeback.idle()
+        assert store._ledger.idle()
 
 
 def test_forged_entry_length_in_a_shared_tier_is_a_counted_miss(tmp_path):

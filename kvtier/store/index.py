@@ -74,7 +74,9 @@ class LevelIndex:
     sizes: dict[Key, int] = field(default_factory=dict)  # key -> payload bytes (managed levels)
     parent: dict[Key, Key] = field(default_factory=dict)  # key -> parent key, for chain-aware eviction
     children: dict[Key, set[Key]] = field(default_factory=dict)  # parent key -> child keys
+    stamps: dict[Key, int] = field(default_factory=dict)  # key -> which insert made the entry
     used: int = 0
+    reserved: int = 0  # bytes promised to puts under way outside the store's lock
 
     @property
     def managed(self) -> bool:
@@ -104,11 +106,41 @@ class StoreIndex:
         self.levels = list(levels)
         self._admission = admission
         self._events = events
+        self._stamp = 0
 
     def __getitem__(self, i: int) -> LevelIndex:
         return self.levels[i]
 
     # ----------------------------------------------------------------------------- queries
+
+    def holds(self, i: int, key: Key) -> bool:
+        """Whether managed level ``i`` holds ``key`` (False for a self-managed level)."""
+        return key in self.levels[i].sizes
+
+    def size_of(self, i: int, key: Key) -> int | None:
+        """Payload bytes of ``key`` in managed level ``i``, or None."""
+        return self.levels[i].sizes.get(key)
+
+    def parent_of(self, i: int, key: Key) -> Key | None:
+        """The chunk before ``key`` in its prefix chain, as level ``i`` recorded it, or None."""
+        return self.levels[i].parent.get(key)
+
+    def entry(self, i: int, key: Key) -> tuple[int, int] | None:
+        """``(size, stamp)`` of ``key`` in managed level ``i``, or None. The stamp names the
+        insert that made the entry: ``forget_if`` takes it to forget that entry only."""
+        level = self.levels[i]
+        size = level.sizes.get(key)
+        return None if size is None else (size, level.stamps.get(key, 0))
+
+    def entries(self, i: int) -> int | None:
+        """How many entries managed level ``i`` holds (None for a self-managed level)."""
+        level = self.levels[i]
+        return len(level.sizes) if level.managed else None
+
+    def used(self, i: int) -> int | None:
+        """Payload bytes managed level ``i`` holds (None for a self-managed level)."""
+        level = self.levels[i]
+        return level.used if level.managed else None
 
     def leading_held(self, keys: Sequence[Key]) -> int:
         """How many leading ``keys`` some managed level holds."""
@@ -167,6 +199,7 @@ class StoreIndex:
         level = self.levels[i]
         if key not in level.sizes:
             level.sizes[key] = size
+            level.stamps[key] = self._next_stamp()
             level.used += size
             level.policy.insert(key, size)
 
@@ -175,6 +208,7 @@ class StoreIndex:
         level = self.levels[i]
         self._events.record("stored", key, level.medium)
         level.sizes[key] = size
+        level.stamps[key] = self._next_stamp()
         level.used += size
         level.policy.insert(key, size)
         if parent is not None:
@@ -188,6 +222,7 @@ class StoreIndex:
         if size is None:
             return False
         self._events.record("removed", key, level.medium)
+        level.stamps.pop(key, None)
         level.used -= size
         level.policy.remove(key)
         parent = level.parent.pop(key, None)
@@ -198,6 +233,25 @@ class StoreIndex:
                 if not kids:
                     del level.children[parent]
         return True
+
+    def forget_if(self, i: int, key: Key, stamp: int) -> bool:
+        """``forget`` the entry of ``key`` in level ``i`` only if it is still the one ``stamp``
+        names (not one put there again since); False otherwise."""
+        if self.levels[i].stamps.get(key) != stamp:
+            return False
+        return self.forget(i, key)
+
+    def reserve(self, i: int, nbytes: int) -> None:
+        """Promise ``nbytes`` of level ``i`` to a put under way (``plan_room`` counts them);
+        ``unreserve`` follows, whether or not the put landed."""
+        self.levels[i].reserved += nbytes
+
+    def unreserve(self, i: int, nbytes: int) -> None:
+        self.levels[i].reserved -= nbytes
+
+    def _next_stamp(self) -> int:
+        self._stamp += 1
+        return self._stamp
 
     # ----------------------------------------------------------------------------- eviction
 
@@ -212,7 +266,7 @@ class StoreIndex:
         level = self.levels[i]
         if need > level.capacity:
             return Room.NEVER
-        if level.used + nbytes <= level.capacity and (free_bytes is None or free_bytes() >= need):
+        if level.used + level.reserved + nbytes <= level.capacity and (free_bytes is None or free_bytes() >= need):
             return Room.FITS
         victim = level.policy.victim()
         if victim is None:

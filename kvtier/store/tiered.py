@@ -24,9 +24,26 @@ class carries the decisions out with the tiers. The contract:
 - No read sizes a buffer from a stored length beyond ``max_entry_bytes`` (and what the tier can
   hold): a larger entry is corrupt (counted, removed, a miss).
 
-Thread-safety: every public method may be called from any thread. Bookkeeping and copies into
-or out of the top tier happen under one lock (copies there are memcpys); slow I/O on lower tiers
-happens outside it.
+Thread-safety: every public method may be called from any thread. The store's lock (one
+``RLock``) guards the index, the copy ledger (``ledger.py``), the counters and the event log.
+Its contract:
+
+- Under the lock the store decides (what each level holds, what to evict, which copies may
+  run), hands copies to the writer queues (``put_nowait``), and copies into or out of the top
+  tier's arena: an ``ArenaTier``'s ``reserve``/``commit``/``abort``/``views``/``footprint``/
+  ``free_bytes``/``delete`` are page operations in this process's memory (memcpys), and a
+  ``fill``/``consume`` callback on such an entry runs there too (it must only copy).
+- No other tier method of any tier runs under it: reads, puts, deletes, sizes, usage,
+  listings of lower tiers (and of a top tier without an arena) run after the lock is released,
+  on decisions taken under it. ``stats`` takes the lock for the index's figures only; a
+  self-managed tier's usage is asked afterwards, on the caller's thread.
+- The ledger keeps those decisions true while the I/O runs: a put of a key into a level waits
+  (off the lock) for a removal of that key from that level to end; a read of a level the key
+  is being removed from misses; a promotion skips a key with a delete under way; a copy that a
+  delete overtook is skipped or undone (``delete`` wins).
+
+``tests/store/test_lock_contract.py`` wraps every tier in a probe that fails when a tier
+method other than the arena's runs with the lock held.
 """
 
 from __future__ import annotations
@@ -50,6 +67,7 @@ from kvtier.store.base import Consume, Fill, KVStore
 from kvtier.store.config import StoreConfig
 from kvtier.store.events import EventLog, StoreEvent
 from kvtier.store.index import Counters, Eviction, LevelIndex, Room, StoreIndex
+from kvtier.store.ledger import CopyLedger
 from kvtier.store.writeback import Copy, Lane, Prefetcher, WriteBack
 from kvtier.tiers.base import Tier
 from kvtier.tiers.ram import ArenaTier
@@ -66,6 +84,20 @@ class _Level:
     managed: bool
 
 
+@dataclass(frozen=True)
+class _Removal:
+    """A tier delete decided under the lock and carried out after it: ``key`` leaves level
+    ``level`` (already forgotten by the index). With ``gen`` set, its ``size`` bytes are read
+    first and demoted to level ``demote_to`` (a copy registered in the ledger under ``gen``)."""
+
+    level: int
+    key: Key
+    size: int
+    parent: Key | None
+    demote_to: int | None = None
+    gen: int | None = None
+
+
 class TieredStore(KVStore):
     """An ordered list of tiers with eviction, demotion, promotion and background writes."""
 
@@ -74,10 +106,12 @@ class TieredStore(KVStore):
             raise KVTierError("a store needs at least one working tier")
         self.config = config or StoreConfig()
         self._lock = threading.RLock()
+        self._settled = threading.Condition(self._lock)  # notified when a tier removal ends
         self._levels = [_Level(tier, tier if isinstance(tier, ArenaTier) else None, policy is not None)
                         for tier, policy in levels]
         self._events = EventLog()
         self._counters = Counters()
+        self._ledger = CopyLedger()
         self._index = StoreIndex(
             [LevelIndex(tier.name, tier.medium, tier.capacity_bytes, policy) for tier, policy in levels],
             Admission(self.config.admission), self._events)
@@ -86,8 +120,8 @@ class TieredStore(KVStore):
         for i in range(len(self._levels)):
             self._learn(i)
         lanes = [None] + [Lane(level.tier.name, level.tier.stats) for level in self._levels[1:]]
-        self._writeback = WriteBack(lanes, self.config.write_queue_depth, self._lock, self._counters, self._copy_down,
-                                    nice=self.config.writer_nice)
+        self._writeback = WriteBack(lanes, self.config.write_queue_depth, self._lock, self._ledger, self._counters,
+                                    self._copy_down, nice=self.config.writer_nice)
         self._prefetcher = Prefetcher(self.config.write_queue_depth, self._prefetch)
 
     # ----------------------------------------------------------------------------- construction
@@ -119,7 +153,8 @@ class TieredStore(KVStore):
         return cls(levels, config)
 
     def _learn(self, i: int) -> None:
-        """Learn what a managed tier already holds (a disk tier survives restarts)."""
+        """Learn what a managed tier already holds (a disk tier survives restarts). Runs in the
+        constructor, before any other thread can use the store."""
         level = self._levels[i]
         if not level.managed:
             return
@@ -201,8 +236,8 @@ class TieredStore(KVStore):
                 self._counters.misses += 1
             return None
         with self._lock:
-            deletes = self._writeback.delete_seq
-            if self._index[0].holds(key):
+            deletes = self._ledger.delete_seq
+            if self._index.holds(0, key):
                 segments = top.arena.views(key) if top.arena is not None else None
                 if segments is not None:
                     consume(segments)
@@ -231,18 +266,25 @@ class TieredStore(KVStore):
             self._counters.errors += 1
 
     def _read_level(self, i: int, key: Key) -> np.ndarray | None:
-        """Read ``key`` from tier ``i`` into this thread's scratch buffer; a view or None."""
+        """Read ``key`` from tier ``i`` into this thread's scratch buffer; a view or None.
+        The tier is asked outside the lock; a key being removed from it is a miss."""
         level = self._levels[i]
         with self._lock:
-            if level.managed and not self._index[i].holds(key):
-                return None
-            size = self._index[i].sizes.get(key) if level.managed else None
+            if level.managed:
+                entry = self._index.entry(i, key)
+                if entry is None:
+                    return None
+                size, stamp = entry
+            elif self._ledger.removing(i, key):
+                return None  # a delete is under way: its bytes must not be served or promoted
+            else:
+                size, stamp = None, 0
         if size is None:
             size = level.tier.size_of(key)
             if size is None:
                 return None
         if size > self._entry_bound(level):
-            self._drop_oversized(i, key, size)
+            self._drop_oversized(i, key, size, stamp)
             return None
         buf = self._scratch.get(size)
         try:
@@ -251,13 +293,12 @@ class TieredStore(KVStore):
             level.tier.stats.add(errors=1)
             n = None
         if n is None:
-            if level.managed:
+            # Gone or corrupt (the tier removed it): forget that entry. A fault that left it in
+            # place (EIO, a raising tier) keeps it, or ``used`` would drift below what the tier
+            # holds.
+            if level.managed and not level.tier.contains(key):
                 with self._lock:
-                    # Gone or corrupt (the tier removed it): forget it. A fault that left the
-                    # entry in place (EIO, a raising tier) keeps it, or ``used`` would drift
-                    # below what the tier holds.
-                    if not level.tier.contains(key):
-                        self._index.forget(i, key)
+                    self._index.forget_if(i, key, stamp)
             return None
         if level.managed:
             with self._lock:
@@ -270,21 +311,22 @@ class TieredStore(KVStore):
         tier_bound = level.tier.max_entry_bytes or self.config.max_entry_bytes
         return min(int(self.config.max_entry_bytes), int(tier_bound))
 
-    def _drop_oversized(self, i: int, key: Key, size: int) -> None:
+    def _drop_oversized(self, i: int, key: Key, size: int, stamp: int) -> None:
         """A stored length no chunk can have (forged or foreign): count it corrupt, remove it
         from the tier and the index; the read is a miss. Nothing is allocated for it."""
         level = self._levels[i]
         log.warning("kvtier: tier %s holds %s with %d bytes, over the %d-byte entry bound: removed",
                     level.tier.name, key.hex(), size, self._entry_bound(level))
         level.tier.stats.add(corrupt=1)
-        try:
-            level.tier.delete(key)
-        except Exception:
-            level.tier.stats.add(errors=1)
         with self._lock:
             self._counters.corrupt += 1
-            if level.managed:
-                self._index.forget(i, key)
+            if level.managed and not self._index.forget_if(i, key, stamp):
+                return  # put there again meanwhile: another entry, not this one
+            self._ledger.begin_removal(i, key)
+        try:
+            self._tier_delete(level, key)
+        finally:
+            self._end_removal(i, key)
 
     def prefetch(self, keys: Sequence[Key]) -> bool:
         """Promote lower-tier entries of ``keys`` into the top tier in the background (up to the
@@ -305,7 +347,7 @@ class TieredStore(KVStore):
     def _prefetch(self, keys: list[Key]) -> None:
         for key in keys:
             with self._lock:
-                if self._closed or self._index[0].holds(key):
+                if self._closed or self._index.holds(0, key):
                     continue
             if self.read(key, lambda segs: None) is None:
                 break  # a chain is worthless past its first missing chunk
@@ -318,184 +360,315 @@ class TieredStore(KVStore):
         ``parent`` is the key of the chunk before it in its prefix chain (None for the first),
         ``chunk_index`` its position; both feed chain-aware eviction and admission. Returns
         True if the top tier holds the entry afterwards. Lower tiers are written in the
-        background. ``fill`` runs under the store lock and must only copy. InvalidKey (a
-        ValueError) when ``key`` or ``parent`` is not a chunk key.
+        background. ``fill`` must only copy: it runs under the store lock when the top tier is
+        an arena. InvalidKey (a ValueError) when ``key`` or ``parent`` is not a chunk key.
         """
         check_key(key)
         if parent is not None:
             check_key(parent)
+        top = self._levels[0]
         with self._lock:
             if self._closed:
                 return False
-            if self._index[0].holds(key):
+            if self._index.holds(0, key):
                 return True
             if not self._index.admits_new(key, chunk_index, nbytes):
                 self._counters.not_admitted += 1
                 return False
-            stored = self._store_top(key, nbytes, fill, parent)
-            if stored:
-                # Under the same lock hold: an eviction in between would find the key not yet
-                # queued, demote it and leave the write-through copy to miss (a counted drop).
-                self._queue_lower(key, parent)
-        return stored
+            if top.arena is not None:
+                stored = self._store_top(key, nbytes, fill, parent)
+                if stored:
+                    # Under the same lock hold: an eviction in between would find the key not
+                    # yet queued, demote it and leave the write-through copy to miss.
+                    self._queue_lower(key, parent)
+                return stored
+            gen = self._ledger.begin_copy(key)
+        try:  # a top tier without an arena: its put is I/O, made outside the lock
+            buf = np.empty(nbytes, dtype=np.uint8)
+            fill([buf])
+            if self._put_level(0, key, parent, buf, gen, queue_lower=True):
+                return True
+            with self._lock:
+                return self._index.holds(0, key)
+        finally:
+            with self._lock:
+                self._ledger.end_copy(key)
 
     def _store_top(self, key: Key, nbytes: int, fill: Fill, parent: Key | None) -> bool:
-        """Make room in the top tier and copy the entry in (the caller holds the lock)."""
+        """Make room in the top tier's arena and copy the entry in (lock held: page operations
+        and a memcpy only)."""
         top = self._levels[0]
-        if top.managed and not self._make_room(0, nbytes):
+        if top.managed and not self._make_room_top(nbytes):
             top.tier.stats.add(dropped=1)
             return False
-        if top.arena is not None:
-            segments = top.arena.reserve(key, nbytes)
-            if segments is None:
-                top.tier.stats.add(dropped=1)
-                return False
-            try:
-                fill(segments)
-            except BaseException:
-                top.arena.abort(key)
-                raise
-            top.arena.commit(key)
-        else:
-            buf = self._scratch.get(nbytes, "fill")
-            fill([buf])
-            if not top.tier.put(key, buf):
-                return False
+        segments = top.arena.reserve(key, nbytes)
+        if segments is None:
+            top.tier.stats.add(dropped=1)
+            return False
+        try:
+            fill(segments)
+        except BaseException:
+            top.arena.abort(key)
+            raise
+        top.arena.commit(key)
         if top.managed:
             self._index.insert(0, key, nbytes, parent)
         return True
 
     def _promote(self, key: Key, data: np.ndarray, source: int, deletes: int) -> None:
         """Copy a lower-tier hit into the top tier (best effort). Skipped when any delete ran
-        since the read began (``deletes``: the count then): the bytes may be of a deleted key."""
+        since the read began (``deletes``: the count then) or one of ``key`` is under way: the
+        bytes may be of a deleted key."""
+        top = self._levels[0]
         with self._lock:
-            if self._index[0].holds(key) or self._closed or self._writeback.delete_seq != deletes:
+            if (self._index.holds(0, key) or self._closed or self._ledger.delete_seq != deletes
+                    or self._ledger.is_deleting(key)):
                 return
-            parent = self._index[source].parent.get(key)
-            if self._store_top(key, data.size, lambda segments: scatter(data, segments), parent):
-                self._counters.promotions += 1
+            parent = self._index.parent_of(source, key)
+            if top.arena is not None:
+                if self._store_top(key, data.size, lambda segments: scatter(data, segments), parent):
+                    self._counters.promotions += 1
+                return
+            gen = self._ledger.begin_copy(key)
+        try:
+            if self._put_level(0, key, parent, data, gen):
+                with self._lock:
+                    self._counters.promotions += 1
+        finally:
+            with self._lock:
+                self._ledger.end_copy(key)
 
-    def _queue_lower(self, key: Key, parent: Key | None) -> None:
-        """Queue write-through copies of a new top-tier entry for the lower tiers (lock held)."""
+    def _queue_lower(self, key: Key, parent: Key | None, data: bytes | None = None) -> None:
+        """Queue write-through copies of a new top-tier entry for the lower tiers (lock held);
+        ``data``: the entry's bytes when the top tier has no arena to read them from later."""
         if not self.config.write_through:
             return
         for i in range(1, len(self._levels)):
-            if not self._index[i].holds(key):
-                self._writeback.queue_write_through(i, key, parent)
+            if not self._index.holds(i, key):
+                self._writeback.queue_write_through(i, key, parent, data)
 
     def _copy_down(self, i: int, copy: Copy) -> None:
         """Carry a queued copy out into tier ``i`` (a writer thread), unless the key was deleted
         since it was queued."""
-        if copy.data is not None:  # a demotion carries its bytes
-            self._put_lower(i, copy.key, copy.parent, np.frombuffer(copy.data, dtype=np.uint8), copy.gen)
+        if copy.data is not None:  # a demotion (or a copy from a top tier without an arena) carries its bytes
+            self._put_level(i, copy.key, copy.parent, np.frombuffer(copy.data, dtype=np.uint8), copy.gen)
             return
         with self._lock:
             try:
-                deleted = self._writeback.deleted_since(copy.key, copy.gen)
+                deleted = self._ledger.deleted_since(copy.key, copy.gen)
                 data = None if deleted else self._snapshot_top(copy.key)
             finally:  # a failed snapshot must not pin the key's orphan bytes forever
-                self._writeback.release_queued(copy.key)
+                self._ledger.read_top(copy.key)
             if deleted:
                 self._counters.cancelled_writes += 1
                 return
             if data is not None:  # until the put below lands, an eviction must not demote it again
-                self._writeback.begin_in_flight(copy.key)
+                self._ledger.begin_in_flight(copy.key)
         if data is None:
             self._levels[i].tier.stats.add(dropped=1)
             return
         try:
-            self._put_lower(i, copy.key, copy.parent, data, copy.gen)
+            self._put_level(i, copy.key, copy.parent, data, copy.gen)
         finally:
             with self._lock:
-                self._writeback.end_in_flight(copy.key)
+                self._ledger.end_in_flight(copy.key)
 
-    def _put_lower(self, i: int, key: Key, parent: Key | None, data: np.ndarray, gen: int) -> None:
-        """Make room in tier ``i`` and write ``data`` there (I/O outside the lock).
+    def _put_level(self, i: int, key: Key, parent: Key | None, data: np.ndarray, gen: int,
+                   queue_lower: bool = False) -> bool:
+        """Make room in tier ``i`` and write ``data`` there: decisions under the lock, the
+        evictions' reads and deletes and the put after it. True when this put landed.
 
-        A delete of ``key`` wins: the copy is skipped if one came before the put, and what the
-        put wrote is removed again if one came during it. One worker writes each tier, so no
-        other copy of this key into this tier can land between the put and that removal.
+        ``gen``: the copy's delete generation (registered in the ledger). A delete of ``key``
+        wins: the copy is skipped if one came before the put, and what the put wrote is removed
+        again if one came during it. A put waits for a removal of ``key`` from tier ``i`` that
+        is under way, and gives way to another put of ``key`` into tier ``i`` under way.
+        ``queue_lower``: queue write-through copies of the entry once it landed (a new entry of
+        a top tier without an arena).
         """
         level = self._levels[i]
+        removals: list[_Removal] = []
         with self._lock:
-            if self._writeback.deleted_since(key, gen):
+            while self._ledger.removing(i, key):
+                self._settled.wait(1.0)
+            if self._ledger.deleted_since(key, gen):
                 self._counters.cancelled_writes += 1
-                return
+                return False
+            if self._ledger.storing(i, key) or self._index.holds(i, key):
+                return False
             if level.managed:
-                if self._index[i].holds(key):
-                    return
-                if not self._index.admits(i, key, data.size) or not self._make_room(i, data.size):
+                if not self._index.admits(i, key, data.size):
                     level.tier.stats.add(dropped=1)
-                    return
-        ok = level.tier.put(key, data)
-        with self._lock:
-            undo = ok and self._writeback.deleted_since(key, gen)
-            if undo:
-                self._counters.cancelled_writes += 1
-            elif ok and level.managed and not self._index[i].holds(key):
-                self._index.insert(i, key, data.size, parent)
-            elif ok and not level.managed:
-                self._events.record("stored", key, level.tier.medium)
-        if undo:
-            level.tier.delete(key)
+                    return False
+                removals, fits = self._plan_room(i, data.size)
+                if not fits:
+                    level.tier.stats.add(dropped=1)
+                else:
+                    self._index.reserve(i, data.size)
+            else:
+                fits = True
+            if fits:
+                self._ledger.begin_store(i, key)
+        self._carry_out(removals)
+        if not fits:
+            return False
+        ok = undo = False
+        try:
+            ok = self._tier_put(level, key, data)
+        finally:
+            with self._lock:
+                if level.managed:
+                    self._index.unreserve(i, data.size)
+                undo = ok and self._ledger.deleted_since(key, gen)
+                if undo:
+                    self._counters.cancelled_writes += 1
+                elif ok and level.managed:
+                    self._index.insert(i, key, data.size, parent)
+                elif ok:
+                    self._events.record("stored", key, level.tier.medium)
+                if ok and not undo and queue_lower:
+                    self._queue_lower(key, parent, data.tobytes())
+                if not undo:
+                    self._ledger.end_store(i, key)
+        if undo:  # still marked as storing: no other put of the key into this tier meanwhile
+            try:
+                self._tier_delete(level, key)
+            finally:
+                with self._lock:
+                    self._ledger.end_store(i, key)
+        return ok and not undo
 
     def _snapshot_top(self, key: Key) -> np.ndarray | None:
-        """A contiguous copy of a top-tier entry in this thread's scratch (lock held), or None."""
-        orphan = self._writeback.orphan(key)
+        """A contiguous copy of a top-tier entry in this thread's scratch (lock held: a memcpy
+        out of the arena), or None."""
+        orphan = self._ledger.orphan(key)
         if orphan is not None:
             return np.frombuffer(orphan, dtype=np.uint8)
         top = self._levels[0]
-        if not self._index[0].holds(key):
+        size = self._index.size_of(0, key)
+        if size is None or top.arena is None:
             return None
-        buf = self._scratch.get(self._index[0].sizes[key], "snap")
-        segments = top.arena.views(key, count=False) if top.arena is not None else None
+        segments = top.arena.views(key, count=False)
         if segments is None:
-            n = top.tier.get_into(key, buf)
-            return None if n is None else buf[:n]
+            return None
+        buf = self._scratch.get(size, "snap")
         return buf[: gather_into(segments, buf)]
+
+    # ----------------------------------------------------------------------------- tier I/O (lock not held)
+
+    @staticmethod
+    def _tier_put(level: _Level, key: Key, data: np.ndarray) -> bool:
+        """``level``'s put; a raising tier is a counted error and a failed put."""
+        try:
+            return bool(level.tier.put(key, data))
+        except Exception as exc:  # a tier must not raise, but a buggy one may
+            log.warning("kvtier: write to tier %s failed: %s", level.tier.name, exc)
+            level.tier.stats.add(errors=1)
+            return False
+
+    @staticmethod
+    def _tier_delete(level: _Level, key: Key) -> None:
+        """``level``'s delete; a raising tier is a counted error."""
+        try:
+            level.tier.delete(key)
+        except Exception as exc:
+            log.warning("kvtier: delete from tier %s failed: %s", level.tier.name, exc)
+            level.tier.stats.add(errors=1)
+
+    def _end_removal(self, i: int, key: Key) -> None:
+        """A tier delete of ``key`` from tier ``i`` is over: puts waiting on it may go."""
+        with self._lock:
+            self._ledger.end_removal(i, key)
+            self._settled.notify_all()
 
     # ----------------------------------------------------------------------------- eviction
 
-    def _make_room(self, i: int, nbytes: int) -> bool:
-        """Evict from managed tier ``i`` until ``nbytes`` fit (lock held). False if they can't."""
-        arena = self._levels[i].arena
+    def _make_room_top(self, nbytes: int) -> bool:
+        """Evict from the top tier's arena until ``nbytes`` fit (lock held). False if they
+        can't."""
+        arena = self._levels[0].arena
         # A paged tier (RAM) rounds each entry up to whole pages: payload bytes under capacity
         # do not mean a free run for the new entry, so ask the tier what the entry takes.
-        need = arena.footprint(nbytes) if arena is not None else nbytes
-        free = arena.free_bytes if arena is not None else None
+        need = arena.footprint(nbytes)
         while True:
-            step = self._index.plan_room(i, nbytes, need, free)
+            step = self._index.plan_room(0, nbytes, need, arena.free_bytes)
             if step is Room.FITS:
                 return True
             if step is Room.NEVER:
                 return False
-            self._evict(step)
+            self._evict_top(step)
 
-    def _evict(self, ev: Eviction) -> None:
-        """Carry out an eviction: keep or demote the entry's bytes as needed, then remove it."""
-        i, key = ev.level, ev.key
-        level = self._levels[i]
-        wb = self._writeback
-        if i == 0 and wb.is_queued(key) and wb.orphan(key) is None:
+    def _evict_top(self, ev: Eviction) -> None:
+        """Evict an entry of the top tier's arena (lock held: memcpys and page frees only):
+        keep its bytes for write-through copies still queued, or queue them for demotion."""
+        key, top, ledger = ev.key, self._levels[0], self._ledger
+        if ledger.is_queued(key) and ledger.orphan(key) is None:
             snap = self._snapshot_top(key)  # lower writes still pending: keep the bytes for them
             if snap is not None:
-                wb.keep_orphan(key, snap.tobytes())
-        elif ev.demote_to is not None and not wb.is_queued(key) and not wb.is_in_flight(key):
-            snap = self._snapshot_top(key) if i == 0 else self._read_for_demotion(i, key)
+                ledger.keep_orphan(key, snap.tobytes())
+        elif ev.demote_to is not None and ledger.demotable(key):
+            snap = self._snapshot_top(key)
             if snap is not None:
-                wb.queue_demotion(ev.demote_to, key, self._index[i].parent.get(key), snap.tobytes())
-        level.tier.delete(key)
-        level.tier.stats.add(evictions=1)
+                gen = ledger.begin_copy(key)
+                self._writeback.queue_demotion(ev.demote_to, key, self._index.parent_of(0, key), snap.tobytes(), gen)
+        top.arena.delete(key)
+        top.tier.stats.add(evictions=1)
         self._counters.evictions += 1
-        self._index.forget(i, key)
+        self._index.forget(0, key)
 
-    def _read_for_demotion(self, i: int, key: Key) -> np.ndarray | None:
-        size = self._index[i].sizes.get(key)
-        if size is None:
-            return None
+    def _plan_room(self, i: int, nbytes: int) -> tuple[list[_Removal], bool]:
+        """Decide the evictions from managed tier ``i`` (not an arena) that make ``nbytes`` fit
+        (lock held): each victim is forgotten and marked as being removed now, its tier I/O is
+        ``_carry_out``'s. The removals, and whether the entry fits after them."""
+        removals = []
+        while True:
+            step = self._index.plan_room(i, nbytes, nbytes, None)
+            if step is Room.FITS or step is Room.NEVER:
+                return removals, step is Room.FITS
+            removals.append(self._decide_removal(step))
+
+    def _decide_removal(self, ev: Eviction) -> _Removal:
+        """Take an eviction's victim out of the index (lock held). A demotion is registered in
+        the ledger now, so that a delete before its bytes are read wins over it."""
+        i, key = ev.level, ev.key
+        size, parent = self._index.size_of(i, key), self._index.parent_of(i, key)
+        gen = None
+        if ev.demote_to is not None and self._ledger.demotable(key):
+            gen = self._ledger.begin_copy(key)
+        self._index.forget(i, key)
+        self._ledger.begin_removal(i, key)
+        self._counters.evictions += 1
+        return _Removal(i, key, size, parent, ev.demote_to if gen is not None else None, gen)
+
+    def _carry_out(self, removals: list[_Removal]) -> None:
+        """The tier I/O of decided evictions (lock not held): read a demoted victim's bytes,
+        delete it, then queue the demotion."""
+        for r in removals:
+            level = self._levels[r.level]
+            data = None
+            try:
+                if r.gen is not None:
+                    data = self._read_for_demotion(level, r.key, r.size)
+                self._tier_delete(level, r.key)
+                level.tier.stats.add(evictions=1)
+            finally:
+                with self._lock:
+                    self._ledger.end_removal(r.level, r.key)
+                    self._settled.notify_all()
+                    if r.gen is not None and data is None:
+                        self._ledger.end_copy(r.key)
+                    elif r.gen is not None:
+                        self._writeback.queue_demotion(r.demote_to, r.key, r.parent, data, r.gen)
+
+    @staticmethod
+    def _read_for_demotion(level: _Level, key: Key, size: int) -> bytes | None:
+        """An evicted entry's bytes (lock not held), or None when they cannot be read."""
         buf = np.empty(size, dtype=np.uint8)
-        n = self._levels[i].tier.get_into(key, buf)
-        return None if n is None else buf[:n]
+        try:
+            n = level.tier.get_into(key, buf)
+        except Exception:
+            level.tier.stats.add(errors=1)
+            return None
+        return None if n is None else buf[:n].tobytes()
 
     # ----------------------------------------------------------------------------- misc
 
@@ -514,17 +687,36 @@ class TieredStore(KVStore):
 
     def delete(self, key: Key) -> bool:
         """Remove ``key`` from every tier; copies of it already queued or in flight do not bring
-        it back (see the module notes). InvalidKey when ``key`` is not a chunk key. True."""
+        it back (see the module notes). InvalidKey when ``key`` is not a chunk key. True.
+
+        Decided under the lock (the ledger's tombstone, the index, the top arena's pages); the
+        lower tiers' deletes run after it, on this thread, before the call returns."""
         check_key(key)
+        removals = []
         with self._lock:
-            self._writeback.note_delete(key)
+            self._ledger.begin_delete(key)
             for i, level in enumerate(self._levels):
+                if level.managed and not self._index.holds(i, key):
+                    continue
                 if level.managed:
-                    if self._index[i].holds(key):
-                        level.tier.delete(key)
-                        self._index.forget(i, key)
-                else:
-                    level.tier.delete(key)
+                    self._index.forget(i, key)
+                if i == 0 and level.arena is not None:
+                    level.arena.delete(key)  # page frees in this process's memory
+                    continue
+                self._ledger.begin_removal(i, key)
+                removals.append(i)
+        done = 0
+        try:
+            for i in removals:
+                self._tier_delete(self._levels[i], key)
+                self._end_removal(i, key)
+                done += 1
+        finally:
+            with self._lock:
+                for i in removals[done:]:  # an interrupt left these undone: release them all the same
+                    self._ledger.end_removal(i, key)
+                self._ledger.end_delete(key)
+                self._settled.notify_all()
         return True
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -532,22 +724,28 @@ class TieredStore(KVStore):
         return self._writeback.flush(timeout)
 
     def stats(self) -> dict:
-        """Store counters and, per tier, capacity, usage, queue depth and the tier's own counters."""
+        """Store counters and, per tier, capacity, usage, queue depth and the tier's own counters.
+
+        The lock is held only to copy the store's own figures; a self-managed tier's usage
+        (its ``used_bytes``) is asked afterwards, on this thread."""
         with self._lock:
-            tiers = []
-            for i, level in enumerate(self._levels):
-                index = self._index[i]
-                tiers.append({
-                    "name": level.tier.name,
-                    "type": type(level.tier).__name__,
-                    "medium": level.tier.medium,
-                    "capacity_bytes": level.tier.capacity_bytes,
-                    "used_bytes": index.used if level.managed else level.tier.used_bytes(),
-                    "entries": len(index.sizes) if level.managed else None,
-                    "queue_depth": self._writeback.depth(i),
-                    **level.tier.stats.as_dict(),
-                })
-            return {**self._counters.__dict__, "tiers": tiers}
+            counters = dict(self._counters.__dict__)
+            figures = [(self._index.used(i), self._index.entries(i), self._writeback.depth(i))
+                       for i in range(len(self._levels))]
+        tiers = []
+        for level, (used, entries, depth) in zip(self._levels, figures):
+            tier = level.tier
+            tiers.append({
+                "name": tier.name,
+                "type": type(tier).__name__,
+                "medium": tier.medium,
+                "capacity_bytes": tier.capacity_bytes,
+                "used_bytes": used if level.managed else tier.used_bytes(),
+                "entries": entries,
+                "queue_depth": depth,
+                **tier.stats.as_dict(),
+            })
+        return {**counters, "tiers": tiers}
 
     def close(self, timeout: float = 10.0) -> None:
         """Finish queued writes (for up to about ``timeout`` seconds), stop the workers and

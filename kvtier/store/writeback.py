@@ -1,19 +1,17 @@
 """The store's background data movement: bounded queues and one writer thread per lower
-level, the bookkeeping of copies under way, and a bounded prefetch worker.
+level, and a bounded prefetch worker. Threads and queues only: what each copy may do is the
+``CopyLedger``'s (``ledger.py``) and the store's to decide.
 
 Copies to lower levels are *write-through* copies of a new top-level entry (queued without
-bytes: the writer snapshots the top level when it runs) and *demotions* of an evicted entry
-(queued with their bytes). A full queue drops the copy and counts it: the caller never waits.
+bytes when the top level is an arena: the writer snapshots it when it runs; with their bytes
+otherwise) and *demotions* of an evicted entry (queued with their bytes). A full queue drops
+the copy and counts it: the caller never waits. Every queued copy is registered in the ledger
+(its delete generation travels with it) and released there when it is done or dropped.
 
-``delete`` wins over every copy already queued or running: each copy carries its key's delete
-generation (``tombstone`` count) from when it was queued; the code that carries a copy out asks
-``deleted_since`` before and after its put. Tombstones live only while copies of the key are
-pending, so they never pile up.
-
-Thread-safety: the bookkeeping methods are called with the store's lock held (one lock for the
-index and this, as the copies into the top tier are memcpys); ``flush``, ``stop`` and the
-worker threads take it themselves. Imports: ``kvtier.keys``, ``kvtier.tiers.base`` (TierStats),
-``kvtier.store.index`` (Counters).
+Thread-safety: the queueing methods are called with the store's lock held (the ledger is
+guarded by it); ``flush``, ``stop`` and the worker threads take it themselves, and only around
+ledger calls. Imports: ``kvtier.keys``, ``kvtier.tiers.base`` (TierStats),
+``kvtier.store.index`` (Counters), ``kvtier.store.ledger``.
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ from typing import Callable, Sequence
 
 from kvtier.keys import Key
 from kvtier.store.index import Counters
+from kvtier.store.ledger import CopyLedger
 from kvtier.tiers.base import TierStats
 
 log = logging.getLogger(__name__)
@@ -38,9 +37,10 @@ _STOP = object()
 
 @dataclass(frozen=True)
 class Copy:
-    """One copy of ``key`` for a lower level: ``data`` is the entry's bytes (a demotion) or
-    None (a write-through copy, read from the top level when it runs); ``gen`` is the key's
-    delete generation when it was queued."""
+    """One copy of ``key`` for a lower level: ``data`` is the entry's bytes (a demotion, or a
+    write-through copy from a top level without an arena) or None (a write-through copy, read
+    from the top level when it runs); ``gen`` is the key's delete generation when the copy was
+    registered in the ledger."""
 
     key: Key
     parent: Key | None
@@ -75,25 +75,21 @@ def lower_priority(nice: int) -> bool:
 
 
 class WriteBack:
-    """Queues, writer threads and in-flight bookkeeping for levels 1.. of a store."""
+    """Queues and writer threads for levels 1.. of a store."""
 
-    def __init__(self, lanes: Sequence[Lane | None], depth: int, lock: threading.RLock, counters: Counters,
-                 apply: ApplyCopy, nice: int = 0):
+    def __init__(self, lanes: Sequence[Lane | None], depth: int, lock: threading.RLock, ledger: CopyLedger,
+                 counters: Counters, apply: ApplyCopy, nice: int = 0):
         """``lanes[i]`` describes level ``i`` (``lanes[0]``, the top level, is None); the writer
-        threads run ``nice`` steps nicer than the thread that starts them (see ``lower_priority``)."""
+        threads run ``nice`` steps nicer than the thread that starts them (see ``lower_priority``).
+        ``ledger`` and ``counters`` are guarded by ``lock``."""
         self._nice = nice
         self._lock = lock
+        self._ledger = ledger
         self._counters = counters
         self._apply = apply
         self._lanes = list(lanes)
         self._queues: list[queue.Queue | None] = [None] * len(self._lanes)
         self._workers: list[threading.Thread | None] = [None] * len(self._lanes)
-        self._orphans: dict[Key, bytes] = {}  # bytes of top entries evicted before their lower writes ran
-        self._queued: dict[Key, int] = {}  # key -> lower writes still to read from the top level
-        self._in_flight: dict[Key, int] = {}  # key -> lower writes that have their bytes, not yet landed
-        self._pending: dict[Key, int] = {}  # key -> lower copies queued or running (any level)
-        self._tombs: dict[Key, int] = {}  # key -> delete generation, kept while copies are pending
-        self._delete_seq = 0  # deletes so far: a promotion that saw one meanwhile is skipped
         for i, lane in enumerate(self._lanes):
             if lane is None:
                 continue
@@ -104,23 +100,23 @@ class WriteBack:
 
     # ----------------------------------------------------------------------------- queueing (lock held)
 
-    def queue_write_through(self, i: int, key: Key, parent: Key | None) -> bool:
-        """Queue a write-through copy of a new top entry for level ``i``; False (counted) when
-        the queue is full."""
-        self._queued[key] = self._queued.get(key, 0) + 1
-        gen = self._add_pending(key)
+    def queue_write_through(self, i: int, key: Key, parent: Key | None, data: bytes | None = None) -> bool:
+        """Queue a write-through copy of a new top entry for level ``i`` (``data``: its bytes,
+        or None to read the top level when it runs); False (counted) when the queue is full."""
+        gen = self._ledger.begin_write_through(key) if data is None else self._ledger.begin_copy(key)
         try:
-            self._queues[i].put_nowait(Copy(key, parent, None, gen))
+            self._queues[i].put_nowait(Copy(key, parent, data, gen))
             return True
         except queue.Full:
-            self.release_queued(key)
+            if data is None:
+                self._ledger.read_top(key)
             self._drop(i, key)
             return False
 
-    def queue_demotion(self, i: int, key: Key, parent: Key | None, data: bytes) -> bool:
-        """Queue an evicted entry's bytes for level ``i`` (counted as a demotion); False
-        (counted as a drop) when the queue is full."""
-        gen = self._add_pending(key)
+    def queue_demotion(self, i: int, key: Key, parent: Key | None, data: bytes, gen: int) -> bool:
+        """Queue an evicted entry's bytes for level ``i`` (counted as a demotion). The copy was
+        registered (``CopyLedger.begin_copy``) when the eviction was decided, under ``gen``;
+        False (counted as a drop, the registration released) when the queue is full."""
         try:
             self._queues[i].put_nowait(Copy(key, parent, data, gen))
         except queue.Full:
@@ -130,83 +126,9 @@ class WriteBack:
         return True
 
     def _drop(self, i: int, key: Key) -> None:
-        self._release_pending(key)
+        self._ledger.end_copy(key)
         self._lanes[i].stats.add(dropped=1)
         self._counters.write_drops += 1
-
-    # ----------------------------------------------------------------------------- in-flight state (lock held)
-
-    def is_queued(self, key: Key) -> bool:
-        """Whether a write-through copy of ``key`` has yet to read the top level."""
-        return bool(self._queued.get(key))
-
-    def is_in_flight(self, key: Key) -> bool:
-        """Whether a write-through copy of ``key`` has its bytes and has not landed yet."""
-        return bool(self._in_flight.get(key))
-
-    def orphan(self, key: Key) -> bytes | None:
-        """The kept bytes of a top entry evicted before its write-through copies read it."""
-        return self._orphans.get(key)
-
-    def keep_orphan(self, key: Key, data: bytes) -> None:
-        """Keep an evicted top entry's bytes for the write-through copies still queued."""
-        self._orphans[key] = data
-
-    def release_queued(self, key: Key) -> None:
-        """One write-through copy of ``key`` has read (or given up on) the top level; the
-        orphan bytes go with the last one."""
-        n = self._queued.get(key, 0) - 1
-        if n <= 0:
-            self._queued.pop(key, None)
-            self._orphans.pop(key, None)
-        else:
-            self._queued[key] = n
-
-    def begin_in_flight(self, key: Key) -> None:
-        """A write-through copy of ``key`` holds its bytes: an eviction must not demote it too."""
-        self._in_flight[key] = self._in_flight.get(key, 0) + 1
-
-    def end_in_flight(self, key: Key) -> None:
-        """That copy landed, failed or was cancelled."""
-        n = self._in_flight.pop(key) - 1
-        if n:
-            self._in_flight[key] = n
-
-    def deleted_since(self, key: Key, gen: int) -> bool:
-        """Whether ``key`` was deleted after a copy carrying generation ``gen`` was queued."""
-        return self._tombs.get(key, 0) != gen
-
-    def note_delete(self, key: Key) -> None:
-        """A delete of ``key``: queued or running copies see it and yield; its orphan bytes go."""
-        self._delete_seq += 1
-        if key in self._pending:
-            self._tombs[key] = self._tombs.get(key, 0) + 1
-        self._orphans.pop(key, None)  # a pending write-through must not bring it back
-
-    @property
-    def delete_seq(self) -> int:
-        """Deletes so far (a read that saw another count meanwhile must not promote)."""
-        return self._delete_seq
-
-    def idle(self) -> bool:
-        """Whether no copy is pending and no bytes are kept (for tests and checks)."""
-        return not (self._pending or self._tombs or self._queued or self._in_flight or self._orphans)
-
-    def _add_pending(self, key: Key) -> int:
-        """Count one more lower copy of ``key``; return the key's delete generation, which the
-        copy carries so that a later delete wins over it."""
-        self._pending[key] = self._pending.get(key, 0) + 1
-        return self._tombs.get(key, 0)
-
-    def _release_pending(self, key: Key) -> None:
-        """One lower copy of ``key`` is done, dropped or skipped; the key's tombstone goes with
-        its last pending copy, so tombstones never outlive the copies they guard."""
-        n = self._pending.get(key, 0) - 1
-        if n <= 0:
-            self._pending.pop(key, None)
-            self._tombs.pop(key, None)
-        else:
-            self._pending[key] = n
 
     # ----------------------------------------------------------------------------- threads
 
@@ -236,7 +158,7 @@ class WriteBack:
                 lane.stats.add(errors=1)
             finally:
                 with self._lock:
-                    self._release_pending(item.key)
+                    self._ledger.end_copy(item.key)
                 q.task_done()
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -277,8 +199,8 @@ class WriteBack:
             if item is not _STOP:
                 with self._lock:
                     if item.data is None:
-                        self.release_queued(item.key)
-                    self._release_pending(item.key)
+                        self._ledger.read_top(item.key)
+                    self._ledger.end_copy(item.key)
                     self._counters.write_drops += 1
                 self._lanes[i].stats.add(dropped=1)
             q.task_done()
