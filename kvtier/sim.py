@@ -8,11 +8,16 @@ policy behaves here exactly as it does under the store.
 Synthetic traces (deterministic for a given seed) come from :func:`synthetic`:
 ``loop:KEYSxREPEATS``, ``zipf:ALPHA,KEYS,REQUESTS[,SEED]`` and
 ``mix:HOT,ALPHA,LOOPKEYS,REQUESTS[,SEED]`` (Zipf over HOT keys interleaved one-for-one with a
-loop over LOOPKEYS other keys).
+loop over LOOPKEYS other keys) and ``scan:HOT,ALPHA,SCANLEN,REQUESTS[,SEED]`` (Zipf over HOT
+keys, every SCANLEN of its requests followed by a scan of SCANLEN keys never requested again).
+
+A policy with a ``window_history`` (the adaptive W-TinyLFU) reports its window share over the
+run in :attr:`SimResult.window`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import random
@@ -44,6 +49,7 @@ class SimResult:
     hits: int
     hit_bytes: int
     total_bytes: int
+    window: tuple[tuple[int, float], ...] | None = None  # (requests seen, window share) per period
 
     @property
     def hit_ratio(self) -> float:
@@ -54,8 +60,11 @@ class SimResult:
         return self.hit_bytes / self.total_bytes if self.total_bytes else 0.0
 
     def as_dict(self) -> dict:
-        return {"policy": self.policy, "capacity": self.capacity, "hit_ratio": self.hit_ratio,
-                "byte_hit_ratio": self.byte_hit_ratio, "requests": self.requests, "hits": self.hits}
+        out = {"policy": self.policy, "capacity": self.capacity, "hit_ratio": self.hit_ratio,
+               "byte_hit_ratio": self.byte_hit_ratio, "requests": self.requests, "hits": self.hits}
+        if self.window is not None:
+            out["window_share"] = [[seen, share] for seen, share in self.window]
+        return out
 
 
 # -- traces ----------------------------------------------------------------------------------
@@ -115,8 +124,23 @@ def mixed_trace(hot_keys: int, alpha: float, loop_keys: int, n_requests: int, se
     return out
 
 
+def scan_trace(hot_keys: int, alpha: float, scan_len: int, n_requests: int, seed: int = 0) -> list[int]:
+    """Zipf over ``hot_keys``; after every ``scan_len`` of its requests, a scan of ``scan_len`` keys
+    never requested before or after (about half the requests are one-off scan keys)."""
+    zipf = zipf_trace(alpha, hot_keys, n_requests - n_requests // 2, seed)
+    out: list[int] = []
+    fresh, scan_end = hot_keys, hot_keys + n_requests // 2  # the scan keys, in order
+    for start in range(0, len(zipf), scan_len):
+        out.extend(zipf[start:start + scan_len])
+        take = min(scan_len, scan_end - fresh)
+        out.extend(range(fresh, fresh + take))
+        fresh += take
+    return out
+
+
 def synthetic(spec: str) -> Trace:
-    """A trace from ``loop:1000x30``, ``zipf:0.8,50000,500000[,SEED]`` or ``mix:2000,0.8,20000,400000[,SEED]``."""
+    """A trace from ``loop:1000x30``, ``zipf:0.8,50000,500000[,SEED]``,
+    ``mix:2000,0.8,20000,400000[,SEED]`` or ``scan:2000,0.8,5000,400000[,SEED]``."""
     kind, _, args = spec.partition(":")
     try:
         if kind == "loop":
@@ -130,10 +154,14 @@ def synthetic(spec: str) -> Trace:
             seed = int(parts[4]) if len(parts) == 5 else 0
             return Trace(mixed_trace(_pos_int(parts[0]), float(parts[1]), _pos_int(parts[2]),
                                      _pos_int(parts[3]), seed))
+        if kind == "scan" and len(parts) in (4, 5):
+            seed = int(parts[4]) if len(parts) == 5 else 0
+            return Trace(scan_trace(_pos_int(parts[0]), float(parts[1]), _pos_int(parts[2]),
+                                    _pos_int(parts[3]), seed))
     except ValueError:
         pass
-    raise ConfigError(f"bad synthetic trace {spec!r}; use loop:KEYSxREPEATS, zipf:ALPHA,KEYS,REQUESTS[,SEED] "
-                      "or mix:HOT,ALPHA,LOOPKEYS,REQUESTS[,SEED]")
+    raise ConfigError(f"bad synthetic trace {spec!r}; use loop:KEYSxREPEATS, zipf:ALPHA,KEYS,REQUESTS[,SEED], "
+                      "mix:HOT,ALPHA,LOOPKEYS,REQUESTS[,SEED] or scan:HOT,ALPHA,SCANLEN,REQUESTS[,SEED]")
 
 
 def _pos_int(text: str) -> int:
@@ -172,7 +200,11 @@ def simulate(trace: Trace, policy: str, capacity: int, **options) -> SimResult:
         insert(key, size)
         resident[key] = size
         used += size
-    return _result(policy, capacity, trace, hits, hit_bytes)
+    result = _result(policy, capacity, trace, hits, hit_bytes)
+    history = getattr(pol, "window_history", None)
+    if history is not None:
+        result = dataclasses.replace(result, window=tuple(history))
+    return result
 
 
 def simulate_opt(trace: Trace, capacity: int) -> SimResult:

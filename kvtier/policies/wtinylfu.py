@@ -50,7 +50,11 @@ class WTinyLFUPolicy(EvictionPolicy):
         self._bytes["window"] += size
         self._peak = max(self._peak, self._used())
         self._sketch.ensure_width(len(self))
-        # The window's overflow moves to probation; it already won (or needed no) contest.
+        self._spill_window()
+
+    def _spill_window(self) -> None:
+        """Move the window's overflow (oldest first) to probation: it already won (or needed
+        no) contest. The window keeps at least one entry."""
         limit = max(1, int(self._capacity() * self._window_share))
         while self._bytes["window"] > limit and len(self._window) > 1:
             old, old_size = self._window.popitem(last=False)
