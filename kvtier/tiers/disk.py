@@ -19,6 +19,18 @@ counted in ``stats.corrupt``; the rest form the index, so entries survive a rest
 removed, counted, and reported as a miss. Faults (ENOSPC, EACCES, EIO) are counted in
 ``stats.errors`` and reported as a miss / a False put, never raised.
 
+A directory nobody else may write: at start the directory and each fan-out subdirectory must
+belong to this process's user or root and be writable by neither group nor others (``kvtier
+serve``'s rule for its socket directory, ``kvtier.fileio.untrusted_dir``); otherwise the tier
+refuses to start (TierUnavailable, one line). Every file and subdirectory is opened relative to
+a directory descriptor without following a symbolic link (the lock file too): a fan-out name that
+is a symlink or not a directory is skipped (counted in ``stats.errors``, nothing written, read
+or deleted through it), and an entry name that is not a regular file (a FIFO, a symlink) is a
+counted corrupt miss, opened with ``O_NONBLOCK`` so it never blocks. No file is opened under
+the tier lock, so a slow or odd file never holds up calls for other keys. Files are created with
+``mode`` (default ``"0600"``, owner only; e.g. ``"0640"`` lets ``group`` read) and fan-out
+directories with the same bits plus search (``0700``).
+
 Dirty page cache stays bounded: with ``drop_cache`` (the default) each written file is flushed
 (``fdatasync``) and its pages dropped (``POSIX_FADV_DONTNEED``) before the rename, and at most
 ``max_writes_in_flight`` writes run at once, so a container's memory limit is not eaten by dirty
@@ -27,6 +39,7 @@ pages (the OOMKilled pitfall).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import io
@@ -35,6 +48,7 @@ import mmap
 import os
 import queue
 import re
+import stat
 import threading
 import uuid
 from dataclasses import dataclass, replace
@@ -42,8 +56,10 @@ from typing import Iterator
 
 from kvtier.config import Size, ranged, validate
 from kvtier.entry import MAX_HEADER_BYTES, check_key, decode_header, encode_header, verify
-from kvtier.errors import CorruptEntry, TierUnavailable
-from kvtier.fileio import ShortRead, fsync_dir, read_exact, read_upto, unlink_quietly, write_all
+from kvtier.errors import ConfigError, CorruptEntry, TierUnavailable
+from kvtier.fileio import (NotRegularFile, ShortRead, create_exclusive_at, dir_mode_for, make_dir_at, open_dir_at,
+                           open_regular_at, parse_mode, read_exact, read_upto, resolve_group, unlink_quietly,
+                           untrusted_dir, write_all)
 from kvtier.keys import Key
 from kvtier.tiers.base import RankShare, SchedulerView, Tier
 
@@ -57,6 +73,7 @@ _FANOUT_DIR = re.compile(r"^[0-9a-f]{2}$")
 LOCK_NAME = ".kvtier.lock"
 _ALIGN = 4096  # O_DIRECT offset/length/buffer alignment that every Linux filesystem accepts
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,9 @@ class DiskConfig:
     fsync: make each put durable (fsync the file and the directory) before it returns True.
     max_writes_in_flight: writes running at once; further puts wait for a slot.
     fanout: spread files over 256 subdirectories by the first key byte.
+    mode: permission bits of created files, an octal string ("0600": owner only; "0640" lets the
+        group read); group and others may never write. Directories get the same bits plus search.
+    group: group name or gid given to created files and directories (None: the default).
     """
 
     path: str
@@ -80,6 +100,20 @@ class DiskConfig:
     fsync: bool = False
     max_writes_in_flight: int = ranged(4, ge=1, le=1024)
     fanout: bool = True
+    mode: str = "0600"
+    group: str | None = None
+
+    def check(self, where: str) -> None:
+        """ConfigError (one line) for a ``mode`` that is not an octal permission string keeping
+        owner read/write without group/other write, or a ``group`` unknown here."""
+        try:
+            parse_mode(self.mode, no_shared_write=True)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.mode: {exc}") from None
+        try:
+            resolve_group(self.group)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.group: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -89,15 +123,22 @@ class _Meta:
     header_bytes: int
     length: int
     checksum: int
+    ino: int = 0  # the file's identity when indexed: a reader retries if a put replaced it
+    dev: int = 0
+
+
+class _SkippedDir(Exception):
+    """A fan-out name that is a symbolic link or not a directory (nothing goes through it)."""
 
 
 class DiskTier(Tier):
     """A directory of entry files.
 
     Thread-safety: every method may be called from any thread. The index, renames and unlinks
-    happen under one lock; reads and writes of file contents run outside it. A reader opens the
-    file under the lock, so the file it reads is the one the index described even if another
-    thread replaces or deletes the key meanwhile.
+    happen under one lock; opens, reads and writes of file contents run outside it. A reader
+    opens the file after taking its index record and compares the file's inode with the
+    record's: when a put replaced the file meanwhile it takes the new record (a deleted file is
+    a miss), so it reads the file the index described, and the checksum decides the rest.
     """
 
     Config = DiskConfig
@@ -109,6 +150,10 @@ class DiskTier(Tier):
         validate(config, name)
         self.config = config
         self.path = os.path.abspath(config.path)
+        self._mode = parse_mode(config.mode, no_shared_write=True)
+        self._dir_mode = dir_mode_for(self._mode)
+        self._gid = resolve_group(config.group)
+        self.skipped_dirs: list[str] = []  # fan-out names skipped at start (symlinks, files)
         self._lock = threading.Lock()
         self._index: dict[Key, _Meta] = {}
         self._used = 0
@@ -147,17 +192,37 @@ class DiskTier(Tier):
     # --- start ---------------------------------------------------------------------------------
 
     def _prepare_directory(self) -> None:
-        """Create the directory and prove it writable; TierUnavailable with one line if not."""
-        probe = os.path.join(self.path, f".probe-{uuid.uuid4().hex}{_TMP_SUFFIX}")
+        """Create the directory (``mode`` bits), check that nobody else can write it and prove
+        it writable; TierUnavailable with one line if not."""
+        probe = f".probe-{uuid.uuid4().hex}{_TMP_SUFFIX}"
         try:
-            os.makedirs(self.path, exist_ok=True)
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            os.close(fd)
-            os.unlink(probe)
+            if not os.path.isdir(self.path):
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                os.close(make_dir_at(None, self.path, self._dir_mode, self._gid))
+            root = os.open(self.path, _DIR_FLAGS)
         except OSError as exc:
             raise TierUnavailable(
                 f"disk tier {self.name}: cannot use directory {self.path}: {exc.strerror or exc}"
             ) from None
+        try:
+            self._refuse_untrusted(root, self.path)
+            os.close(create_exclusive_at(root, probe, self._mode, self._gid))
+            os.unlink(probe, dir_fd=root)
+        except OSError as exc:
+            raise TierUnavailable(
+                f"disk tier {self.name}: cannot use directory {self.path}: {exc.strerror or exc}"
+            ) from None
+        finally:
+            os.close(root)
+
+    def _refuse_untrusted(self, fd: int, path: str) -> None:
+        """TierUnavailable (one line) unless the directory ``fd`` belongs to this user or root
+        and neither group nor others can write it."""
+        problem = untrusted_dir(os.fstat(fd), "process")
+        if problem:
+            raise TierUnavailable(
+                f"disk tier {self.name}: directory {path} {problem}; another user could plant, swap or "
+                f"remove entries in it: give the tier a directory only this user can write")
 
     def _take_lock(self) -> io.FileIO:
         """Exclusive flock on ``<dir>/.kvtier.lock`` (held while the tier is open or referenced,
@@ -165,7 +230,8 @@ class DiskTier(Tier):
         another tier, in this process or another, holds it."""
         lock_path = os.path.join(self.path, LOCK_NAME)
         try:
-            lock = io.FileIO(lock_path, "a")  # O_CLOEXEC; a dropped tier's lock closes with it
+            fd = self._open_lock_file()
+            lock = io.FileIO(fd, "r+")  # O_CLOEXEC; a dropped tier's lock closes with it
         except OSError as exc:
             raise TierUnavailable(
                 f"disk tier {self.name}: cannot create lock file {lock_path}: {exc.strerror or exc}"
@@ -184,39 +250,57 @@ class DiskTier(Tier):
             ) from None
         return lock
 
+    def _open_lock_file(self) -> int:
+        """The lock file's descriptor, created (``mode``) if missing, never through a symbolic
+        link and never blocking; NotRegularFile when something else holds the name."""
+        root = os.open(self.path, _DIR_FLAGS)
+        try:
+            fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         self._mode, dir_fd=root)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise NotRegularFile(exc.errno, "it is a symbolic link") from None
+            raise
+        finally:
+            os.close(root)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise NotRegularFile(errno.EINVAL, "it is not a regular file")
+        return fd
+
     def _release_lock(self) -> None:
         lock, self._lock_file = self._lock_file, None
         if lock is not None:
             lock.close()  # closing the only descriptor releases the flock
 
     def _probe_direct(self) -> bool:
-        probe = os.path.join(self.path, f".direct-{uuid.uuid4().hex}{_TMP_SUFFIX}")
-        try:
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o644)
-        except OSError as exc:
-            log.info("disk tier %s: O_DIRECT unsupported in %s (%s); using buffered I/O",
-                     self.name, self.path, exc.strerror)
-            unlink_quietly(probe)
-            return False
-        os.close(fd)
-        unlink_quietly(probe)
+        probe = f".direct-{uuid.uuid4().hex}{_TMP_SUFFIX}"
+        with self._entry_dir("") as root:
+            try:
+                fd = create_exclusive_at(root, probe, self._mode, self._gid, flags=_O_DIRECT)
+            except OSError as exc:
+                log.info("disk tier %s: O_DIRECT unsupported in %s (%s); using buffered I/O",
+                         self.name, self.path, exc.strerror)
+                unlink_quietly(probe, root)
+                return False
+            os.close(fd)
+            unlink_quietly(probe, root)
         return True
 
     def _scan(self) -> dict[str, int]:
         """Rebuild the index from the files' headers; remove temp and unparsable files."""
         report = {"entries": 0, "temp_removed": 0, "corrupt_removed": 0}
-        for dirpath, fname in self._own_files():
-            full = os.path.join(dirpath, fname)
+        for dfd, sub, fname in self._own_files():
             if _OWN_TMP.match(fname):
-                unlink_quietly(full)
+                unlink_quietly(fname, dfd)
                 report["temp_removed"] += 1
                 continue
             key = _key_from_name(fname)
-            if key is None or full != self._file(key):
+            if key is None or sub != self._sub(key):
                 continue  # not ours: leave it alone
-            meta = _read_meta(full, key, self.capacity_bytes)
+            meta = _read_meta(dfd, fname, key, self.capacity_bytes)
             if meta is None:
-                unlink_quietly(full)
+                unlink_quietly(fname, dfd)
                 report["corrupt_removed"] += 1
                 continue
             self._index[key] = meta
@@ -226,23 +310,51 @@ class DiskTier(Tier):
             self.stats.add(corrupt=report["corrupt_removed"])
         return report
 
-    def _own_files(self) -> Iterator[tuple[str, str]]:
-        """(directory, name) of the regular files in the root and its fan-out subdirectories:
-        the only places this tier writes. Nothing deeper (a user's files) is ever visited."""
-        dirs = [self.path]
+    def _own_files(self) -> Iterator[tuple[int, str, str]]:
+        """(directory descriptor, fan-out name or "", name) of the regular files in the root and
+        its fan-out subdirectories: the only places this tier writes. Nothing deeper (a user's
+        files) is ever visited; a fan-out name that is a symlink or not a directory is skipped
+        and counted; a fan-out directory another user could write refuses the start."""
         try:
-            with os.scandir(self.path) as it:
-                dirs += [e.path for e in it if _FANOUT_DIR.match(e.name) and e.is_dir(follow_symlinks=False)]
+            root = os.open(self.path, _DIR_FLAGS)
         except OSError:
             return
-        for d in dirs:
-            try:
-                with os.scandir(d) as it:
-                    names = [e.name for e in it if e.is_file(follow_symlinks=False)]
-            except OSError:
-                continue
-            for name in names:
-                yield d, name
+        try:
+            with os.scandir(root) as it:
+                subs = sorted(e.name for e in it if _FANOUT_DIR.match(e.name))
+            yield from self._files_in(root, "")
+            for sub in subs:
+                try:
+                    dfd = self._open_fanout(root, sub, create=False)
+                except _SkippedDir as exc:
+                    self._skip(sub, str(exc))
+                    continue
+                except OSError:
+                    continue
+                try:
+                    self._refuse_untrusted(dfd, os.path.join(self.path, sub))
+                    yield from self._files_in(dfd, sub)
+                finally:
+                    os.close(dfd)
+        except OSError:
+            return
+        finally:
+            os.close(root)
+
+    @staticmethod
+    def _files_in(dfd: int, sub: str) -> Iterator[tuple[int, str, str]]:
+        with os.scandir(dfd) as it:
+            names = [e.name for e in it if e.is_file(follow_symlinks=False)]
+        for name in names:
+            yield dfd, sub, name
+
+    def _skip(self, sub: str, why: str) -> None:
+        """Count a fan-out name that is not used (warned once per name)."""
+        self.stats.add(errors=1)
+        if sub not in self.skipped_dirs:
+            self.skipped_dirs.append(sub)
+            log.warning("disk tier %s: skipping %s: it %s; nothing is written, read or deleted through it",
+                        self.name, os.path.join(self.path, sub), why)
 
     # --- sizes ---------------------------------------------------------------------------------
 
@@ -290,24 +402,10 @@ class DiskTier(Tier):
         dst = memoryview(out).cast("B")
         if dst.readonly:
             raise ValueError("output buffer is read-only")
-        with self._lock:
-            meta = self._index.get(key)
-            if meta is not None and dst.nbytes >= meta.length:
-                try:
-                    fd = os.open(self._file(key), os.O_RDONLY | (_O_DIRECT if self._direct else 0))
-                except FileNotFoundError:  # removed behind our back
-                    self._forget_locked(key, meta)
-                    meta = None
-                except OSError as exc:
-                    self.stats.add(errors=1)
-                    log.warning("disk tier %s: cannot open %s: %s", self.name, key.hex(), exc.strerror)
-                    return None
-        if meta is None:
-            self.stats.add(misses=1)
+        opened = self._open_indexed(key, dst.nbytes)
+        if opened is None:
             return None
-        if dst.nbytes < meta.length:
-            self.stats.add(errors=1)
-            return None
+        fd, meta = opened
         try:
             if self._direct:
                 self._read_direct(fd, key, meta, dst)
@@ -325,6 +423,45 @@ class DiskTier(Tier):
         self.stats.add(hits=1, bytes_read=meta.length)
         return meta.length
 
+    def _open_indexed(self, key: Key, room: int) -> tuple[int, _Meta] | None:
+        """(descriptor, index record) of ``key``'s file, opened outside the tier lock and
+        without blocking; None (counted) on a miss, a too-small buffer (``room`` bytes), a fault,
+        or a name that is not a regular file (a corrupt miss: dropped). When a put replaced the
+        file between the record and the open, the new record is taken (a few tries)."""
+        for _attempt in range(4):
+            with self._lock:
+                meta = self._index.get(key)
+            if meta is None:
+                self.stats.add(misses=1)
+                return None
+            if room < meta.length:
+                self.stats.add(errors=1)
+                return None
+            try:
+                with self._entry_dir(self._sub(key)) as dfd:  # an indexed key is a valid key
+                    fd, st = open_regular_at(dfd, bytes(key).hex(), _O_DIRECT if self._direct else 0)
+            except FileNotFoundError:  # removed behind our back (or by a delete just now)
+                with self._lock:
+                    self._forget_locked(key, meta)
+                self.stats.add(misses=1)
+                return None
+            except (NotRegularFile, _SkippedDir) as exc:
+                self._drop_corrupt(key, meta, str(exc) or "not a regular file")
+                return None
+            except OSError as exc:
+                self.stats.add(errors=1)
+                log.warning("disk tier %s: cannot open %s: %s", self.name, key.hex(), exc.strerror)
+                return None
+            if (st.st_ino, st.st_dev) == (meta.ino, meta.dev):
+                return fd, meta
+            with self._lock:
+                replaced = self._index.get(key) is not meta
+            if not replaced:
+                return fd, meta  # swapped behind the index: the header and checksum decide
+            os.close(fd)
+        self.stats.add(misses=1)
+        return None
+
     def put(self, key: Key, data, dtype: str = "uint8", shape: tuple[int, ...] | None = None) -> bool:
         """Write ``data`` atomically; False when over capacity (``stats.dropped``) or on a fault
         such as a full disk (``stats.errors``). Never raises for those. The tier keeps no
@@ -336,30 +473,46 @@ class DiskTier(Tier):
             if self._used - (old.length if old else 0) + src.nbytes > self.capacity_bytes:
                 self.stats.add(dropped=1)
                 return False
-        final = self._file(key)
-        tmp = f"{final}.{uuid.uuid4().hex[:12]}{_TMP_SUFFIX}"
+        name = key.hex()
+        tmp = f"{name}.{uuid.uuid4().hex[:12]}{_TMP_SUFFIX}"
         try:
-            with self._write_slots:
-                self._write_file(tmp, header, src)
-            with self._lock:
-                old = self._index.get(key)
-                grow = src.nbytes - (old.length if old else 0)
-                if self._used + grow > self.capacity_bytes:  # concurrent puts filled it meanwhile
-                    unlink_quietly(tmp)
-                    self.stats.add(dropped=1)
+            with self._entry_dir(self._sub(key), create=True) as dfd:
+                if not self._publish(dfd, key, tmp, header, src):
                     return False
-                os.replace(tmp, final)
-                self._index[key] = _Meta(len(header), src.nbytes, _checksum_of(header))
-                self._used += grow
-            if self.config.fsync:
-                fsync_dir(os.path.dirname(final))
+        except _SkippedDir as exc:
+            self._skip(self._sub(key), str(exc))
+            self.stats.add(dropped=1)
+            return False
         except OSError as exc:
-            unlink_quietly(tmp)
             self.stats.add(errors=1)
             log.warning("disk tier %s: write of %s failed: %s", self.name, key.hex(),
                         exc.strerror or exc)
             return False
         self.stats.add(puts=1, bytes_written=src.nbytes)
+        return True
+
+    def _publish(self, dfd: int, key: Key, tmp: str, header: bytes, src: memoryview) -> bool:
+        """Write the temp file in ``dfd`` and rename it over the key's name; False (dropped,
+        temp removed) when concurrent puts filled the capacity meanwhile. OSError for faults
+        (the temp is removed)."""
+        try:
+            with self._write_slots:
+                st = self._write_file(dfd, tmp, header, src)
+            with self._lock:
+                old = self._index.get(key)
+                grow = src.nbytes - (old.length if old else 0)
+                if self._used + grow > self.capacity_bytes:  # concurrent puts filled it meanwhile
+                    unlink_quietly(tmp, dfd)
+                    self.stats.add(dropped=1)
+                    return False
+                os.replace(tmp, key.hex(), src_dir_fd=dfd, dst_dir_fd=dfd)
+                self._index[key] = _Meta(len(header), src.nbytes, _checksum_of(header), st.st_ino, st.st_dev)
+                self._used += grow
+            if self.config.fsync:
+                os.fsync(dfd)
+        except OSError:
+            unlink_quietly(tmp, dfd)
+            raise
         return True
 
     def delete(self, key: Key) -> bool:
@@ -368,9 +521,18 @@ class DiskTier(Tier):
             if meta is None:
                 return False
             self._used -= meta.length
-            unlink_quietly(self._file(key))
+            self._unlink_entry(key)
         self.stats.add(deletes=1)
         return True
+
+    def _unlink_entry(self, key: Key) -> None:
+        """Remove ``key``'s name from its real fan-out directory (no link followed; a
+        directory open never blocks, so this may run under the tier lock)."""
+        try:
+            with self._entry_dir(self._sub(key)) as dfd:
+                unlink_quietly(key.hex(), dfd)
+        except (OSError, _SkippedDir):
+            pass
 
     def close(self) -> None:
         """Forget the index (files stay on disk for the next start), free bounce buffers and
@@ -388,30 +550,64 @@ class DiskTier(Tier):
     # --- file I/O ------------------------------------------------------------------------------
 
     def _file(self, key: Key) -> str:
+        """The key's file path (for people and tests; I/O goes through ``_entry_dir``)."""
         return entry_path(self.path, key, self.config.fanout)
 
-    def _write_file(self, tmp: str, header: bytes, src: memoryview) -> None:
-        if self.config.fanout:
-            os.makedirs(os.path.dirname(tmp), exist_ok=True)
+    def _sub(self, key: Key) -> str:
+        """The fan-out directory name of ``key`` ("" without fan-out)."""
+        return check_key(key).hex()[:2] if self.config.fanout else ""
+
+    def _open_fanout(self, root: int, sub: str, create: bool) -> int:
+        """Descriptor of the real fan-out directory ``sub`` in ``root`` (created with ``mode``
+        when ``create``); _SkippedDir for a symlink or a non-directory."""
+        try:
+            return make_dir_at(root, sub, self._dir_mode, self._gid) if create else open_dir_at(root, sub)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise _SkippedDir("is a symbolic link or not a directory") from None
+            raise
+
+    @contextlib.contextmanager
+    def _entry_dir(self, sub: str, create: bool = False):
+        """The directory descriptor that holds entries of fan-out ``sub`` ("": the root),
+        closed on exit. No open here can block (directories only, no link followed)."""
+        root = os.open(self.path, _DIR_FLAGS)
+        if not sub:
+            try:
+                yield root
+            finally:
+                os.close(root)
+            return
+        try:
+            fd = self._open_fanout(root, sub, create)
+        finally:
+            os.close(root)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _write_file(self, dfd: int, tmp: str, header: bytes, src: memoryview) -> os.stat_result:
+        """Write header + payload to the new file ``tmp`` in ``dfd``; its fstat."""
         if self._direct:
             try:
-                self._write_direct(tmp, header, src)
-                return
+                return self._write_direct(dfd, tmp, header, src)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 log.info("disk tier %s: O_DIRECT write refused (%s); using buffered I/O",
                          self.name, exc.strerror)
                 self._direct = False
-                unlink_quietly(tmp)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                unlink_quietly(tmp, dfd)
+        fd = create_exclusive_at(dfd, tmp, self._mode, self._gid)
         try:
             write_all(fd, [header, src])
             self._settle(fd)
+            return os.fstat(fd)
         finally:
             os.close(fd)
 
-    def _write_direct(self, tmp: str, header: bytes, src: memoryview) -> None:
+    def _write_direct(self, dfd: int, tmp: str, header: bytes, src: memoryview) -> os.stat_result:
         total = len(header) + src.nbytes
         bounce = self._bounce.get()
         try:
@@ -419,11 +615,12 @@ class DiskTier(Tier):
             buf[: len(header)] = header
             buf[len(header) : total] = src
             buf[total : _round_up(total)] = bytes(_round_up(total) - total)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o644)
+            fd = create_exclusive_at(dfd, tmp, self._mode, self._gid, flags=_O_DIRECT)
             try:
                 write_all(fd, [buf[: _round_up(total)]])
                 os.ftruncate(fd, total)
                 self._settle(fd)
+                return os.fstat(fd)
             finally:
                 os.close(fd)
         finally:
@@ -478,7 +675,7 @@ class DiskTier(Tier):
             # Only if nobody replaced it meanwhile: never remove a good new file.
             if self._index.get(key) is meta:
                 self._forget_locked(key, meta)
-                unlink_quietly(self._file(key))
+                self._unlink_entry(key)
 
     def _forget_locked(self, key: Key, meta: _Meta) -> None:
         if self._index.get(key) is meta:
@@ -507,19 +704,32 @@ class _Bounce:
             self._map = None
 
 
-def _read_meta(path: str, key: Key, max_length: int) -> _Meta | None:
-    """Index record from a file's header, or None when the header or the file size is wrong or
-    the header announces more than ``max_length`` payload bytes (a forged or foreign length)."""
+def _read_meta(dfd: int, name: str, key: Key, max_length: int) -> _Meta | None:
+    """Index record from the header of file ``name`` in ``dfd``, or None when it is not a
+    regular file, or the header or the file size is wrong, or the header announces more than
+    ``max_length`` payload bytes (a forged or foreign length)."""
     try:
-        with open(path, "rb", buffering=0) as f:
-            head = f.read(MAX_HEADER_BYTES)
-            size = os.fstat(f.fileno()).st_size
+        fd, st = open_regular_at(dfd, name)
+        try:
+            head = os.pread(fd, MAX_HEADER_BYTES, 0)
+        finally:
+            os.close(fd)
         header = decode_header(head, max_length)
     except (OSError, CorruptEntry):
         return None
-    if header.key != key or size != header.header_bytes + header.length:
+    if header.key != key or st.st_size != header.header_bytes + header.length:
         return None
-    return _Meta(header.header_bytes, header.length, header.checksum)
+    return _Meta(header.header_bytes, header.length, header.checksum, st.st_ino, st.st_dev)
+
+
+def _is_regular_entry(path: str, fanout: bool) -> bool:
+    """Whether ``path`` is a regular file in a real (not symlinked) fan-out directory."""
+    try:
+        if fanout and not stat.S_ISDIR(os.lstat(os.path.dirname(path)).st_mode):
+            return False
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _checksum_of(header_bytes: bytes) -> int:
@@ -561,8 +771,9 @@ class DiskProbe:
         self.fanout = config.fanout
 
     def contains_many(self, keys) -> list[bool]:
-        """Whether a file exists for each key, in order."""
-        return [os.path.exists(entry_path(self.root, k, self.fanout)) for k in keys]
+        """Whether a regular file exists for each key, in order (no link followed, nothing
+        opened: a FIFO or a symlink at the name, or a symlinked fan-out directory, is absent)."""
+        return [_is_regular_entry(entry_path(self.root, k, self.fanout), self.fanout) for k in keys]
 
     def close(self) -> None:
         """Nothing to release (the probe holds no file open)."""
