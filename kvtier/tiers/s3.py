@@ -13,11 +13,12 @@ another node wrote or deleted is seen within ``lookup_cache_ttl_s``. A cached ke
 gone by the time it is read: that read is an ordinary miss.
 
 Byte budget (payload bytes; a listing estimates them from object sizes with a one-dimensional
-header, exact for the default shape): a listing of ``prefix`` (refreshed by ``used_bytes`` when
-older than ``list_interval_s``, never on the lookup path) sums object sizes. When that sum plus
-this process's writes since the listing exceeds ``capacity``, the tier re-lists and deletes the
-objects with the oldest LastModified (batched DeleteObjects) until ``low_watermark x capacity``
-is reached.
+header, exact for the default shape): a listing of ``prefix`` sums object sizes. A background
+thread re-lists every ``list_interval_s`` seconds (0: no background listing; the thread stops in
+``close``); ``used_bytes`` never lists: it answers from a running total, the last listing plus
+this process's puts and deletes since (its own changes made while a listing ran are kept). When
+that total exceeds ``capacity``, the putting thread re-lists and deletes the objects with the
+oldest LastModified (batched DeleteObjects) until ``low_watermark x capacity`` is reached.
 
 Faults: every data call (``get_into``, ``get``, ``put``, ``delete``) returns within ``timeout_s``: requests run on a thread pool and
 the caller stops waiting at the deadline (a late answer is dropped, never written into the
@@ -36,6 +37,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -59,7 +61,7 @@ class S3Config(s3client.S3Config):
     ``max_attempts`` shape the attempts within a data call's deadline (a lookup makes one attempt).
     ``lookup_workers``: concurrent HEADs of one lookup. ``lookup_cache_entries`` /
     ``lookup_cache_ttl_s``: size and trust time of the cache of found/absent answers.
-    ``list_interval_s``: how old the budget listing may be before ``used_bytes`` re-lists;
+    ``list_interval_s``: period of the background budget listing (0: none);
     ``list_timeout_s``: deadline of one listing (``used_bytes``, eviction, ``keys``).
     """
 
@@ -150,9 +152,15 @@ class S3Tier(Tier):
         self._answers = _Answers(config.lookup_cache_entries, config.lookup_cache_ttl_s)
         self._lock = threading.Lock()  # guards the budget listing
         self._known: dict[bytes, tuple[int, float]] = {}  # key -> (object bytes, LastModified ts)
+        self._known_bytes = 0  # sum of the sizes in _known, kept with it
+        self._pending: dict[bytes, tuple[int, float] | None] | None = None  # own changes while listing
+        self._listings = 0  # listings in flight
         self._listed_at = float("-inf")
-        self._written_since_list = 0
         self._closed = False
+        self._stop = threading.Event()
+        if config.list_interval_s > 0:
+            threading.Thread(target=_list_loop, name=f"kvtier-{name}-usage", daemon=True,
+                             args=(weakref.ref(self), self._stop, config.list_interval_s)).start()
 
     def _make_client(self, lookup: bool):
         """A botocore client: data calls get ``max_attempts`` attempts each capped by
@@ -237,17 +245,45 @@ class S3Tier(Tier):
     # -- budget listing (never on the lookup path) -----------------------------------------
 
     def _refresh(self, force: bool = False) -> bool:
-        """Re-list ``prefix`` when the listing is stale (or ``force``); False on a fault."""
+        """Re-list ``prefix`` when the listing is stale (or ``force``); False on a fault. This
+        process's puts and deletes made while the listing ran win over what it saw."""
         if not force and time.monotonic() - self._listed_at < self.config.list_interval_s:
             return True
-        listing = self._within(self._pool, [self._list], self.config.list_timeout_s)[0]
+        with self._lock:
+            self._listings += 1
+            if self._pending is None:
+                self._pending = {}
+        try:
+            listing = self._within(self._pool, [self._list], self.config.list_timeout_s)[0]
+        finally:
+            with self._lock:
+                self._listings -= 1
+                pending = dict(self._pending or {})
+                if not self._listings:
+                    self._pending = None
         if listing is _FAULT or listing is _ABSENT:
             return False
+        total = sum(size for size, _ in listing.values())
         with self._lock:
-            self._known = listing
+            for key, value in pending.items():
+                total -= listing.pop(key, (0, 0.0))[0]
+                if value is not None:
+                    listing[key] = value
+                    total += value[0]
+            self._known, self._known_bytes = listing, total
             self._listed_at = time.monotonic()
-            self._written_since_list = 0
         return True
+
+    def _change_locked(self, key: bytes, value: tuple[int, float] | None) -> None:
+        """Record this process's put (``value``: size, time) or delete (None) of ``key`` in the
+        budget listing and its total (the caller holds ``_lock``)."""
+        old = self._known.pop(key, None) if value is None else self._known.get(key)
+        self._known_bytes -= old[0] if old else 0
+        if value is not None:
+            self._known[key] = value
+            self._known_bytes += value[0]
+        if self._pending is not None:
+            self._pending[key] = value
 
     def _list(self) -> dict[bytes, tuple[int, float]]:
         found: dict[bytes, tuple[int, float]] = {}
@@ -271,10 +307,10 @@ class S3Tier(Tier):
         return int(self.config.capacity)
 
     def used_bytes(self) -> int:
-        """Payload bytes under ``prefix`` at the last listing, with this process's puts/deletes since."""
-        self._refresh()
+        """Payload bytes under ``prefix`` at the last listing, with this process's puts/deletes
+        since: a counter, never a listing (the background thread re-lists)."""
         with self._lock:
-            return sum(size for size, _ in self._known.values())
+            return max(0, self._known_bytes)
 
     def contains(self, key: Key) -> bool:
         return self.contains_many([key])[0]
@@ -358,7 +394,7 @@ class S3Tier(Tier):
     def _forget(self, key: Key, absent: bool) -> None:
         """Drop ``key`` from the budget listing; remember it as absent when it is known to be."""
         with self._lock:
-            self._known.pop(bytes(key), None)
+            self._change_locked(bytes(key), None)
         if absent:
             self._answers.set(bytes(key), False)
 
@@ -400,10 +436,8 @@ class S3Tier(Tier):
             self.stats.add(puts=1, bytes_written=size)
             self._answers.set(key, True)
             with self._lock:
-                old = self._known.get(key, (0, 0.0))[0]
-                self._known[key] = (size, time.time())
-                self._written_since_list += size - old
-                over = over or sum(s for s, _ in self._known.values()) > self.config.capacity
+                self._change_locked(key, (size, time.time()))
+                over = over or self._known_bytes > self.config.capacity
         if over:
             self._evict()
         return ok
@@ -413,7 +447,7 @@ class S3Tier(Tier):
         if not self._refresh(force=True):
             return
         with self._lock:
-            total = sum(size for size, _ in self._known.values())
+            total = self._known_bytes
             if total <= self.config.capacity:
                 return
             goal = self.config.capacity * self.config.low_watermark
@@ -424,7 +458,7 @@ class S3Tier(Tier):
                 victims.append(k)
                 total -= size
             for k in victims:
-                self._known.pop(k, None)
+                self._change_locked(k, None)
         for k in victims:
             self._answers.set(k, False)
         batches = [[{"Key": self._obj(k)} for k in victims[start:start + 1000]]
@@ -440,7 +474,8 @@ class S3Tier(Tier):
         name, bucket = self._obj(key), self.config.bucket
         end = time.monotonic() + self.config.timeout_s
         with self._lock:
-            was_known = self._known.pop(bytes(key), None) is not None
+            was_known = bytes(key) in self._known
+            self._change_locked(bytes(key), None)
         if not was_known:  # perhaps written by another node since the last listing
             found = self._one(lambda: self._client.head_object(Bucket=bucket, Key=name))
             was_known = found is not _FAULT and found is not _ABSENT
@@ -468,6 +503,7 @@ class S3Tier(Tier):
         if self._closed:
             return
         self._closed = True
+        self._stop.set()  # the listing thread ends at its next wake-up (a listing in flight is not waited for)
         for pool in (self._pool, self._lookup_pool):
             pool.shutdown(wait=False, cancel_futures=True)  # a hung request must not block close
         for client in (self._client, self._lookup_client):
@@ -479,6 +515,19 @@ class S3Tier(Tier):
     def __repr__(self) -> str:
         return (f"S3Tier(name={self.name!r}, endpoint={self._endpoint!r}, "
                 f"bucket={self.config.bucket!r}, prefix={self.config.prefix!r})")
+
+
+def _list_loop(ref: "weakref.ref[S3Tier]", stop: threading.Event, interval: float) -> None:
+    """Re-list every ``interval`` seconds until ``stop`` is set or the tier is gone."""
+    while not stop.wait(interval):
+        tier = ref()
+        if tier is None:
+            return
+        try:
+            tier._refresh(force=True)
+        except Exception:  # never kill the thread; the next round tries again
+            tier.stats.add(errors=1)
+        del tier
 
 
 def _validate(config: S3Config, name: str) -> None:
