@@ -17,7 +17,10 @@ traces: --trace FILE holds one key per line, optionally followed by the entry's 
   zipf:ALPHA,KEYS,REQUESTS[,SEED]       e.g. zipf:0.8,50000,500000
   mix:HOT,ALPHA,LOOPKEYS,REQUESTS[,SEED] e.g. mix:2000,0.8,20000,400000 (Zipf over HOT keys
                                         interleaved one-for-one with a loop over LOOPKEYS keys)
+  scan:HOT,ALPHA,SCANLEN,REQUESTS[,SEED] e.g. scan:2000,0.8,5000,400000 (Zipf over HOT keys, every
+                                        SCANLEN of its requests followed by SCANLEN one-off keys)
 'opt' (Belady: evict the key used farthest in the future) is always reported as the bound.
+With --json, wtinylfu-adaptive also reports window_share: [requests seen, share] per period.
 """
 
 
