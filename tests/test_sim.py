@@ -134,7 +134,7 @@ def test_simulate_cli_bad_input_is_one_line(capsys, argv, message):
 
 # -- the adaptive window (issue 25 item 4) --------------------------------------------------
 # Seeds and shapes here are not the ones the climber's settings were tuned on (11, 12, 13, 21).
-ADAPTIVE = "wtinylfu-adaptive"
+ADAPTIVE = "wtinylfu_adaptive"
 
 
 def _recency_trace(n: int, seed: int, span: int = 800) -> Trace:

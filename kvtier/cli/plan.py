@@ -20,7 +20,7 @@ traces: --trace FILE holds one key per line, optionally followed by the entry's 
   scan:HOT,ALPHA,SCANLEN,REQUESTS[,SEED] e.g. scan:2000,0.8,5000,400000 (Zipf over HOT keys, every
                                         SCANLEN of its requests followed by SCANLEN one-off keys)
 'opt' (Belady: evict the key used farthest in the future) is always reported as the bound.
-With --json, wtinylfu-adaptive also reports window_share: [requests seen, share] per period.
+With --json, wtinylfu_adaptive also reports window_share: [requests seen, share] per period.
 """
 
 

@@ -15,7 +15,7 @@ POLICIES: Registry[EvictionPolicy] = Registry(
         "fifo": "kvtier.policies.fifo:FIFOPolicy",
         "s3fifo": "kvtier.policies.s3fifo:S3FIFOPolicy",
         "wtinylfu": "kvtier.policies.wtinylfu:WTinyLFUPolicy",
-        "wtinylfu-adaptive": "kvtier.policies.wtinylfu_adaptive:AdaptiveWTinyLFUPolicy",
+        "wtinylfu_adaptive": "kvtier.policies.wtinylfu_adaptive:AdaptiveWTinyLFUPolicy",
     },
 )
 

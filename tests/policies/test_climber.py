@@ -95,7 +95,7 @@ def test_adaptive_window_climbs_once_full_and_keeps_its_byte_limit():
     rng = random.Random(8)
     capacity = 4000
     keys = [rng.randrange(3000) if rng.random() < 0.5 else rng.randrange(200) for _ in range(30_000)]
-    policy = make_policy("wtinylfu-adaptive", capacity_hint=capacity, min_period=500, period_factor=1)
+    policy = make_policy("wtinylfu_adaptive", capacity_hint=capacity, min_period=500, period_factor=1)
     used = checked = 0
     resident: dict[int, int] = {}
     periods = 0
