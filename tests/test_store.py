@@ -74,8 +74,11 @@ def tier_stats(store: TieredStore, name: str) -> dict:
 
 
 def assert_accounting(store: TieredStore) -> None:
-    """The store's used bytes per tier agree with what the tier itself holds."""
+    """The store's used bytes per tier agree with what the tier itself holds (self-managed
+    tiers, which report their own figures, are left out)."""
     for t, tier in zip(store.stats()["tiers"], store.tiers):
+        if tier.self_managed:
+            continue
         assert t["used_bytes"] == tier.used_bytes(), t["name"]
         assert t["entries"] == len(list(tier.keys())), t["name"]
 
@@ -826,3 +829,176 @@ def test_two_stores_never_manage_one_disk_directory(tmp_path, caplog):
         assert [t.name for t in first.tiers] == ["ram", "disk"]
     with TieredStore.from_config(config(tmp_path)) as third:  # released at close
         assert [t.name for t in third.tiers] == ["ram", "disk"]
+
+
+# ------------------------------------------------------------------------------------ the store lock (issue 25)
+
+
+class GatedDisk(DiskTier):
+    """A disk tier whose chosen methods wait at a gate (a slow link), announcing each entry."""
+
+    gated: frozenset = frozenset()
+
+    def __init__(self, config, name: str = "disk"):
+        super().__init__(config, name=name)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def _wait(self, method: str) -> None:
+        if method in self.gated:
+            self.entered.set()
+            self.gate.wait(30)
+
+    def get_into(self, key, out):
+        self._wait("get_into")
+        return super().get_into(key, out)
+
+    def delete(self, key) -> bool:
+        self._wait("delete")
+        return super().delete(key)
+
+    def used_bytes(self) -> int:
+        self._wait("used_bytes")
+        return super().used_bytes()
+
+
+def _gated_disk(tmp_path, gated: set, name: str = "disk", capacity: int = 4 << 20) -> GatedDisk:
+    disk = GatedDisk(DiskConfig(path=str(tmp_path / name), capacity=capacity, drop_cache=False), name=name)
+    disk.gated = frozenset(gated)
+    return disk
+
+
+def _in_thread(fn) -> tuple[threading.Thread, threading.Event]:
+    done = threading.Event()
+
+    def run():
+        fn()
+        done.set()
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, done
+
+
+def test_a_ram_hit_does_not_wait_for_a_slow_lower_tier_in_stats_or_delete(tmp_path):
+    """A self-managed tier's usage and every lower tier's delete run outside the store lock:
+    while stats() and delete() are stuck on a slow lower tier, a RAM hit on another thread
+    returns. Before issue 25 both held the lock across that I/O."""
+    from kvtier.tiers.fs import FsConfig, FsTier
+
+    class SlowFs(FsTier):
+        gate = threading.Event()
+        entered = threading.Event()
+
+        def used_bytes(self) -> int:
+            self.entered.set()
+            self.gate.wait(30)
+            return super().used_bytes()
+
+    fs = SlowFs(FsConfig(path=str(tmp_path / "fs"), capacity=4 << 20), name="fs")
+    disk = _gated_disk(tmp_path, {"delete"})
+    store = TieredStore([(ram(8), LRUPolicy()), (disk, LRUPolicy()), (fs, None)])
+    try:
+        store.put(key(1), payload(1))
+        store.put(key(2), payload(2))
+        assert store.flush()
+        _, stats_done = _in_thread(store.stats)
+        assert fs.entered.wait(10) and not stats_done.is_set()
+        hit = []
+        _, hit_done = _in_thread(lambda: hit.append(store.get(key(1))))
+        assert hit_done.wait(5), "a RAM hit waited for stats() on a slow tier"
+        assert hit == [payload(1)]
+        fs.gate.set()
+        assert stats_done.wait(10)
+
+        _, delete_done = _in_thread(lambda: store.delete(key(2)))
+        assert disk.entered.wait(10) and not delete_done.is_set()
+        hit.clear()
+        _, hit_done = _in_thread(lambda: hit.append(store.get(key(1))))
+        assert hit_done.wait(5), "a RAM hit waited for delete() on a slow tier"
+        assert hit == [payload(1)]
+        assert store.get(key(2)) is None  # being deleted: already gone as far as readers go
+        disk.gate.set()
+        assert delete_done.wait(10)
+        assert store.flush() and not disk.contains(key(2)) and not fs.contains(key(2))
+        assert_accounting(store)
+    finally:
+        fs.gate.set()
+        disk.gate.set()
+        store.close()
+
+
+def test_delete_during_a_demotion_read_outside_the_lock_wins(tmp_path):
+    """A disk-tier eviction reads its victim (outside the lock) to demote it to the next disk
+    tier; a delete of the victim while that read is under way wins: the demotion never lands."""
+    top = ram(1)
+    disk = _gated_disk(tmp_path, set(), capacity=2 * PAGE)
+    disk2 = _gated_disk(tmp_path, set(), name="disk2")
+    store = TieredStore([(top, LRUPolicy()), (disk, LRUPolicy()), (disk2, LRUPolicy())],
+                        StoreConfig(write_through=False))
+    try:
+        for i in range(3):  # key 0 and 1 demoted to disk, key 2 in RAM
+            store.put(key(i), payload(i))
+            assert store.flush()
+        assert [store.locate(key(i)) for i in range(3)] == ["disk", "disk", "ram"]
+        disk.gated = frozenset({"get_into"})
+        store.put(key(3), payload(3))  # demotes key 2 to disk, which evicts key 0 to disk2
+        assert disk.entered.wait(10)  # the writer reads key 0 for its demotion
+        store.delete(key(0))
+        disk.gate.set()
+        assert store.flush()
+        assert not disk2.contains(key(0)) and store.get(key(0)) is None
+        assert store.stats()["cancelled_writes"] == 1
+        assert store.get(key(1)) == payload(1)  # promoted: evicts again
+        assert store.flush()
+        assert_accounting(store)
+        assert store._ledger.idle()
+    finally:
+        disk.gate.set()
+        store.close()
+
+
+def test_re_put_during_a_slow_lower_delete_lands_after_it(tmp_path):
+    """The lower tier's delete runs outside the lock; a key written again meanwhile has its
+    write-through copy wait for that delete, then land: the tier and the index agree."""
+    disk = _gated_disk(tmp_path, set())
+    store = TieredStore([(ram(8), LRUPolicy()), (disk, LRUPolicy())])
+    try:
+        store.put(key(1), payload(1))
+        assert store.flush() and disk.contains(key(1))
+        disk.gated = frozenset({"delete"})
+        _, deleted = _in_thread(lambda: store.delete(key(1)))
+        assert disk.entered.wait(10)
+        assert store.put(key(1), payload(1))  # written again while the disk delete is stuck
+        assert not store.flush(0.3)  # its copy waits for the delete
+        disk.gated = frozenset()
+        disk.gate.set()
+        assert deleted.wait(10) and store.flush()
+        assert disk.contains(key(1)) and disk.get(key(1)) == payload(1)
+        assert store.locate(key(1)) == "ram"
+        assert_accounting(store)
+        assert store._ledger.idle()
+    finally:
+        disk.gate.set()
+        store.close()
+
+
+def test_a_top_tier_without_an_arena_is_written_outside_the_lock(tmp_path):
+    """A disk tier on top (no arena): puts, evictions with demotion, reads and deletes work, and
+    the top tier's copies reach the next tier with their bytes."""
+    top = DiskTier(DiskConfig(path=str(tmp_path / "top"), capacity=2 * PAGE, drop_cache=False), name="top")
+    disk = DiskTier(DiskConfig(path=str(tmp_path / "d"), capacity=4 << 20, drop_cache=False), name="disk")
+    store = TieredStore([(top, LRUPolicy()), (disk, LRUPolicy())])
+    try:
+        for i in range(4):
+            assert store.put(key(i), payload(i))
+        assert store.flush()
+        assert all(disk.get(key(i)) == payload(i) for i in range(4))
+        assert [store.locate(key(i)) for i in range(4)] == ["disk", "disk", "top", "top"]
+        assert store.get(key(0)) == payload(0) and store.locate(key(0)) == "top"  # promoted
+        store.delete(key(0))
+        assert store.flush() and store.get(key(0)) is None and not disk.contains(key(0))
+        assert_accounting(store)
+        assert store._ledger.idle()
+    finally:
+        store.close()

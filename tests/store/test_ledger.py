@@ -1,0 +1,144 @@
+"""CopyLedger alone (no threads, no tiers): each interleaving of ``kvtier/store/ledger.py``'s
+notes, played as the store plays it (register a copy, carry it out, release it)."""
+
+from __future__ import annotations
+
+import hashlib
+
+from kvtier.store.ledger import CopyLedger
+
+K = hashlib.sha256(b"k").digest()
+J = hashlib.sha256(b"j").digest()
+
+
+def test_delete_during_a_queued_copy_skips_it():
+    ledger = CopyLedger()
+    gen = ledger.begin_write_through(K)  # queued, not yet run
+    ledger.begin_delete(K)
+    ledger.end_delete(K)
+    assert ledger.deleted_since(K, gen)  # the writer, when it runs: skip
+    ledger.read_top(K)
+    ledger.end_copy(K)
+    assert ledger.idle()
+
+
+def test_delete_during_an_in_flight_copy_undoes_its_put():
+    ledger = CopyLedger()
+    gen = ledger.begin_write_through(K)
+    assert not ledger.deleted_since(K, gen)  # before the put: go
+    ledger.read_top(K)
+    ledger.begin_in_flight(K)
+    assert not ledger.demotable(K)  # an eviction now must not demote it as well
+    ledger.begin_delete(K)  # while the put runs
+    ledger.end_delete(K)
+    assert ledger.deleted_since(K, gen)  # after the put: undo it
+    ledger.end_in_flight(K)
+    ledger.end_copy(K)
+    assert ledger.idle()
+
+
+def test_delete_during_a_demotion_being_read_wins():
+    """The demotion is registered when the eviction is decided, before its bytes are read
+    outside the lock: a delete in that gap tombstones it, and it is skipped when it runs."""
+    ledger = CopyLedger()
+    gen = ledger.begin_copy(K)  # eviction decided: demote K from level 1 to 2
+    ledger.begin_removal(1, K)
+    ledger.begin_delete(K)  # the delete sees the key pending
+    ledger.end_delete(K)
+    ledger.end_removal(1, K)  # bytes read, tier delete done: the demotion is queued under gen
+    assert ledger.deleted_since(K, gen)
+    ledger.end_copy(K)
+    assert ledger.idle()
+
+
+def test_re_put_after_delete_lands_while_the_older_copy_is_skipped():
+    ledger = CopyLedger()
+    old = ledger.begin_write_through(K)
+    ledger.begin_delete(K)
+    ledger.end_delete(K)
+    new = ledger.begin_write_through(K)  # written again after the delete
+    assert ledger.deleted_since(K, old)
+    assert not ledger.deleted_since(K, new)
+    for _ in range(2):
+        ledger.read_top(K)
+        ledger.end_copy(K)
+    assert ledger.idle()
+
+
+def test_re_put_after_delete_with_nothing_pending_carries_the_current_generation():
+    ledger = CopyLedger()
+    ledger.begin_delete(K)  # nothing pending: no tombstone kept
+    ledger.end_delete(K)
+    assert ledger.idle()
+    gen = ledger.begin_copy(K)
+    assert not ledger.deleted_since(K, gen)
+    ledger.end_copy(K)
+    assert ledger.idle()
+
+
+def test_a_delete_counts_once_per_key_and_tombstones_go_with_the_last_copy():
+    ledger = CopyLedger()
+    a, b = ledger.begin_copy(K), ledger.begin_copy(J)
+    seq = ledger.delete_seq
+    ledger.begin_delete(K)
+    assert ledger.delete_seq == seq + 1 and ledger.is_deleting(K) and not ledger.is_deleting(J)
+    ledger.end_delete(K)
+    assert ledger.deleted_since(K, a) and not ledger.deleted_since(J, b)
+    second = ledger.begin_copy(K)  # registered after the delete: current
+    ledger.end_copy(K)
+    assert not ledger.deleted_since(K, second)  # the tombstone stays while a copy is pending
+    ledger.end_copy(K)
+    ledger.end_copy(J)
+    assert ledger.idle()
+
+
+def test_orphan_bytes_live_only_while_a_write_through_copy_is_queued():
+    ledger = CopyLedger()
+    ledger.keep_orphan(K, b"x")  # nothing queued: nothing would release them
+    assert ledger.orphan(K) is None
+    ledger.begin_write_through(K)
+    ledger.begin_write_through(K)
+    ledger.keep_orphan(K, b"x")
+    ledger.read_top(K)
+    assert ledger.orphan(K) == b"x"  # one copy still to read them
+    ledger.read_top(K)
+    assert ledger.orphan(K) is None
+    ledger.begin_write_through(K)
+    ledger.keep_orphan(K, b"y")
+    ledger.begin_delete(K)  # a delete drops them: the queued copy must not bring the key back
+    assert ledger.orphan(K) is None
+    ledger.end_delete(K)
+    ledger.read_top(K)
+    ledger.end_copy(K)
+    ledger.end_copy(K)
+    ledger.end_copy(K)
+    assert ledger.idle()
+
+
+def test_removals_and_stores_are_per_level_and_nest():
+    ledger = CopyLedger()
+    ledger.begin_removal(1, K)
+    ledger.begin_removal(1, K)
+    assert ledger.removing(1, K) and not ledger.removing(2, K) and not ledger.removing(1, J)
+    ledger.end_removal(1, K)
+    assert ledger.removing(1, K)  # a put of K into level 1 still waits
+    ledger.end_removal(1, K)
+    assert not ledger.removing(1, K)
+    ledger.begin_store(0, K)
+    assert ledger.storing(0, K) and not ledger.storing(1, K) and not ledger.idle()
+    ledger.end_store(0, K)
+    assert ledger.idle()
+
+
+def test_demotable_unless_a_write_through_copy_is_on_its_way():
+    ledger = CopyLedger()
+    assert ledger.demotable(K)
+    ledger.begin_write_through(K)
+    assert not ledger.demotable(K) and ledger.is_queued(K)
+    ledger.read_top(K)
+    assert ledger.demotable(K)  # read, not yet holding bytes: gave up
+    ledger.begin_in_flight(K)
+    assert not ledger.demotable(K) and ledger.is_in_flight(K)
+    ledger.end_in_flight(K)
+    ledger.end_copy(K)
+    assert ledger.demotable(K) and ledger.idle()
