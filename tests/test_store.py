@@ -1002,3 +1002,12 @@ def test_a_top_tier_without_an_arena_is_written_outside_the_lock(tmp_path):
         assert store._ledger.idle()
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("field, value", [("writer_nice", 20), ("writer_nice", -1), ("max_entry_bytes", 0),
+                                          ("write_queue_depth", 0)])
+def test_a_store_config_built_by_hand_is_held_to_the_declared_ranges(field, value):
+    """Before issue 25 only ``write_queue_depth`` was checked by hand outside ``build``."""
+    with pytest.raises(ConfigError) as info:
+        StoreConfig(**{field: value})
+    assert f"store.{field}: must be in" in str(info.value) and "\n" not in str(info.value)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvtier.config import Size, ranged
+from kvtier.config import Size, ranged, validate
 from kvtier.errors import ConfigError
 from kvtier.policies.admission import AdmissionConfig
 from kvtier.tiers.registry import TierSpec, parse_tier_spec
@@ -47,10 +47,12 @@ class StoreConfig:
     writer_nice: int = ranged(0, ge=0, le=19)
 
     def __post_init__(self):
-        if not self.tiers:
-            raise ConfigError("store.tiers: at least one tier is needed")
-        if self.write_queue_depth < 1:
-            raise ConfigError(f"store.write_queue_depth: must be in [1, inf), got {self.write_queue_depth!r}")
+        validate(self, "store")  # the declared ranges, also for a config built by hand
         # specs given as mappings (a config built by hand) are parsed here; built ones pass through
         specs = [parse_tier_spec(spec, f"store.tiers[{i}]") for i, spec in enumerate(self.tiers)]
         object.__setattr__(self, "tiers", specs)
+
+    def check(self, where: str) -> None:
+        """What the field declarations cannot say (``validate`` calls it after the ranges)."""
+        if not self.tiers:
+            raise ConfigError(f"{where}.tiers: at least one tier is needed")
