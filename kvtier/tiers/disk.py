@@ -206,6 +206,7 @@ class DiskTier(Tier):
             ) from None
         try:
             self._refuse_untrusted(root, self.path)
+            self._refuse_untrusted_fanouts(root)
             os.close(create_exclusive_at(root, probe, self._mode, self._gid))
             os.unlink(probe, dir_fd=root)
         except OSError as exc:
@@ -214,6 +215,20 @@ class DiskTier(Tier):
             ) from None
         finally:
             os.close(root)
+
+    def _refuse_untrusted_fanouts(self, root: int) -> None:
+        """``_refuse_untrusted`` for each real fan-out directory, before anything is written."""
+        with os.scandir(root) as it:
+            subs = sorted(e.name for e in it if _FANOUT_DIR.match(e.name))
+        for sub in subs:
+            try:
+                fd = self._open_fanout(root, sub, create=False)
+            except (_SkippedDir, OSError):
+                continue  # skipped (and counted) by the scan
+            try:
+                self._refuse_untrusted(fd, os.path.join(self.path, sub))
+            finally:
+                os.close(fd)
 
     def _refuse_untrusted(self, fd: int, path: str) -> None:
         """TierUnavailable (one line) unless the directory ``fd`` belongs to this user or root
