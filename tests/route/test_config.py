@@ -28,15 +28,15 @@ def test_yaml_file_and_flags_override(tmp_path):
 
 
 @pytest.mark.parametrize("data, fragment", [
-    ({"engines": ["http://a"], "bogus": 1}, "unknown key(s) bogus; valid:"),
+    ({"engines": ["http://a"], "bogus": 1}, "route: unknown key 'bogus'; valid keys:"),
     ({"engines": []}, "at least one --engine"),
     ({"engines": ["a:1"]}, "must start with http://"),
     ({"engines": ["http://a", "http://a"]}, "twice"),
     ({"engines": [{"url": "http://a", "kv_events": "udp://x"}]}, "tcp://"),
-    ({"engines": ["http://a"], "prefix_weight": "x"}, "prefix_weight must be a number"),
+    ({"engines": ["http://a"], "prefix_weight": "x"}, "route.prefix_weight: expected a"),
     ({"engines": ["http://a"], "balance_ratio": 0.5}, "balance_ratio"),
     ({"engines": ["http://a"], "health_interval_s": 0}, "health_interval_s"),
-    ({"engines": [{"uri": "http://a"}]}, "engine: unknown key(s) uri"),
+    ({"engines": [{"uri": "http://a"}]}, "route.engines[0]: unknown key 'uri'"),
 ])
 def test_bad_config_is_one_config_error(data, fragment):
     with pytest.raises(ConfigError) as info:
