@@ -29,6 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, default=16, help="parallel ranged GETs (default 16)")
     p.add_argument("--block-size", default="16MiB", help="bytes per ranged GET (default 16MiB)")
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL, else AWS)")
+    _max_object_size(p)
     _common(p)
     p.set_defaults(func=_pull)
 
@@ -62,6 +63,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_load)
 
 
+def _max_object_size(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-object-size", default="1TiB",
+                   help="refuse objects listed or sized larger than this (default 1TiB)")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -73,6 +79,7 @@ def _reader_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-limit", default="1GiB", help="bytes of tensors read ahead at most (default 1GiB)")
     p.add_argument("--check-values", action="store_true", help="reject NaN/Inf")
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL)")
+    _max_object_size(p)
     _common(p)
 
 
@@ -83,7 +90,7 @@ def _reader_config(args):
     return build(ReaderConfig, {
         "concurrency": args.concurrency, "block_size": args.block_size,
         "memory_limit": args.memory_limit, "check_values": args.check_values,
-        "endpoint_url": args.endpoint_url,
+        "endpoint_url": args.endpoint_url, "max_object_size": args.max_object_size,
     }, "loader")
 
 
@@ -105,11 +112,14 @@ def _pull(args) -> int:
     from kvtier.loader.sources.s3 import S3Config
 
     start = time.perf_counter()
-    s3 = S3Config(max_pool_connections=args.concurrency + 4, endpoint_url=args.endpoint_url)
+    max_size = parse_size(args.max_object_size, "--max-object-size")
+    s3 = S3Config(max_pool_connections=args.concurrency + 4, endpoint_url=args.endpoint_url,
+                  max_object_size=max_size)
     with _progress(args, "pull") as bar:  # a tqdm without a total has no truth value: test for None
         result = pull(args.uri, args.cache_dir, args.concurrency, parse_size(args.block_size, "--block-size"),
                       {"config": s3}, on_bytes=bar.update if bar is not None else None,
-                      on_total=(lambda n: _set_total(bar, n)) if bar is not None else None)
+                      on_total=(lambda n: _set_total(bar, n)) if bar is not None else None,
+                      max_object_size=max_size)
     secs = time.perf_counter() - start
     out = {"path": result.path, "downloaded": result.downloaded, "bytes": result.bytes_downloaded,
            "files": result.files, "seconds": secs,

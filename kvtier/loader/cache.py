@@ -6,8 +6,22 @@ once: an exclusive ``flock`` on a lock file beside the directory lets one downlo
 others wait, then find the completion marker and return at once. Each file is written as
 ``NAME.partial`` with a journal of finished blocks (``NAME.partial.done``), so a killed pull
 resumes where it stopped; a file is renamed into place only when its size matches the
-listing, and the marker (``.kvtier-complete``, JSON of names and sizes) is written last,
-atomically. A directory with a marker is trusted only while every file still has its size.
+listing, and the marker (``.kvtier-complete``, JSON of names, sizes and versions) is written
+last, atomically. A directory with a marker is trusted only while every file still has its size.
+
+What a listing may not do (each refused in one line before any object is read):
+- name a path outside the cache: names are relative, of non-empty segments without ``.``,
+  ``..``, backslashes or control characters (NUL included), and not kvtier's own bookkeeping
+  names; every directory on the way must be a real directory that resolves under the cache;
+- claim a size that is not a byte count, exceeds ``max_object_size`` (default 1 TiB), or that
+  together with the rest does not fit the cache's free space.
+
+One version per file: the source's version (an S3 ETag) is pinned at its HEAD and every ranged
+GET is held to it (If-Match). The journal's first line records (size, block size, version); a
+journal of another size, block size or version is discarded and the file starts over. An object
+replaced during the pull restarts its file from scratch, at most ``version_retries`` times,
+then the pull fails in one line. Files finished by an unfinished pull are recorded with their
+versions in ``.kvtier-pulling`` and fetched again on the next pull if their object changed.
 """
 
 from __future__ import annotations
@@ -15,16 +29,24 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import stat
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable
 
-from kvtier.errors import LoaderError
+from kvtier.config import format_bytes
+from kvtier.errors import ConfigError, LoaderError
 from kvtier.loader.sources import open_source, scheme_of, source_class
+from kvtier.loader.sources.base import VersionChanged
 
 MARKER = ".kvtier-complete"
+PROGRESS = ".kvtier-pulling"
 MiB = 1024 * 1024
+DEFAULT_MAX_OBJECT_SIZE = 1024 ** 4  # 1 TiB (the s3 source's default too)
+JOURNAL_TAG = "kvtier-journal "
+_PARTIAL, _JOURNAL = ".partial", ".partial.done"
+_MAX_SEGMENT = 255 - len(_JOURNAL)  # NAME_MAX, less the journal's suffix
 
 
 @dataclass(frozen=True)
@@ -42,7 +64,7 @@ def cache_path(cache_dir: str, uri: str) -> str:
     scheme = scheme_of(uri)
     rest = uri.split("://", 1)[1] if "://" in uri else uri
     parts = [p for p in rest.strip("/").split("/") if p]
-    if not parts or any(p in (".", "..") for p in parts):
+    if not parts or any(p in (".", "..") or "\0" in p for p in parts):
         raise LoaderError(f"{uri}: cannot map to a cache directory")
     return os.path.join(os.path.abspath(cache_dir), scheme, *parts)
 
@@ -59,16 +81,22 @@ def is_complete(path: str) -> bool:
 
 def pull(uri: str, cache_dir: str, concurrency: int = 16, block_size: int = 16 * MiB,
          source_kwargs: dict | None = None, on_bytes: Callable[[int], None] | None = None,
-         on_total: Callable[[int], None] | None = None) -> PullResult:
+         on_total: Callable[[int], None] | None = None, max_object_size: int = DEFAULT_MAX_OBJECT_SIZE,
+         version_retries: int = 3) -> PullResult:
     """Download ``uri``'s objects into the node cache once; return where they are.
 
-    Blocks while another process holds the download lock for the same ``uri``.
+    Blocks while another process holds the download lock for the same ``uri``. The listing is
+    checked whole (names, sizes, free space) before any object is read; LoaderError in one line
+    otherwise. An object replaced mid-pull restarts its file, at most ``version_retries`` times.
     """
+    if block_size < 1 or max_object_size < 1 or version_retries < 0:
+        raise ConfigError(f"pull: block_size and max_object_size must be >= 1 and version_retries >= 0, got "
+                          f"{block_size}, {max_object_size}, {version_retries}")
     dest = cache_path(cache_dir, uri)
     if is_complete(dest):
         return PullResult(dest, False, 0, _count(dest))
     os.makedirs(dest, exist_ok=True)
-    lock_fd = os.open(dest.rstrip("/") + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    lock_fd = os.open(dest.rstrip("/") + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)  # held by one downloader per node; others wait here
         if is_complete(dest):
@@ -76,23 +104,112 @@ def pull(uri: str, cache_dir: str, concurrency: int = 16, block_size: int = 16 *
         listing = source_class(uri).list_dir(uri, **_kw(uri, source_kwargs or {}))
         if not listing:
             raise LoaderError(f"{uri}: no objects to pull")
-        if on_total is not None:
-            on_total(sum(size for _, size in listing))
-        got = 0
         base = uri.rstrip("/")
-        for name, size in listing:
-            got += _fetch(f"{base}/{name}", os.path.join(dest, name), size, concurrency, block_size,
-                          source_kwargs or {}, on_bytes)
-        marker = {"uri": uri, "files": dict(listing)}
-        tmp = os.path.join(dest, f"{MARKER}.tmp.{os.getpid()}")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(marker, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(dest, MARKER))
-        return PullResult(dest, True, got, len(listing))
+        plan = check_listing(base, dest, listing, max_object_size)
+        check_space(uri, dest, plan)
+        if on_total is not None:
+            on_total(sum(size for _, _, size in plan))
+        finished = _read_progress(dest)
+        versions: dict[str, str | None] = {}
+        counter = [0]
+        for name, path, size in plan:
+            versions[name] = _fetch(f"{base}/{name}", dest, name, path, size, concurrency, block_size,
+                                    source_kwargs or {}, on_bytes, finished.get(name), version_retries, counter)
+            finished[name] = versions[name]
+            _write_json(dest, PROGRESS, finished)
+        _write_json(dest, MARKER, {"uri": uri, "files": {n: s for n, _, s in plan}, "versions": versions})
+        try:
+            os.unlink(os.path.join(dest, PROGRESS))
+        except FileNotFoundError:
+            pass
+        return PullResult(dest, True, counter[0], len(plan))
     finally:
         os.close(lock_fd)  # releases the flock
+
+
+def name_problem(name: object) -> str | None:
+    """Why ``name`` cannot be a path under the cache directory (None: it can).
+
+    Accepted: relative names of ``/``-separated non-empty segments, none ``.`` or ``..``, none
+    longer than 242 bytes, with no backslash and no control character, and not one of kvtier's
+    bookkeeping names (``.kvtier-*`` at the top, ``*.partial``, ``*.partial.done``).
+    """
+    if not isinstance(name, str) or not name:
+        return "an empty name"
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return "a control character (NUL included)"
+    if "\\" in name:
+        return "a backslash (a Windows path)"
+    if name.startswith("/"):
+        return "an absolute path"
+    segments = name.split("/")
+    if "" in segments:
+        return "an empty segment ('//' or a trailing '/')"
+    if any(seg in (".", "..") for seg in segments):
+        return "a '.' or '..' segment"
+    try:
+        if any(len(seg.encode("utf-8")) > _MAX_SEGMENT for seg in segments):
+            return f"a segment longer than {_MAX_SEGMENT} bytes"
+    except UnicodeEncodeError:
+        return "characters that are not UTF-8"
+    if segments[0].startswith(".kvtier-") or segments[-1].endswith((_PARTIAL, _JOURNAL)):
+        return "a name kvtier uses for its own bookkeeping"
+    return None
+
+
+def check_listing(base: str, dest: str, listing, max_object_size: int) -> list[tuple[str, str, int]]:
+    """``[(name, local path, size)]`` for a listing, or LoaderError (one line) for the first
+    name that cannot be a path under ``dest`` or size that is not a byte count up to
+    ``max_object_size``. Pure: nothing is created or read."""
+    plan, seen = [], set()
+    for name, size in listing:
+        problem = name_problem(name)
+        if problem is None and name in seen:
+            problem = "a duplicate of a name listed before"
+        if problem is not None:
+            raise LoaderError(f"{base}/: refusing object name {str(name)[:200]!r}: it has {problem}; names must be "
+                              "relative paths of non-empty segments without '.', '..', backslashes or control "
+                              "characters")
+        if type(size) is not int or size < 0:
+            raise LoaderError(f"{base}/{name}: listed size {str(size)[:40]!r} is not a byte count; refusing the listing")
+        if size > max_object_size:
+            raise LoaderError(f"{base}/{name}: listed size {size:,} bytes exceeds the maximum object size "
+                              f"{max_object_size:,} bytes ({format_bytes(max_object_size)}); raise it with "
+                              "--max-object-size (max_object_size) if the object is real")
+        seen.add(name)
+        plan.append((name, os.path.join(dest, *name.split("/")), size))
+    return plan
+
+
+def check_space(uri: str, dest: str, plan: list[tuple[str, str, int]]) -> None:
+    """LoaderError (one line) when the bytes still to download exceed ``dest``'s free space.
+
+    Files already in place at their size count nothing; a partial file counts its allocated bytes
+    as already held."""
+    need = 0
+    for _, path, size in plan:
+        if _regular_size(path) == size:
+            continue
+        held = 0
+        try:
+            held = min(size, os.lstat(path + _PARTIAL).st_blocks * 512)
+        except OSError:
+            pass
+        need += size - held
+    st = os.statvfs(dest)
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise LoaderError(f"{uri}: the listing needs {format_bytes(need)} ({need:,} bytes) more in {dest}, which has "
+                          f"{format_bytes(free)} free; free space or choose another --cache-dir")
+
+
+def _regular_size(path: str) -> int | None:
+    """The size of ``path`` when it is a regular file (not a link), else None."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _count(path: str) -> int:
@@ -103,25 +220,128 @@ def _count(path: str) -> int:
         return 0
 
 
-def _fetch(uri: str, path: str, size: int, concurrency: int, block_size: int,
-           source_kwargs: dict, on_bytes) -> int:
-    """Download one object to ``path`` (resuming a partial one); return the bytes fetched now."""
-    if os.path.exists(path) and os.path.getsize(path) == size:
-        return 0
-    partial, journal = path + ".partial", path + ".partial.done"
-    done = _read_journal(journal) if os.path.exists(partial) else set()
-    blocks = [b for b in range((size + block_size - 1) // block_size) if b not in done]
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT, 0o644)
+def _write_json(dest: str, name: str, value: dict) -> None:
+    """Write ``dest/name`` atomically and durably."""
+    tmp = os.path.join(dest, f"{name}.tmp.{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(value, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(dest, name))
+
+
+def _read_progress(dest: str) -> dict[str, str | None]:
+    """``{name: version}`` of files an unfinished pull completed (empty when absent or unreadable)."""
+    try:
+        with open(os.path.join(dest, PROGRESS), encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(value, dict):
+        return {}
+    return {k: v for k, v in value.items() if isinstance(k, str) and (v is None or isinstance(v, str))}
+
+
+def _parent_dirs(uri: str, dest: str, name: str, path: str) -> None:
+    """Create the directories of ``name`` under ``dest``, each a real directory (no link) that
+    resolves under ``dest``; LoaderError otherwise."""
+    cur = dest
+    for seg in name.split("/")[:-1]:
+        cur = os.path.join(cur, seg)
+        try:
+            os.mkdir(cur, 0o755)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise LoaderError(f"{uri}: cannot create {cur} ({exc.strerror})") from None
+        if not stat.S_ISDIR(os.lstat(cur).st_mode):
+            raise LoaderError(f"{uri}: refusing object name {name!r}: {cur} is not a real directory, so the path "
+                              "resolves outside the cache directory")
+    root = os.path.realpath(dest)
+    parent = os.path.realpath(os.path.dirname(path))
+    if parent != root and not parent.startswith(root + os.sep):
+        raise LoaderError(f"{uri}: refusing object name {name!r}: it resolves outside the cache directory {dest}")
+
+
+def _fetch(uri: str, dest: str, name: str, path: str, size: int, concurrency: int, block_size: int,
+           source_kwargs: dict, on_bytes, finished_version: str | None, retries: int,
+           counter: list[int]) -> str | None:
+    """Bring ``path`` to one whole version of ``uri`` (resuming a partial copy of that version);
+    return the version. Adds the bytes fetched to ``counter[0]``. A file already in place counts
+    when the object's version is the one it was fetched at (or the source has no versions)."""
+    _parent_dirs(uri, dest, name, path)
+    last: VersionChanged | None = None
+    for _ in range(retries + 1):
+        with open_source(uri, **_kw(uri, source_kwargs)) as src:
+            actual = src.size()
+            if actual != size:
+                raise LoaderError(f"{uri}: size {actual:,} bytes differs from the listed {size:,} (the object changed "
+                                  "since the listing); run the pull again")
+            version = src.version()
+            if _regular_size(path) == size and (version is None or version == finished_version):
+                return version
+            try:
+                _download(src, path, size, block_size, concurrency, version, on_bytes, counter)
+                return version
+            except VersionChanged as exc:
+                last = exc
+                _discard(path)
+    raise LoaderError(f"{uri}: the object changed {retries + 1} times while it was pulled ({last}); giving up, "
+                      "run the pull again once it is stable")
+
+
+def _discard(path: str) -> None:
+    """Remove a partial copy and its journal (the next attempt starts from scratch)."""
+    for p in (path + _PARTIAL, path + _JOURNAL):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
+def _journal_header(size: int, block_size: int, version: str | None) -> str:
+    """The journal's first line: what its block numbers are valid for."""
+    return JOURNAL_TAG + json.dumps({"size": size, "block": block_size, "version": version}, sort_keys=True)
+
+
+def _read_journal_header(journal: str) -> str | None:
+    try:
+        with open(journal, encoding="utf-8", errors="replace") as f:
+            return f.readline(64 * 1024).rstrip("\n")
+    except OSError:
+        return None
+
+
+def _download(src, path: str, size: int, block_size: int, concurrency: int, version: str | None,
+              on_bytes, counter: list[int]) -> None:
+    """Fetch the blocks of ``src`` the journal does not hold into ``path.partial``, then rename it
+    to ``path``. At most ``2 * concurrency`` blocks are outstanding; the first failure stops the
+    rest and is raised (VersionChanged when the object was replaced)."""
+    partial, journal = path + _PARTIAL, path + _JOURNAL
+    header = _journal_header(size, block_size, version)
+    nblocks = (size + block_size - 1) // block_size
+    done: set[int] = set()
+    if _regular_size(partial) == size and _read_journal_header(journal) == header:
+        done = {b for b in _read_journal(journal) if b < nblocks}
+    try:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise LoaderError(f"{src.uri}: cannot write {partial} ({exc.strerror})") from None
     jlock = threading.Lock()
     local = threading.local()
-    fetched = 0
+    stop = threading.Event()
     try:
+        if not done:
+            os.ftruncate(fd, 0)  # bytes of another version or block size are never kept
         os.ftruncate(fd, size)
-        with open(journal, "a" if done else "w", encoding="ascii") as jf, open_source(uri, **_kw(uri, source_kwargs)) as src:
-            if src.size() != size:
-                raise LoaderError(f"{uri}: size changed during pull ({src.size()} != {size})")
+        with open(journal, "a" if done else "w", encoding="utf-8") as jf:
+            if not done:
+                jf.write(header + "\n")
+                jf.flush()
 
             def one(b: int) -> int:
+                if stop.is_set():
+                    return 0
                 off = b * block_size
                 n = min(block_size, size - off)
                 buf = getattr(local, "buf", None)
@@ -138,22 +358,52 @@ def _fetch(uri: str, path: str, size: int, concurrency: int, block_size: int,
                     jf.flush()
                 return n
 
-            with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="kvtier-pull") as pool:
-                for n in pool.map(one, blocks):
-                    fetched += n
-                    if on_bytes is not None:
-                        on_bytes(n)
+            _run_blocks(one, (b for b in range(nblocks) if b not in done), concurrency, stop, on_bytes, counter)
         os.fsync(fd)
+    except OSError as exc:
+        raise LoaderError(f"{src.uri}: cannot write {partial} ({exc.strerror})") from None
     finally:
         os.close(fd)
-    if os.path.getsize(partial) != size:
-        raise LoaderError(f"{uri}: downloaded size {os.path.getsize(partial)} != listed {size}")
+    if _regular_size(partial) != size:
+        raise LoaderError(f"{src.uri}: downloaded size {_regular_size(partial)} != listed {size}")
     os.replace(partial, path)
     os.unlink(journal)
-    return fetched
+
+
+def _run_blocks(one, blocks, concurrency: int, stop: threading.Event, on_bytes, counter: list[int]) -> None:
+    """Run ``one(b)`` for every block on ``concurrency`` threads, at most ``2 * concurrency``
+    submitted at a time (memory independent of the object's size); raise the first failure."""
+    threads = max(1, concurrency)
+    error: BaseException | None = None
+    with ThreadPoolExecutor(threads, thread_name_prefix="kvtier-pull") as pool:
+        pending: set = set()
+        it = iter(blocks)
+        while True:
+            while error is None and len(pending) < 2 * threads:
+                b = next(it, None)
+                if b is None:
+                    break
+                pending.add(pool.submit(one, b))
+            if not pending:
+                break
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                exc = fut.exception()
+                if exc is not None:
+                    if error is None:
+                        error = exc
+                    stop.set()
+                    continue
+                n = fut.result()
+                counter[0] += n
+                if on_bytes is not None and n:
+                    on_bytes(n)
+    if error is not None:
+        raise error
 
 
 def _read_journal(journal: str) -> set[int]:
+    """Block numbers a journal records (its header line and a line cut short by a kill are ignored)."""
     try:
         with open(journal, encoding="ascii", errors="replace") as f:
             lines = f.read().split("\n")[:-1]  # a line cut short by a kill has no newline: ignored

@@ -47,7 +47,12 @@ _MAX_SEGMENTS = 512  # below IOV_MAX (1024) for preadv
 
 @dataclass(frozen=True)
 class ReaderConfig:
-    """Streaming reader settings. ``concurrency`` 0 means the source's default (16)."""
+    """Streaming reader settings. ``concurrency`` 0 means the source's default (16).
+
+    ``max_object_size``: an ``s3://`` object whose HEAD reports more is refused before any read.
+    Each S3 object is read at the version (ETag) its first HEAD pinned: an object replaced while
+    it is streamed ends the stream with a LoaderError ("changed while it was read"), never a
+    tensor of mixed versions; a ranged GET not answered 206 with its exact Content-Range is refused."""
 
     concurrency: int = 0
     block_size: Size = Size(16 * MiB)
@@ -57,9 +62,10 @@ class ReaderConfig:
     device: str = "cpu"
     endpoint_url: str | None = None
     local_mode: str = "auto"
+    max_object_size: Size = Size(1024 ** 4)  # S3 objects larger than this are refused at their HEAD
 
     def __post_init__(self):
-        for name in ("block_size", "memory_limit", "max_gap"):
+        for name in ("block_size", "memory_limit", "max_gap", "max_object_size"):
             value = getattr(self, name)
             if not isinstance(value, int):
                 object.__setattr__(self, name, parse_size(value, name))
@@ -69,6 +75,8 @@ class ReaderConfig:
             raise ConfigError(f"block_size must be at least 4 KiB, got {self.block_size}")
         if self.memory_limit < self.block_size:
             raise ConfigError(f"memory_limit ({self.memory_limit}) must be at least block_size ({self.block_size})")
+        if self.max_object_size < 1:
+            raise ConfigError(f"max_object_size must be at least 1 byte, got {self.max_object_size}")
         if self.local_mode not in LOCAL_MODES:
             raise ConfigError(f"local_mode must be one of {', '.join(LOCAL_MODES)}, got {self.local_mode!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -488,7 +496,8 @@ def _open(uri: str, config: ReaderConfig) -> Source:
         from kvtier.loader.sources.s3 import S3Config
 
         conc = max(config.concurrency or 16, 10)
-        return open_source(uri, config=S3Config(endpoint_url=config.endpoint_url, max_pool_connections=conc + 4))
+        return open_source(uri, config=S3Config(endpoint_url=config.endpoint_url, max_pool_connections=conc + 4,
+                                                max_object_size=config.max_object_size))
     return open_source(uri)
 
 

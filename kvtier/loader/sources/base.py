@@ -1,7 +1,9 @@
 """The loader's source protocol: random-access reads of one object (a file, an S3 object).
 
 A backend implements ``size`` and ``read_into``; everything else (``read``, the header, the
-streaming reader) is built on those two. ``list_dir`` lists a directory or prefix of such
+streaming reader) is built on those two. ``version`` names the content a source reads (an S3
+ETag, pinned when the size is first asked): every later read is of that content or fails with
+``VersionChanged``, never a mix of two versions. ``list_dir`` lists a directory or prefix of such
 objects. Sources are thread-safe: the streaming reader calls ``read_into`` from many threads.
 """
 
@@ -33,6 +35,11 @@ class Source(abc.ABC):
         Raises LoaderError on a short read or after retries are exhausted. Thread-safe.
         """
 
+    def version(self) -> str | None:
+        """The pinned identity of the object's content (S3: its ETag, taken once with the size);
+        None when the source cannot tell (then only the size is known to be stable)."""
+        return None
+
     def read(self, offset: int, length: int) -> bytes:
         """``length`` bytes at ``offset`` (for headers and small reads)."""
         buf = bytearray(length)
@@ -56,6 +63,11 @@ class Source(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
+
+
+class VersionChanged(LoaderError):
+    """The object was replaced after its version was pinned (S3: If-Match failed, or another
+    ETag came back): the bytes read so far belong to a version that no longer exists."""
 
 
 def short_read(uri: str, offset: int, wanted: int, got: int) -> LoaderError:

@@ -3,19 +3,36 @@
 Where and as whom (endpoint, region, credentials, addressing) as in ``kvtier.s3client``, which
 builds the client (the ``s3`` tier builds its clients there too). Transient failures (5xx,
 throttling, timeouts, a connection dropped mid-body) are retried with exponential backoff.
+
+Every read is of one version of the object: the first ``size()`` (a HEAD) pins its ETag (and
+version id, when the bucket is versioned), every ranged GET sends ``If-Match`` and must come
+back with that ETag, else ``VersionChanged``. Every ranged GET must be answered ``206`` with a
+``Content-Range`` that is exactly the range asked for (a server or proxy that ignores ``Range``
+and answers 200 with the whole object is refused, never taken as the range). An object larger
+than ``max_object_size`` is refused at the HEAD, before any allocation.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from kvtier import s3client
-from kvtier.errors import LoaderError
-from kvtier.loader.sources.base import Source, short_read
+from kvtier.config import Size, format_bytes, parse_size
+from kvtier.errors import ConfigError, LoaderError
+from kvtier.loader.sources.base import Source, VersionChanged, short_read
+
+#: Default largest object a source reads or a pull copies (``max_object_size``).
+DEFAULT_MAX_OBJECT_SIZE = 1024 ** 4
+#: Most objects one listing may return (a model directory holds tens to a few thousand).
+MAX_LISTED = 100_000
+#: Longest ETag / version id kept (they are journaled; S3's are ~34 characters).
+MAX_VERSION_CHARS = 1024
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,7 +40,7 @@ class S3Config(s3client.S3Config):
     """``kvtier.s3client.S3Config`` plus the source's own options. ``max_pool_connections``
     should be >= the reader's concurrency. Each attempt is bounded by ``connect_timeout_s`` /
     ``read_timeout_s``; a transient failure is retried ``retries`` times after ``backoff_s``,
-    doubling (jittered)."""
+    doubling (jittered). ``max_object_size``: larger objects are refused at the HEAD."""
 
     addressing: Literal["auto", "path", "virtual"] = "path"
     max_pool_connections: int = 64
@@ -31,6 +48,13 @@ class S3Config(s3client.S3Config):
     read_timeout_s: float = 60.0
     retries: int = 5
     backoff_s: float = 0.1
+    max_object_size: Size = Size(DEFAULT_MAX_OBJECT_SIZE)
+
+    def __post_init__(self):
+        if not isinstance(self.max_object_size, int):
+            object.__setattr__(self, "max_object_size", parse_size(self.max_object_size, "max_object_size"))
+        if self.max_object_size < 1:
+            raise ConfigError(f"max_object_size must be at least 1 byte, got {self.max_object_size}")
 
 
 def split_uri(uri: str) -> tuple[str, str]:
@@ -64,6 +88,21 @@ class _ShortBody(Exception):
     pass
 
 
+def _status(resp) -> int:
+    return int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+
+
+def _bounded(value, what: str, uri: str) -> str | None:
+    """``value`` as a version string (None when absent); LoaderError when absurdly long."""
+    if value is None or value == "":
+        return None
+    value = str(value)
+    if len(value) > MAX_VERSION_CHARS:
+        raise LoaderError(f"{uri}: the server's {what} is {len(value):,} characters long "
+                          f"(more than {MAX_VERSION_CHARS}); refusing it")
+    return value
+
+
 class S3Source(Source):
     """One object ``s3://bucket/key``; ``read_into`` is one ranged GET per call, retried."""
 
@@ -75,25 +114,87 @@ class S3Source(Source):
         self.bucket, self.key = split_uri(uri)
         self._client = client or make_client(self.config)
         self._size: int | None = None
+        self._etag: str | None = None
+        self._version_id: str | None = None
         self._lock = threading.Lock()
 
     def size(self) -> int:
-        if self._size is None:
-            head = self._call(lambda: self._client.head_object(Bucket=self.bucket, Key=self.key))
-            self._size = int(head["ContentLength"])
-        return self._size
+        """The object's size from one HEAD, which also pins its ETag/version id (see ``version``).
+
+        LoaderError when the size is not a byte count or exceeds ``config.max_object_size``."""
+        with self._lock:
+            if self._size is None:
+                head = self._call(lambda: self._client.head_object(Bucket=self.bucket, Key=self.key))
+                try:
+                    size = int(head["ContentLength"])
+                except (KeyError, TypeError, ValueError):
+                    raise LoaderError(f"{self.uri}: HEAD gave no usable Content-Length") from None
+                limit = self.config.max_object_size
+                if size < 0 or size > limit:
+                    raise LoaderError(f"{self.uri}: object of {size:,} bytes exceeds the maximum object size "
+                                      f"{limit:,} bytes ({format_bytes(limit)}; max_object_size, "
+                                      "--max-object-size)")
+                self._etag = _bounded(head.get("ETag"), "ETag", self.uri)
+                version_id = _bounded(head.get("VersionId"), "version id", self.uri)
+                self._version_id = None if version_id == "null" else version_id
+                self._size = size
+            return self._size
+
+    def version(self) -> str | None:
+        """The ETag pinned by the first HEAD (the version id when there is no ETag)."""
+        self.size()
+        return self._etag or self._version_id
 
     def read_into(self, offset: int, buffers: Sequence[memoryview]) -> None:
         views = [memoryview(b).cast("B") for b in buffers]
         wanted = sum(len(v) for v in views)
         if wanted == 0:
             return
-        self._call(lambda: self._get_range(offset, views, wanted))
+        total = self.size()  # pins the version before the first byte is read
+        if offset < 0 or offset + wanted > total:
+            raise short_read(self.uri, offset, wanted, max(0, total - offset))
+        self._call(lambda: self._get_range(offset, views, wanted, total))
 
-    def _get_range(self, offset: int, views: list[memoryview], wanted: int) -> None:
-        resp = self._client.get_object(Bucket=self.bucket, Key=self.key,
-                                       Range=f"bytes={offset}-{offset + wanted - 1}")
+    def _pin(self) -> dict:
+        """The GET arguments that hold a read to the pinned version."""
+        pin = {}
+        if self._etag:
+            pin["IfMatch"] = self._etag
+        if self._version_id:
+            pin["VersionId"] = self._version_id
+        return pin
+
+    def _check_answer(self, resp, first: int, last: int, total: int) -> None:
+        """Refuse an answer that is not exactly bytes ``first``-``last`` of the pinned version."""
+        asked = f"bytes {first}-{last}/{total}"
+        status = _status(resp)
+        if status != 206:
+            raise LoaderError(f"{self.uri}: a ranged GET of bytes {first}-{last} was answered {status}, not 206 "
+                              "Partial Content (the server or a proxy ignores Range); refusing the answer")
+        got = str(resp.get("ContentRange") or "")
+        m = _CONTENT_RANGE.fullmatch(got.strip())
+        if m is None or (int(m[1]), int(m[2]), int(m[3])) != (first, last, total):
+            raise LoaderError(f"{self.uri}: Content-Range {got[:80]!r} does not match the range asked for "
+                              f"({asked!r}); refusing the answer")
+        length = resp.get("ContentLength")
+        if length is not None and int(length) != last - first + 1:
+            raise LoaderError(f"{self.uri}: {length} body bytes announced for the {last - first + 1}-byte range "
+                              f"{first}-{last}; refusing the answer")
+        etag = resp.get("ETag")
+        if self._etag and etag and etag != self._etag:
+            raise VersionChanged(f"{self.uri}: the object changed while it was read (ETag {self._etag[:80]} "
+                                 f"pinned, {str(etag)[:80]} served)")
+
+    def _get_range(self, offset: int, views: list[memoryview], wanted: int, total: int) -> None:
+        last = offset + wanted - 1
+        resp = self._client.get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes={offset}-{last}",
+                                       **self._pin())
         body = resp["Body"]
+        try:
+            self._check_answer(resp, offset, last, total)
+        except BaseException:
+            body.close()
+            raise
         raw = getattr(body, "_raw_stream", None)
         if not resp.get("ContentEncoding"):
             # http.client's response under urllib3's: readinto lands socket bytes in our buffer
@@ -125,7 +226,13 @@ class S3Source(Source):
         while True:
             try:
                 return fn()
+            except LoaderError:  # our own verdict on an answer (wrong range, changed object): final
+                raise
             except Exception as exc:  # classified below: transient -> retry, else one-line error
+                if isinstance(exc, ClientError) and (_status(exc.response) == 412 or exc.response.get(
+                        "Error", {}).get("Code") == "PreconditionFailed"):
+                    raise VersionChanged(f"{self.uri}: the object changed while it was read (If-Match "
+                                         f"{(self._etag or '?')[:80]} failed: 412)") from None
                 attempt += 1
                 if not _transient(exc) or attempt > self.config.retries:
                     if isinstance(exc, ClientError):
@@ -147,9 +254,18 @@ class S3Source(Source):
         try:
             for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter="/"):
                 for obj in page.get("Contents", []):
-                    name = obj["Key"][len(prefix):]
+                    key = str(obj["Key"])
+                    if not key.startswith(prefix):
+                        raise LoaderError(f"{uri}: the listing names {key[:200]!r}, which is not under the prefix "
+                                          f"{prefix!r}; refusing the listing")
+                    name = key[len(prefix):]
                     if name:
                         out.append((name, int(obj["Size"])))
+                    if len(out) > MAX_LISTED:
+                        raise LoaderError(f"{uri}: the listing holds more than {MAX_LISTED:,} objects; "
+                                          "refusing it (a model directory holds far fewer)")
+        except LoaderError:
+            raise
         except Exception as exc:  # any failure to list is a one-line user-facing error
             raise LoaderError(f"{uri}: cannot list ({type(exc).__name__}: {str(exc)[:200]})") from None
         return sorted(out)
@@ -158,4 +274,5 @@ class S3Source(Source):
         """The client is shared per source and pooled; nothing to release explicitly."""
 
 
-__all__ = ["S3Config", "S3Source", "split_uri", "make_client", "short_read"]
+__all__ = ["DEFAULT_MAX_OBJECT_SIZE", "S3Config", "S3Source", "VersionChanged", "split_uri", "make_client",
+           "short_read"]
