@@ -18,7 +18,8 @@ Config file (YAML/JSON; flags win)::
     balance_slack: 2
     health_interval_s: 1
 
-When it listens it prints ``kvtier route: ready on http://HOST:PORT`` on stderr.
+When it listens it prints ``kvtier route: ready on http://HOST:PORT`` on stderr (the bound port, also
+with ``--port 0``).
 """
 
 from __future__ import annotations
@@ -94,15 +95,16 @@ def run(args: argparse.Namespace) -> int:
 async def _main(config, tokenizer) -> int:
     from kvtier.route.proxy import serve
 
-    ready = asyncio.Event()
-    task = asyncio.create_task(serve(config, tokenizer, ready))
     loop = asyncio.get_running_loop()
+    loop.set_exception_handler(_one_line)
+    ready = loop.create_future()
+    task = asyncio.create_task(serve(config, tokenizer, ready))
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, task.cancel)
-    waiter = asyncio.create_task(ready.wait())
-    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    if ready.is_set():
-        print(f"kvtier route: ready on http://{config.host}:{config.port}", file=sys.stderr, flush=True)
+    await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
+    if ready.done() and not ready.cancelled():
+        host, port = ready.result()
+        print(f"kvtier route: ready on http://{host}:{port}", file=sys.stderr, flush=True)
     try:
         await task
     except asyncio.CancelledError:
@@ -112,3 +114,10 @@ async def _main(config, tokenizer) -> int:
               file=sys.stderr)
         return 2
     return 0
+
+
+def _one_line(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """Event-loop errors (a failed ``accept``, a transport error) as one log line, no traceback."""
+    exc = context.get("exception")
+    detail = f": {type(exc).__name__}: {exc}" if exc is not None else ""
+    logging.getLogger("kvtier.route").error("%s%s", context.get("message", "event loop error"), detail)

@@ -9,8 +9,10 @@ an end marker with seq -1.
 
 Contracts
 ---------
-* Decoding never imports vLLM and never raises on bad input: a malformed batch is counted and
-  skipped (``stats["malformed"]``).
+* Decoding never imports vLLM and never raises on bad input: a malformed batch, and any
+  malformed event inside a good one, is counted and skipped (``stats["malformed"]``, and
+  ``on_counts(engine, {"malformed": n})``). The router restarts a subscriber whose ``run`` ends
+  with an error anyway (logged, counted).
 * On start, and whenever a sequence number is skipped, the subscriber asks the replay endpoint
   (if any) for the missing batches and applies them in order before going on; batches already
   applied are never applied twice. A sequence number going backwards means the publisher
@@ -69,24 +71,61 @@ def _hashable(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
+_TOKEN_LIMIT = 1 << 32
+
+
+def _token_ids(value: Any) -> list[int]:
+    """An event's token ids: a list of ints in [0, 2**32) (None: no tokens); ValueError else."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError("token_ids is not a list")
+    for t in value:
+        if type(t) is not int or not 0 <= t < _TOKEN_LIMIT:
+            raise ValueError("token id is not an integer in [0, 2**32)")
+    return list(value)
+
+
+def _apply_one(index: PrefixIndex, engine: str, kind: str, ev: dict[str, Any]) -> None:
+    """Apply one decoded event (checked before the index changes); raises on a malformed one."""
+    if kind == "BlockStored":
+        medium = normalize_medium(ev.get("medium"), ev.get("locality"), ev.get("ownership"))
+        tokens = _token_ids(ev.get("token_ids"))
+        hashes = [_hashable(h) for h in ev.get("block_hashes") or ()]
+        parent = _hashable(ev.get("parent_block_hash"))
+        for h in hashes + [parent]:
+            hash(h)  # an unhashable block hash is malformed: TypeError before anything is applied
+        block_size = ev.get("block_size") or 0
+        if type(block_size) is not int:
+            raise ValueError("block_size is not an integer")
+        lora = ev.get("lora_name") or ""
+        if not isinstance(lora, str):
+            raise ValueError("lora_name is not a string")
+        index.apply_stored(engine, hashes, parent, tokens, block_size, medium, lora)
+    elif kind == "BlockRemoved":
+        medium = normalize_medium(ev.get("medium"), ev.get("locality"), ev.get("ownership"))
+        hashes = [_hashable(h) for h in ev.get("block_hashes") or ()]
+        for h in hashes:
+            hash(h)
+        index.apply_removed(engine, hashes, medium)
+    elif kind == "AllBlocksCleared":
+        index.clear_engine(engine)
+
+
 def apply_events(index: PrefixIndex, engine: str, events: list[tuple[str, dict[str, Any]]]) -> dict[str, int]:
-    """Apply decoded events to ``index`` for ``engine``; returns counts per event type."""
+    """Apply decoded events to ``index`` for ``engine``; returns counts per event type.
+
+    Never raises on bad input: an event that is malformed in any way (a token id out of range,
+    a field of the wrong type, an unhashable hash) is skipped and counted as ``malformed``,
+    and the events after it are still applied."""
     counts: dict[str, int] = {}
     for kind, ev in events:
         counts[kind] = counts.get(kind, 0) + 1
         try:
-            if kind == "BlockStored":
-                medium = normalize_medium(ev.get("medium"), ev.get("locality"), ev.get("ownership"))
-                index.apply_stored(engine, [_hashable(h) for h in ev.get("block_hashes") or ()],
-                                   _hashable(ev.get("parent_block_hash")), ev.get("token_ids") or (),
-                                   int(ev.get("block_size") or 0), medium, ev.get("lora_name") or "")
-            elif kind == "BlockRemoved":
-                medium = normalize_medium(ev.get("medium"), ev.get("locality"), ev.get("ownership"))
-                index.apply_removed(engine, [_hashable(h) for h in ev.get("block_hashes") or ()], medium)
-            elif kind == "AllBlocksCleared":
-                index.clear_engine(engine)
-        except (TypeError, ValueError):
+            _apply_one(index, engine, kind, ev)
+        except Exception as exc:  # noqa: BLE001  (any malformed event: counted, skipped, never fatal)
             counts["malformed"] = counts.get("malformed", 0) + 1
+            log.debug("malformed %s event from %s skipped: %s", kind, engine, exc)
     return counts
 
 
@@ -128,7 +167,7 @@ class EventSubscriber:
                     continue
                 frames = await self._sub.recv_multipart()
                 if len(frames) != 3 or len(frames[1]) != 8:
-                    self.stats["malformed"] += 1
+                    self._malformed()
                     continue
                 seq = int.from_bytes(frames[1], "big", signed=True)
                 await self._on_batch(seq, frames[2], live=True)
@@ -171,11 +210,18 @@ class EventSubscriber:
         try:
             events = decode_batch(payload)
         except ValueError:
-            self.stats["malformed"] += 1
+            self._malformed()
             return
         counts = apply_events(self.index, self.engine, events)
+        self.stats["malformed"] += counts.get("malformed", 0)
         if self.on_counts is not None:
             self.on_counts(self.engine, counts)
+
+    def _malformed(self) -> None:
+        """Count one malformed message (frames or batch) here and in ``on_counts``."""
+        self.stats["malformed"] += 1
+        if self.on_counts is not None:
+            self.on_counts(self.engine, {"malformed": 1})
 
     async def _replay_from(self, start: int, upto: int | None = None) -> None:
         """Apply batches [start, upto) from the replay endpoint; no-op without one or on timeout."""
@@ -193,7 +239,7 @@ class EventSubscriber:
                     return
                 frames = await sock.recv_multipart()
                 if len(frames) != 4 or len(frames[2]) != 8:
-                    self.stats["malformed"] += 1
+                    self._malformed()
                     continue
                 seq = int.from_bytes(frames[2], "big", signed=True)
                 if seq == END_SEQ:

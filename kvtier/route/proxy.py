@@ -15,7 +15,30 @@ Contracts
   connection drops, HTTP 502/503/504, or the engine is taken out while the request waits) is
   sent to the next-best engine, up to ``retries`` more times; once bytes have reached the client, a failure ends the client's response (the client
   sees it), never a duplicate.
+* Deadlines per upstream request: the engine's first response byte within
+  ``first_byte_timeout_s`` (else the client gets a 504 and the upstream request is closed), then
+  no gap longer than ``stream_idle_timeout_s`` (else the client's response is cut). A client that
+  disconnects cancels its upstream request (the engine sees the connection close). Every path
+  gives back the request's share of the engine's load (``in_flight`` returns to 0).
+* The front door (``serve``): request heads within ``header_timeout_s``, bodies within
+  ``body_timeout_s`` (408) and at most ``max_body_bytes`` (413), bodies held at once within
+  ``max_body_bytes_total`` (503), idle connections closed after ``keepalive_timeout_s``, at most
+  ``max_connections`` connections (``guard.ConnectionGuard``), aiohttp's limits on a request
+  line and a header field (8,190 bytes each) and on the number of headers (128). A malformed
+  body (not a JSON object, nested too deeply, a prompt of the wrong type or token ids outside
+  [0, 2**32)) is a 400 with one line, never a 500. Tokenizing and keying run in worker threads;
+  only the first ``max_route_tokens`` tokens of a prompt are keyed (and a text prompt is cut at
+  8 characters per such token before tokenizing).
+* Headers: hop-by-hop headers (``Connection`` and every header it names, ``Keep-Alive``,
+  ``Proxy-Authenticate``, ``Proxy-Authorization``, ``TE``, ``Trailer``, ``Transfer-Encoding``,
+  ``Upgrade``; RFC 9110 7.6.1) are dropped in both directions, with ``Host``,
+  ``Content-Length`` and ``Content-Encoding`` (this hop recomputes them). An engine URL's
+  credentials (``http://user:pass@host``) are sent to that engine as Basic auth, replacing a
+  client's ``Authorization``; without them the client's ``Authorization`` is passed on. The
+  credentials never appear in ``/health``, metric labels, logs or error messages.
 * With ``log_decisions``, one JSON line per decision on the ``kvtier.route.decisions`` logger.
+* An engine's KV event subscriber that stops with an error is logged and restarted (backing off
+  up to 10 s), counted in ``kvtier_route_kv_subscriber_restarts``.
 """
 
 from __future__ import annotations
@@ -24,17 +47,23 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from multidict import CIMultiDict
+
+from kvtier.route.body import BadRequest, parse_body
 from kvtier.route.config import RouteConfig
 from kvtier.route.events import EventSubscriber
+from kvtier.route.guard import ConnectionGuard
 from kvtier.route.index import PrefixIndex, chunk_keys
 from kvtier.route.score import Decision, LoadTracker, Scorer, Speculative
 from kvtier.route.tokens import PromptTokenizer
@@ -42,8 +71,47 @@ from kvtier.route.tokens import PromptTokenizer
 log = logging.getLogger("kvtier.route")
 decisions_log = logging.getLogger("kvtier.route.decisions")
 _RETRY_STATUS = frozenset({502, 503, 504})
-_HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive",
-                          "content-encoding"})
+#: hop-by-hop headers (RFC 9110 7.6.1; Proxy-Connection is its non-standard twin)
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
+                        "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade"})
+#: end-to-end headers this hop recomputes (the body is relayed decoded, its length may change)
+_RECOMPUTED = frozenset({"host", "content-length", "content-encoding", "expect"})
+_FD_RESERVE = 64  # descriptors kept free beside client and upstream connections (+8 per engine)
+_TEXT_CHARS_PER_TOKEN = 8  # a text prompt is cut at this many characters per routed token
+
+
+def relay_headers(headers: Mapping[str, str]) -> CIMultiDict:
+    """``headers`` without hop-by-hop ones (those listed above and every header ``Connection``
+    names) nor those this hop recomputes; repeated headers are kept."""
+    getall = getattr(headers, "getall", None)
+    connection = getall("Connection", ()) if getall else [headers.get("Connection", "")]
+    named = {token.strip().lower() for value in connection for token in value.split(",")}
+    drop = HOP_BY_HOP | _RECOMPUTED | named
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in drop)
+
+
+class _Refused(Exception):
+    """A request the front door answers itself: ``status`` and a one-line message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _ByteBudget:
+    """Bytes of request bodies held at once (taken before reading, given back at the end)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
 
 
 @dataclass
@@ -70,6 +138,11 @@ class _Metrics:
         self.in_flight = Gauge("kvtier_route_in_flight", "Requests in flight per engine", ["engine"], registry=r)
         self.healthy = Gauge("kvtier_route_engine_healthy", "1 when the engine is in", ["engine"], registry=r)
         self.index_keys = Gauge("kvtier_route_index_keys", "Content keys in the prefix index", registry=r)
+        self.closed = Counter("kvtier_route_connections_closed",
+                              "Client connections the front door closed or refused, by reason", ["reason"], registry=r)
+        self.connections = Gauge("kvtier_route_client_connections", "Client connections open", registry=r)
+        self.restarts = Counter("kvtier_route_kv_subscriber_restarts", "KV event subscribers restarted after an error",
+                                ["engine"], registry=r)
         self.prefix = Histogram("kvtier_route_prefix_share", "Share of the prompt's blocks the chosen engine holds",
                                 buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
 
@@ -84,8 +157,14 @@ class Router:
         self.load = LoadTracker()
         self.speculative = Speculative(config.speculative_ttl_s, config.max_index_keys)
         self.scorer = Scorer(config, self.index, self.load, self.speculative)
-        self.engines = {e.url.rstrip("/"): EngineState(e.url.rstrip("/")) for e in config.engines}
+        # engines are named by their URL without credentials; the credentials go in ``_auth``
+        self.engines = {e.name: EngineState(e.name) for e in config.engines}
+        self._auth = {e.name: e.authorization for e in config.engines}
         self.metrics = _Metrics()
+        self.guard: ConnectionGuard | None = None  # set by ``serve``
+        self._budget = _ByteBudget(config.max_body_bytes_total)
+        self._pool: ThreadPoolExecutor | None = None
+        self._tokenizer_lock = threading.Lock()  # a tokenizer is not safe to call from two threads
         self.subscribers: dict[str, EventSubscriber] = {}
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
@@ -96,7 +175,7 @@ class Router:
     # --- lifecycle -------------------------------------------------------------------------
     def app(self) -> web.Application:
         """The aiohttp application; starting it starts health checks and event subscribers."""
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._mark_requests])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -109,12 +188,13 @@ class Router:
     async def _on_startup(self, _app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s)
         self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-route-keys")
         for spec in self.config.engines:
             if spec.kv_events:
-                sub = EventSubscriber(spec.url.rstrip("/"), spec.kv_events, self.index, spec.kv_replay,
+                sub = EventSubscriber(spec.name, spec.kv_events, self.index, spec.kv_replay,
                                       spec.topic, self.config.replay_timeout_s, self._count_events)
                 self.subscribers[sub.engine] = sub
-                self._tasks.append(asyncio.create_task(sub.run(), name=f"kv-events {sub.engine}"))
+                self._tasks.append(asyncio.create_task(self._supervise(sub), name=f"kv-events {sub.engine}"))
         self._tasks.append(asyncio.create_task(self._health_loop(), name="health"))
 
     async def _on_cleanup(self, _app: web.Application) -> None:
@@ -125,6 +205,42 @@ class Router:
                 await task
         if self._session is not None:
             await self._session.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _supervise(self, sub: EventSubscriber) -> None:
+        """Run ``sub`` and start it again whenever it stops with an error (logged, counted)."""
+        delay = 0.5
+        while True:
+            started = time.monotonic()
+            try:
+                await sub.run()
+                reason = "its stream ended"
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001  (any fault: the index must not go stale silently)
+                reason = f"{type(exc).__name__}: {exc}"
+            delay = 0.5 if time.monotonic() - started > 30 else delay
+            self.metrics.restarts.labels(sub.engine).inc()
+            log.error("kv events of %s stopped (%s); restarting in %.1f s", sub.engine, reason, delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 10.0)
+
+    @web.middleware
+    async def _mark_requests(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Tell the connection guard when a request's handler runs (its head has arrived)."""
+        guard = self.guard
+        if guard is None:
+            return await handler(request)
+        guard.request_started(request.transport)
+        try:
+            return await handler(request)
+        finally:
+            guard.request_ended(request.transport)
+
+    def count_close(self, reason: str) -> None:
+        """A connection the front door closed or refused (the guard's and the body's limits)."""
+        self.metrics.closed.labels(reason).inc()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -174,7 +290,7 @@ class Router:
     async def _probe(self, url: str) -> bool:
         try:
             timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
-            async with self.session.get(url + "/health", timeout=timeout) as resp:
+            async with self.session.get(url + "/health", timeout=timeout, headers=self._auth_headers(url)) as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
@@ -203,11 +319,14 @@ class Router:
     async def _health(self, _request: web.Request) -> web.Response:
         body = {"healthy": self.healthy(), "engines": {u: {"healthy": s.healthy, "in_flight": self.load.in_flight(u)}
                                                         for u, s in self.engines.items()},
-                "index_keys": len(self.index), "block_size": self.index.block_size}
+                "index_keys": len(self.index), "block_size": self.index.block_size,
+                "connections": len(self.guard) if self.guard is not None else None}
         return web.json_response(body, status=200 if body["healthy"] else 503)
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         self.metrics.index_keys.set(len(self.index))
+        if self.guard is not None:
+            self.metrics.connections.set(len(self.guard))
         for url in self.engines:
             self.metrics.in_flight.labels(url).set(self.load.in_flight(url))
         return web.Response(body=generate_latest(self.metrics.registry),
@@ -217,7 +336,8 @@ class Router:
         session = self.session
         for url in self.healthy():
             try:
-                async with session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                async with session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10),
+                                       headers=self._auth_headers(url)) as resp:
                     body = await resp.read()
                     return web.Response(body=body, status=resp.status, content_type="application/json")
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
@@ -231,14 +351,43 @@ class Router:
         return await self._relay(request, "/v1/chat/completions", chat=True)
 
     # --- routing and relaying --------------------------------------------------------------
-    def prompt_keys(self, body: dict[str, Any], chat: bool) -> tuple[list[bytes], int]:
-        """(content keys of the prompt's full blocks, prompt token count); ([], 0) when unknown."""
+    def _auth_headers(self, engine: str) -> dict[str, str]:
+        """The Authorization header of ``engine``'s URL credentials ({} without them)."""
+        auth = self._auth.get(engine)
+        return {"Authorization": auth} if auth else {}
+
+    def keys_of(self, body: dict[str, Any], chat: bool) -> tuple[list[bytes], int]:
+        """(content keys of the prompt's first full blocks, up to ``max_route_tokens`` tokens;
+        the prompt's token count, estimated when a text prompt was cut); ([], 0) when unknown.
+        Synchronous and CPU-bound: ``prompt_keys`` runs it in a worker thread."""
+        limit = self.config.max_route_tokens
+        cut = False
+        prompt = body.get("prompt")
+        if not chat and isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not chat and isinstance(prompt, str) and len(prompt) > _TEXT_CHARS_PER_TOKEN * limit:
+            body, cut = dict(body, prompt=prompt[:_TEXT_CHARS_PER_TOKEN * limit]), True
         try:
-            ids = self.tokenizer.chat_ids(body) if chat else self.tokenizer.completion_ids(body)
-        except Exception as exc:  # a template or tokenizer failure must not fail the request
+            if chat or isinstance(prompt, str):
+                with self._tokenizer_lock:
+                    ids = self.tokenizer.chat_ids(body) if chat else self.tokenizer.completion_ids(body)
+            else:
+                ids = self.tokenizer.completion_ids(body)
+        except Exception as exc:  # noqa: BLE001  (a template or tokenizer failure must not fail the request)
             log.debug("tokenizing failed: %s", exc)
             return [], 0
-        return chunk_keys(ids, self.index.block_size or self.config.block_size), len(ids)
+        n_tokens = len(ids)
+        keys = chunk_keys(ids[:limit], self.index.block_size or self.config.block_size)
+        if cut:  # the cut may split the last word: its block may differ from the whole prompt's
+            keys = keys[:-1]
+            n_tokens = int(n_tokens * len(prompt) / (_TEXT_CHARS_PER_TOKEN * limit))
+        return keys, n_tokens
+
+    async def prompt_keys(self, body: dict[str, Any], chat: bool) -> tuple[list[bytes], int]:
+        """``keys_of`` in a worker thread (tokenizing a long prompt must not stall the loop)."""
+        if self._pool is None:
+            return self.keys_of(body, chat)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.keys_of, body, chat)
 
     def route(self, keys: list[bytes], n_tokens: int, exclude: set[str]) -> Decision | None:
         """Score the healthy engines not in ``exclude`` and log the decision."""
@@ -251,16 +400,62 @@ class Router:
                                            "scores": [s.as_dict() for s in decision.scores]}))
         return decision
 
-    async def _relay(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
-        raw = await request.read()
+    def _reserve(self, request: web.Request) -> int:
+        """Bytes of the body budget this request needs (its Content-Length, else the maximum);
+        _Refused with 413 (too large) or 503 (the budget is spent)."""
+        cfg = self.config
+        length = request.content_length
+        if length is not None and length > cfg.max_body_bytes:
+            self.count_close("body_too_large")
+            raise _Refused(413, f"request body of {length} bytes is over the limit of {cfg.max_body_bytes}")
+        need = length if length is not None else cfg.max_body_bytes
+        if not self._budget.take(need):
+            self.count_close("body_budget")
+            raise _Refused(503, "router busy: too many request body bytes held at once; retry later")
+        return need
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The whole body within ``body_timeout_s`` and ``max_body_bytes`` (408 / 413)."""
+        cfg = self.config
+        buf = bytearray()
         try:
-            body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise ValueError
-        except ValueError:
-            return _error(400, "request body must be a JSON object")
-        keys, n_tokens = self.prompt_keys(body, chat)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+            async with asyncio.timeout(cfg.body_timeout_s):
+                while True:
+                    chunk = await request.content.readany()
+                    if not chunk:
+                        return bytes(buf)
+                    buf += chunk
+                    if len(buf) > cfg.max_body_bytes:
+                        self.count_close("body_too_large")
+                        raise _Refused(413, f"request body is over the limit of {cfg.max_body_bytes} bytes")
+        except TimeoutError:
+            self.count_close("body_timeout")
+            raise _Refused(408, f"request body did not arrive within {cfg.body_timeout_s:g} s") from None
+
+    async def _relay(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+        try:
+            reserved = self._reserve(request)
+        except _Refused as exc:
+            return _error(exc.status, str(exc), close=True)
+        try:
+            try:
+                raw = await self._read_body(request)
+            except _Refused as exc:
+                return _error(exc.status, str(exc), close=True)
+            except (web.RequestPayloadError, aiohttp.ClientError, ConnectionError) as exc:  # a broken body
+                return _error(400, f"request body could not be read: {type(exc).__name__}", close=True)
+            try:
+                body = parse_body(raw, chat)
+            except BadRequest as exc:
+                return _error(400, str(exc))
+            keys, n_tokens = await self.prompt_keys(body, chat)
+            return await self._dispatch(request, path, raw, keys, n_tokens)
+        finally:
+            self._budget.give(reserved)
+
+    async def _dispatch(self, request: web.Request, path: str, raw: bytes, keys: list[bytes],
+                        n_tokens: int) -> web.StreamResponse:
+        headers = relay_headers(request.headers)
         tried: set[str] = set()
         last_error = "no healthy engine"
         for attempt in range(self.config.retries + 1):
@@ -274,8 +469,13 @@ class Router:
             self.scorer.commit(decision, keys)
             self.metrics.prefix.observe(decision.matched_blocks() / decision.blocks if decision.blocks else 0.0)
             ticket = self.load.start(engine, self.scorer.uncached_tokens(decision, n_tokens))
+            engine_headers = CIMultiDict(headers)
+            engine_headers.update(self._auth_headers(engine))  # the URL's credentials win
             try:
-                outcome, response = await self._forward(request, engine + path, raw, headers, ticket)
+                outcome, response = await self._forward(request, engine + path, raw, engine_headers, ticket)
+            except asyncio.CancelledError:  # the client went away: the upstream request is closed
+                self.metrics.requests.labels(engine, "client_gone").inc()
+                raise
             finally:
                 self.load.finish(ticket)
             self.metrics.requests.labels(engine, outcome).inc()
@@ -284,17 +484,20 @@ class Router:
             last_error = f"engine {engine}: {outcome}"
         return _error(503, f"no engine answered ({last_error})")
 
-    async def _forward(self, request: web.Request, url: str, raw: bytes, headers: dict[str, str],
+    async def _forward(self, request: web.Request, url: str, raw: bytes, headers: CIMultiDict,
                        ticket: Any) -> tuple[str, web.StreamResponse | None]:
         """Send one attempt. (outcome, response); response None means "retry elsewhere".
 
         Waiting for the first byte ends early when the engine is taken out meanwhile (a hung
-        engine's queued requests go elsewhere once health checks give up on it)."""
+        engine's queued requests go elsewhere once health checks give up on it), and at
+        ``first_byte_timeout_s`` (a 504, not retried: the engine may still be working on it)."""
         engine = ticket.engine
+        deadline = self.config.first_byte_timeout_s
         opening = asyncio.ensure_future(self._open(url, raw, headers))
         taken_out = asyncio.ensure_future(self._out_event(engine).wait())
         try:
-            await asyncio.wait({opening, taken_out}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({opening, taken_out}, timeout=deadline,
+                                         return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # the client went away: the engine's answer is not needed
             opening.cancel()
             raise
@@ -304,20 +507,29 @@ class Router:
             opening.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await opening
+            if not done:
+                return "first_byte_timeout", _error(504, f"engine {engine} sent no response within {deadline:g} s")
             return "engine_out_before_first_byte", None
         outcome, upstream, first = opening.result()
         if upstream is None:
             self.eject(engine, outcome)
             return outcome, None
+        finished = False
         try:
             if first is None:
+                finished = True
                 return f"http_{upstream.status}", None
             self.load.first_byte(ticket)
-            return await self._stream(request, upstream, first, engine)
+            outcome, response = await self._stream(request, upstream, first, engine)
+            finished = outcome == "ok" or outcome.startswith("http_")
+            return outcome, response
         finally:
-            upstream.release()
+            if finished:
+                upstream.release()
+            else:  # cut, timed out or cancelled: close the connection so the engine stops
+                upstream.close()
 
-    async def _open(self, url: str, raw: bytes, headers: dict[str, str]) -> tuple[str, Any, bytes | None]:
+    async def _open(self, url: str, raw: bytes, headers: CIMultiDict) -> tuple[str, Any, bytes | None]:
         """POST and read the first bytes: (outcome, response or None, first bytes or None).
         None response: failed before the first byte (outcome says how); first None: a status to
         retry elsewhere (502/503/504)."""
@@ -330,30 +542,34 @@ class Router:
                 return "http_retry", upstream, None
             return "ok", upstream, await upstream.content.readany()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            upstream.release()
+            upstream.close()
             return f"dropped_before_first_byte: {type(exc).__name__}", None, None
         except asyncio.CancelledError:
-            upstream.release()
+            upstream.close()
             raise
 
     async def _stream(self, request: web.Request, upstream: Any, first: bytes,
                       engine: str) -> tuple[str, web.StreamResponse]:
-        """Relay the engine's response from its first bytes on, as they arrive."""
+        """Relay the engine's response from its first bytes on, as they arrive; a gap longer
+        than ``stream_idle_timeout_s`` cuts the client's response."""
         response = web.StreamResponse(status=upstream.status)
-        for name, value in upstream.headers.items():
-            if name.lower() not in _HOP_HEADERS:
-                response.headers[name] = value
+        for name, value in relay_headers(upstream.headers).items():
+            response.headers.add(name, value)
+        idle = self.config.stream_idle_timeout_s
         chunk = first
         try:
             await response.prepare(request)
             while chunk:
                 await response.write(chunk)
                 try:
-                    chunk = await upstream.content.readany()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # the engine failed mid-response
+                    chunk = await asyncio.wait_for(upstream.content.readany(), idle)
+                except TimeoutError:  # the engine went silent mid-response
+                    log.warning("engine %s sent nothing for %g s mid-response: response cut", engine, idle)
+                    _cut(request)
+                    return "stream_idle_timeout", response
+                except aiohttp.ClientError as exc:  # the engine failed mid-response
                     self.eject(engine, f"response cut: {type(exc).__name__}")
-                    if request.transport is not None:
-                        request.transport.close()  # the client sees a cut response, never a silent end
+                    _cut(request)
                     return "failed_mid_response", response
             await response.write_eof()
         except (ConnectionError, OSError, aiohttp.ClientConnectionResetError):  # writing failed: the client left
@@ -368,20 +584,68 @@ class Router:
         return event
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "router_error", "code": status}},
-                             status=status)
+def _cut(request: web.Request) -> None:
+    """End the client's connection: it sees a cut response, never a silent end."""
+    if request.transport is not None:
+        request.transport.close()
 
 
-async def serve(config: RouteConfig, tokenizer: PromptTokenizer, ready: asyncio.Event | None = None) -> None:
-    """Run a router on ``config.host:config.port`` until cancelled."""
-    router = Router(config, tokenizer)
-    runner = web.AppRunner(router.app(), access_log=None)
-    await runner.setup()
+def _error(status: int, message: str, close: bool = False) -> web.Response:
+    response = web.json_response({"error": {"message": message, "type": "router_error", "code": status}},
+                                 status=status)
+    if close:  # the body was not read: the connection cannot carry another request
+        response.force_close()
+    return response
+
+
+def fit_connections(wanted: int, engines: int) -> int:
+    """The connection cap that fits the file-descriptor limit: each client connection may need
+    an upstream one, plus a reserve. Raises the soft limit towards the hard one when it can;
+    logs when the cap had to be lowered."""
     try:
-        await web.TCPSite(runner, config.host, config.port).start()
-        if ready is not None:
+        import resource
+    except ImportError:  # not POSIX
+        return wanted
+    reserve = _FD_RESERVE + 8 * engines
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 2 * wanted + reserve
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        if target > soft:
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                soft = target
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    fit = max(1, (soft - reserve) // 2)
+    if fit < wanted:
+        log.warning("max_connections lowered from %d to %d to fit the open-file limit (%d)", wanted, fit, soft)
+    return min(wanted, fit)
+
+
+async def serve(config: RouteConfig, tokenizer: PromptTokenizer,
+                ready: asyncio.Future | asyncio.Event | None = None) -> None:
+    """Run a router on ``config.host:config.port`` until cancelled. Once it listens, ``ready``
+    is set: a Future gets ``(host, bound port)`` (the port chosen when ``config.port`` is 0)."""
+    router = Router(config, tokenizer)
+    router.guard = ConnectionGuard(fit_connections(config.max_connections, len(config.engines)),
+                                   config.header_timeout_s, router.count_close)
+    runner = web.AppRunner(router.app(), access_log=None, handler_cancellation=True,
+                           keepalive_timeout=config.keepalive_timeout_s, lingering_time=2.0,
+                           shutdown_timeout=10.0)
+    await runner.setup()
+    server = None
+    try:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(router.guard.factory(runner.server), config.host, config.port,
+                                          reuse_address=True, backlog=512)
+        port = server.sockets[0].getsockname()[1]
+        if isinstance(ready, asyncio.Future):
+            ready.set_result((config.host, port))
+        elif ready is not None:
             ready.set()
         await asyncio.Event().wait()
     finally:
+        if server is not None:
+            server.close()
         await runner.cleanup()
