@@ -139,6 +139,8 @@ class FsTier(Tier):
         self._scan_lock = threading.Lock()  # one scan at a time in this process
         self._used = 0
         self._pending: dict[str, int] | None = None  # during a scan: key hex -> payload after our last change
+        self._inflight: dict[str, int] = {}  # key hex -> this process's renames/unlinks of it under way
+        self._scanned: dict[str, int] = {}  # in-flight key hex -> what the last scan counted for it
         self._last_scan = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -348,8 +350,9 @@ class FsTier(Tier):
         """Count a corrupt entry (as a miss when ``count_miss``); remove it if it is still the
         file that was read."""
         self.stats.add(corrupt=1, misses=int(count_miss))
-        if unlink_at(dfd, name, same_as=st):
-            self._note(name, _payload(st.st_size), 0)
+        with self._changing(name) as change:
+            if unlink_at(dfd, name, same_as=st):
+                change[:] = [_payload(st.st_size), 0]
         return None
 
     def put(self, key: Key, data, dtype: str = "uint8", shape: tuple[int, ...] | None = None) -> bool:
@@ -368,8 +371,10 @@ class FsTier(Tier):
             with self._fanout(name, create=True) as dfd:
                 try:
                     self._write(dfd, tmp, header, view)
-                    old = _regular_payload(dfd, name)
-                    os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    with self._changing(name) as change:
+                        old = _regular_payload(dfd, name)
+                        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                        change[:] = [old, _payload(len(header) + size)]
                 except OSError:
                     unlink_at(dfd, tmp)
                     raise
@@ -381,7 +386,6 @@ class FsTier(Tier):
             self.stats.add(errors=1, dropped=1)
             return False
         self.stats.add(puts=1, bytes_written=size)
-        self._note(name, old, _payload(len(header) + size))
         self._account()
         return True
 
@@ -398,11 +402,12 @@ class FsTier(Tier):
         """Remove the key's entry file (only a regular file: anything else at the name is left)."""
         name = self._name(key)
         try:
-            with self._fanout(name) as dfd:
+            with self._changing(name) as change, self._fanout(name) as dfd:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
                 if not stat.S_ISREG(st.st_mode):
                     return False
                 os.unlink(name, dir_fd=dfd)
+                change[:] = [_payload(st.st_size), 0]
         except FileNotFoundError:
             return False
         except _ForeignDir as exc:
@@ -412,7 +417,6 @@ class FsTier(Tier):
             self.stats.add(errors=1)
             return False
         self.stats.add(deletes=1)
-        self._note(name, _payload(st.st_size), 0)
         return True
 
     def keys(self) -> Iterator[Key]:
@@ -428,12 +432,29 @@ class FsTier(Tier):
 
     # -- budget -----------------------------------------------------------------------------
 
-    def _note(self, name: str, old: int, new: int) -> None:
-        """This process changed entry ``name`` from ``old`` to ``new`` payload bytes (0: absent)."""
+    @contextlib.contextmanager
+    def _changing(self, name: str):
+        """Bracket this process's rename or unlink of entry ``name``: the body sets the yielded
+        list to ``[old, new]`` payload bytes (0: absent) once the change happened, and the
+        counter moves by ``new - old``. A scan that ends while the change is under way cannot
+        know whether its walk saw the old file or the new one, so it records what it counted
+        (``_scanned``) and that, not ``old``, is what the change then replaces."""
+        change: list[int] = []
         with self._usage_lock:
-            self._used += new - old
-            if self._pending is not None:
-                self._pending[name] = new
+            self._inflight[name] = self._inflight.get(name, 0) + 1
+        try:
+            yield change
+        finally:
+            with self._usage_lock:
+                left = self._inflight.pop(name) - 1
+                if left:
+                    self._inflight[name] = left
+                counted = self._scanned.pop(name, None)
+                if change:
+                    old, new = change
+                    self._used += new - (old if counted is None else counted)
+                    if self._pending is not None:
+                        self._pending[name] = new
 
     def _account(self) -> None:
         """After a put: scan now when this process's count is over budget or the last scan is
@@ -456,7 +477,9 @@ class FsTier(Tier):
                 self._pending = {}
             try:
                 seen = {name: (st.st_mtime, _payload(st.st_size), sub, st)
-                        for sub, name, st in self._walk(now=time.time())}
+                        for sub, name, st in self._walk(now=time.time(), stoppable=True)}
+                if self._stop.is_set():
+                    return  # closed mid-walk: a partial walk says nothing (the counter keeps its value)
                 total = sum(v[1] for v in seen.values())
                 evicted = self._evict(seen, total) if total > self.config.capacity else {}
                 total -= sum(evicted.values())
@@ -468,6 +491,9 @@ class FsTier(Tier):
                     if name in evicted:
                         continue
                     total += new - (seen[name][1] if name in seen else 0)
+                for name in self._inflight:  # changes still under way: what this total counted for them
+                    self._scanned[name] = (pending[name] if name in pending and name not in evicted else
+                                           seen[name][1] if name in seen and name not in evicted else 0)
                 self._used = total
                 self._last_scan = time.monotonic()
 
@@ -507,10 +533,10 @@ class FsTier(Tier):
             self.stats.add(evictions=removed)
         return gone
 
-    def _walk(self, now: float | None = None):
+    def _walk(self, now: float | None = None, stoppable: bool = False):
         """Yield (fan-out name, key-hex name, lstat) of the regular entry files in real fan-out
-        directories, each where its key puts it; remove stale temps when ``now``. Stops early
-        once the tier is closed."""
+        directories, each where its key puts it; remove stale temps when ``now``. When
+        ``stoppable``, stops early once the tier is closed."""
         try:
             root = os.open(self._root, _DIR_FLAGS)
         except OSError:
@@ -520,7 +546,7 @@ class FsTier(Tier):
             with os.scandir(root) as it:
                 subs = sorted(e.name for e in it if _FANOUT.match(e.name))
             for sub in subs:
-                if self._stop.is_set():
+                if stoppable and self._stop.is_set():
                     return
                 try:
                     dfd = self._open_fanout(root, sub, create=False)
