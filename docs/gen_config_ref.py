@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import html
 import importlib
 import inspect
 import io
@@ -297,9 +298,8 @@ def _default_text(f: dataclasses.Field) -> str:
     factory = f.default_factory
     if factory is dataclasses.MISSING:
         return "required"
-    if inspect.isfunction(factory) and factory.__name__ != "<lambda>":
-        first = (inspect.getdoc(factory) or "").split(". ")[0].strip()
-        return f"{factory.__name__}(): {first}" if first else f"{factory.__name__}()"
+    if inspect.isfunction(factory) and factory.__name__ != "<lambda>":  # computed where it runs
+        return f"{factory.__module__}.{factory.__name__}()"
     return _value_text(factory())
 
 
@@ -496,7 +496,13 @@ def collect() -> list[tuple[str, str, list[ClassDoc]]]:
 
 
 def _cell(text: str) -> str:
+    """Text for a table cell (a pipe would end the cell)."""
     return text.replace("|", "\\|").replace("\n", " ").strip()
+
+
+def _code_cell(text: str) -> str:
+    """Code for a table cell: inline HTML, because Markdown keeps ``\\|`` literally in a code span."""
+    return "<code>" + html.escape(" ".join(text.split()), quote=False).replace("|", "&#124;") + "</code>"
 
 
 def render() -> str:
@@ -516,7 +522,7 @@ def render() -> str:
             out += [f"### {d.heading} {{#{d.anchor}}}", "", f"`{d.qualname}`" + (f": {d.summary}" if d.summary else ""), ""]
             out += ["| key | type | default | range | description |", "|---|---|---|---|---|"]
             for f in d.fields:
-                out.append(f"| `{f.name}` | `{_cell(f.type)}` | `{_cell(f.default)}` | {_cell(f.range) or '-'} "
+                out.append(f"| `{f.name}` | {_code_cell(f.type)} | {_code_cell(f.default)} | {_cell(f.range) or '-'} "
                            f"| {_cell(f.doc) or '-'} |")
             out.append("")
     return "\n".join(out)
