@@ -35,8 +35,8 @@ def _generator():
 def _config_classes() -> dict[str, list[str]]:
     """module.Class -> its init field names, for every top-level ``@dataclass`` named *Config or
     *Options under kvtier/ (benchmarks excluded), each tier's Config, and the dataclasses their
-    fields are typed with. Imported where possible; a module whose import fails here (vLLM
-    missing) is read with ``ast``, its own fields only."""
+    fields are typed with. Imported where that is quick; a module that imports vLLM or torch at
+    its top (seconds), or whose import fails here, is read with ``ast``, its own fields only."""
     names: list[str] = []
     trees: dict[str, ast.Module] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -61,6 +61,8 @@ def _config_classes() -> dict[str, list[str]]:
             continue
         module, _, cls_name = q.rpartition(".")
         try:
+            if _imports_heavy(trees[module]):
+                raise ImportError(module)
             cls = getattr(importlib.import_module(module), cls_name)
         except ImportError:
             node = next(n for n in trees[module].body if isinstance(n, ast.ClassDef) and n.name == cls_name)
@@ -79,6 +81,16 @@ def _config_classes() -> dict[str, list[str]]:
         for f in dataclasses.fields(cls):
             names.extend(nested(hints.get(f.name)))
     return out
+
+
+def _imports_heavy(tree: ast.Module) -> bool:
+    """Whether a module's top level imports vLLM or torch."""
+    for node in tree.body:
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        if any(n.split(".")[0] in ("vllm", "torch") for n in names):
+            return True
+    return False
 
 
 def _reference_sections(page: str) -> dict[str, list[str]]:
