@@ -321,7 +321,7 @@ def _download(src, path: str, size: int, block_size: int, concurrency: int, vers
     header = _journal_header(size, block_size, version)
     nblocks = (size + block_size - 1) // block_size
     done: set[int] = set()
-    if _regular_size(partial) == size and _read_journal_header(journal) == header:
+    if _regular_size(partial) is not None and _read_journal_header(journal) == header:
         done = {b for b in _read_journal(journal) if b < nblocks}
     try:
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)

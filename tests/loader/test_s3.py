@@ -98,7 +98,12 @@ def test_transient_errors_are_retried(model, s3_env):
     assert fails[0] == 0
 
 
-def test_pull_resumes_a_partial_download(model, tmp_path):
+@pytest.mark.parametrize("journal", ["current", "unversioned"])
+def test_pull_resumes_a_partial_download(model, tmp_path, s3_server, s3_bucket, journal):
+    """A journal of this object's ETag and block size resumes; one without them (an older
+    kvtier's, or another version's) is discarded and the file is fetched whole."""
+    from kvtier.loader.cache import _journal_header
+
     local, uri = model
     cache = str(tmp_path / "cache")
     dest = cache_path(cache, uri)
@@ -106,13 +111,15 @@ def test_pull_resumes_a_partial_download(model, tmp_path):
     name = "x-1.safetensors"
     data = open(os.path.join(local, name), "rb").read()
     block = 64 * 1024
+    etag = s3_server.client().head_object(Bucket=s3_bucket, Key=f"m/{name}")["ETag"]
     with open(os.path.join(dest, name + ".partial"), "wb") as f:  # block 0 done by a killed pull
         f.write(data[:block])
     with open(os.path.join(dest, name + ".partial.done"), "w") as f:
-        f.write("0\n")
+        f.write((_journal_header(len(data), block, etag) + "\n" if journal == "current" else "") + "0\n")
     result = pull(uri, cache, concurrency=4, block_size=block)
     sizes = {n: os.path.getsize(os.path.join(local, n)) for n in os.listdir(local)}
-    assert result.downloaded and result.bytes_downloaded == sum(sizes.values()) - block
+    assert result.downloaded
+    assert result.bytes_downloaded == sum(sizes.values()) - (block if journal == "current" else 0)
     for n in sizes:
         assert open(os.path.join(dest, n), "rb").read() == open(os.path.join(local, n), "rb").read()
     assert not os.path.exists(os.path.join(dest, name + ".partial"))
