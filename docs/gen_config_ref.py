@@ -16,7 +16,10 @@ Where a field's text comes from, first found wins: ``metadata={"doc": ...}``; a 
 statement right after the field (an attribute docstring); a comment on the field's line or on
 the lines right above it; an entry of the class docstring (``name: text`` or ````name````
 followed by text); an entry of the module docstring's key list (the connector's ``Keys::``);
-the same field of a base class. Nothing here edits the sources: it parses what is there.
+the same field of a base class; then, for a field still undescribed, the help of the
+command-line flag that sets it (``SECTION_COMMANDS``) or the same key's text in another class
+of its section, each marked with its origin. Nothing here edits the sources: it parses what is
+there.
 
 A module that cannot be imported (an optional dependency missing) is documented from its source
 alone: defaults as written, ranges from its ``ranged(...)`` calls.
@@ -482,6 +485,7 @@ def collect() -> list[tuple[str, str, list[ClassDoc]]]:
             anchor = re.sub(r"[^a-z0-9]+", "-", (f"tier-{tier_names[q]}" if q in tier_names else q).lower()).strip("-")
             docs.append(ClassDoc(q, got[0], got[1], anchor, heading))
             queue[0:0] = [n for n in _nested(q) if n not in done and n not in listed]
+        _fill_gaps(title, docs)
         sections.append((title, intro, docs))
     rest = [q for q in discovered if q not in done]
     others = []
@@ -493,6 +497,60 @@ def collect() -> list[tuple[str, str, list[ClassDoc]]]:
     if others:
         sections.append(("Other configuration", "Config classes not placed in a section above.", others))
     return sections
+
+
+# The commands whose flags set the keys of a section: a key the code leaves undescribed takes the
+# help text of the flag of the same name.
+SECTION_COMMANDS = {"Cache server": ("serve",), "Router": ("route",), "Weight loader": ("load", "pull", "shard", "probe")}
+
+
+def _fill_gaps(title: str, docs: list[ClassDoc]) -> None:
+    """Describe the fields the code leaves undescribed from what else exists: the help of the
+    command-line flag that sets the same key, else the same key's text in another class of the
+    section (each marked with where it came from)."""
+    flags = _flag_help(SECTION_COMMANDS.get(title, ()))
+    siblings: dict[str, tuple[str, str]] = {}
+    for d in docs:
+        for f in d.fields:
+            if f.doc:
+                siblings.setdefault(f.name, (d.qualname.rpartition(".")[2], f.doc))
+    for d in docs:
+        for f in d.fields:
+            if f.doc:
+                continue
+            if f.name in flags:
+                f.doc = flags[f.name]
+            elif f.name in siblings and siblings[f.name][0] != d.qualname.rpartition(".")[2]:
+                f.doc = f"(as in {siblings[f.name][0]}) {siblings[f.name][1]}"
+
+
+def _flag_help(commands: tuple[str, ...]) -> dict[str, str]:
+    """dest -> "`--flag` of `kvtier CMD`: help" for the flags of the given subcommands."""
+    if not commands:
+        return {}
+    import argparse
+
+    try:
+        from kvtier.cli import build_parser
+
+        parser = build_parser()
+    except Exception:  # noqa: BLE001 - the CLI cannot be built here: no flag texts
+        return {}
+    subs = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})  # noqa: SLF001
+    out: dict[str, str] = {}
+    for command in commands:
+        sub = subs.get(command)
+        for action in getattr(sub, "_actions", ()):
+            if not action.option_strings or not action.help or action.help == argparse.SUPPRESS:
+                continue
+            text = action.help
+            if "%(" in text:
+                try:
+                    text = text % {**vars(action), "prog": f"kvtier {command}"}
+                except (KeyError, TypeError, ValueError):
+                    pass
+            out.setdefault(action.dest, f"`{action.option_strings[-1]}` of `kvtier {command}`: {text}")
+    return out
 
 
 def _cell(text: str) -> str:
