@@ -30,9 +30,11 @@ Its contract:
 
 - Under the lock the store decides (what each level holds, what to evict, which copies may
   run), hands copies to the writer queues (``put_nowait``), and copies into or out of the top
-  tier's arena: an ``ArenaTier``'s ``reserve``/``commit``/``abort``/``views``/``footprint``/
-  ``free_bytes``/``delete`` are page operations in this process's memory (memcpys), and a
-  ``fill``/``consume`` callback on such an entry runs there too (it must only copy).
+  tier's arena: an ``ArenaTier``'s ``reserve``/``commit``/``abort``/``views``/``borrow``/
+  ``footprint``/``free_bytes``/``delete`` are page operations in this process's memory. A
+  top-tier hit pins its pages under the lock (``borrow``) and runs ``consume`` after it; a write
+  reserves pages under it, runs ``fill`` after it and publishes under it again (a delete that
+  came meanwhile wins: the pages are freed). Promotions copy into the arena under the lock.
 - No other tier method of any tier runs under it: reads, puts, deletes, sizes, usage,
   listings of lower tiers (and of a top tier without an arena) run after the lock is released,
   on decisions taken under it. ``stats`` takes the lock for the index's figures only; a
@@ -51,6 +53,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -237,15 +240,20 @@ class TieredStore(KVStore):
             return None
         with self._lock:
             deletes = self._ledger.delete_seq
+            pinned = ExitStack()
+            segments = None
             if self._index.holds(0, key):
-                segments = top.arena.views(key) if top.arena is not None else None
+                if top.arena is not None:  # pin the pages: the copy out runs after the lock
+                    segments = pinned.enter_context(top.arena.borrow(key))
                 if segments is not None:
-                    consume(segments)
                     self._index.accessed(0, key)
                     self._counters.hits += 1
-                    return top.tier.name
             else:
                 self._index.missed(0, key)
+        if segments is not None:
+            with pinned:
+                consume(segments)
+            return top.tier.name
         first = 1 if top.arena is not None else 0  # a top tier without views reads like a lower one
         for i in range(first, len(self._levels)):
             got = self._read_level(i, key)
@@ -360,8 +368,9 @@ class TieredStore(KVStore):
         ``parent`` is the key of the chunk before it in its prefix chain (None for the first),
         ``chunk_index`` its position; both feed chain-aware eviction and admission. Returns
         True if the top tier holds the entry afterwards. Lower tiers are written in the
-        background. ``fill`` must only copy: it runs under the store lock when the top tier is
-        an arena. InvalidKey (a ValueError) when ``key`` or ``parent`` is not a chunk key.
+        background. ``fill`` must only copy; it runs outside the store lock, into pages
+        reserved for the entry. A concurrent write of the same key gives way (False).
+        InvalidKey (a ValueError) when ``key`` or ``parent`` is not a chunk key.
         """
         check_key(key)
         if parent is not None:
@@ -376,13 +385,17 @@ class TieredStore(KVStore):
                 self._counters.not_admitted += 1
                 return False
             if top.arena is not None:
-                stored = self._store_top(key, nbytes, fill, parent)
-                if stored:
-                    # Under the same lock hold: an eviction in between would find the key not
-                    # yet queued, demote it and leave the write-through copy to miss.
-                    self._queue_lower(key, parent)
-                return stored
-            gen = self._ledger.begin_copy(key)
+                if self._ledger.storing(0, key):
+                    return False  # another write of this key is filling it now
+                segments = self._reserve_top(key, nbytes)
+                if segments is None:
+                    return False
+                gen = self._ledger.begin_copy(key)
+                self._ledger.begin_store(0, key)
+            else:
+                gen = self._ledger.begin_copy(key)
+        if top.arena is not None:
+            return self._fill_top(key, nbytes, fill, parent, segments, gen)
         try:  # a top tier without an arena: its put is I/O, made outside the lock
             buf = np.empty(nbytes, dtype=np.uint8)
             fill([buf])
@@ -394,17 +407,61 @@ class TieredStore(KVStore):
             with self._lock:
                 self._ledger.end_copy(key)
 
-    def _store_top(self, key: Key, nbytes: int, fill: Fill, parent: Key | None) -> bool:
-        """Make room in the top tier's arena and copy the entry in (lock held: page operations
-        and a memcpy only)."""
+    def _reserve_top(self, key: Key, nbytes: int) -> list | None:
+        """Make room in the top tier's arena and reserve its pages for ``key`` (lock held);
+        the writable segments, or None (counted as a drop)."""
         top = self._levels[0]
         if top.managed and not self._make_room_top(nbytes):
             top.tier.stats.add(dropped=1)
-            return False
+            return None
         segments = top.arena.reserve(key, nbytes)
         if segments is None:
             top.tier.stats.add(dropped=1)
+            return None
+        if top.managed:
+            self._index.reserve(0, nbytes)
+        return segments
+
+    def _fill_top(self, key: Key, nbytes: int, fill: Fill, parent: Key | None, segments: list, gen: int) -> bool:
+        """Run ``fill`` into reserved top pages (lock not held), then publish the entry and queue
+        its lower copies, unless a delete of ``key`` came meanwhile (it wins) or ``fill`` raised
+        (re-raised, the pages freed)."""
+        top = self._levels[0]
+        filled = False
+        try:
+            fill(segments)
+            filled = True
+        finally:
+            with self._lock:
+                self._ledger.end_store(0, key)
+                self._ledger.end_copy(key)
+                if top.managed:
+                    self._index.unreserve(0, nbytes)
+                stored = filled and not self._ledger.deleted_since(key, gen)
+                if filled and not stored:
+                    self._counters.cancelled_writes += 1
+                if stored:
+                    top.arena.commit(key)
+                    if top.managed:
+                        self._index.insert(0, key, nbytes, parent)
+                    # Under the same lock hold: an eviction in between would find the key not
+                    # yet queued, demote it and leave the write-through copy to miss.
+                    self._queue_lower(key, parent)
+                else:
+                    top.arena.abort(key)
+        return stored
+
+    def _store_top(self, key: Key, nbytes: int, fill: Fill, parent: Key | None) -> bool:
+        """Make room in the top tier's arena and copy the entry in, all under the lock (a
+        promotion: page operations and a memcpy only)."""
+        top = self._levels[0]
+        if self._ledger.storing(0, key):
             return False
+        segments = self._reserve_top(key, nbytes)
+        if segments is None:
+            return False
+        if top.managed:
+            self._index.unreserve(0, nbytes)
         try:
             fill(segments)
         except BaseException:

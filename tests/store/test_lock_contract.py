@@ -26,7 +26,7 @@ from kvtier.tiers.ram import RamConfig, RamTier
 PAGE = 4096
 CHECKED = ("contains", "contains_many", "size_of", "get_into", "get", "put", "delete", "keys", "used_bytes",
            "close", "views", "borrow", "reserve", "commit", "abort", "footprint", "free_bytes")
-ARENA = frozenset({"views", "reserve", "commit", "abort", "footprint", "free_bytes", "delete"})
+ARENA = frozenset({"views", "borrow", "reserve", "commit", "abort", "footprint", "free_bytes", "delete"})
 
 
 class LockProbe:
