@@ -162,10 +162,13 @@ def check_listing(base: str, dest: str, listing, max_object_size: int) -> list[t
     name that cannot be a path under ``dest`` or size that is not a byte count up to
     ``max_object_size``. Pure: nothing is created or read."""
     plan, seen = [], set()
+    names = {n for n, _ in listing}
     for name, size in listing:
         problem = name_problem(name)
         if problem is None and name in seen:
             problem = "a duplicate of a name listed before"
+        if problem is None and any("/".join(name.split("/")[:i]) in names for i in range(1, name.count("/") + 1)):
+            problem = "a directory part that is also listed as an object"
         if problem is not None:
             raise LoaderError(f"{base}/: refusing object name {str(name)[:200]!r}: it has {problem}; names must be "
                               "relative paths of non-empty segments without '.', '..', backslashes or control "
@@ -220,10 +223,15 @@ def _count(path: str) -> int:
         return 0
 
 
+def _nofollow(path: str, flags: int) -> int:
+    """``open``'s opener: never through a symbolic link."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+
+
 def _write_json(dest: str, name: str, value: dict) -> None:
     """Write ``dest/name`` atomically and durably."""
     tmp = os.path.join(dest, f"{name}.tmp.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with open(tmp, "w", encoding="utf-8", opener=_nofollow) as f:
         json.dump(value, f)
         f.flush()
         os.fsync(f.fileno())
@@ -267,8 +275,9 @@ def _fetch(uri: str, dest: str, name: str, path: str, size: int, concurrency: in
            source_kwargs: dict, on_bytes, finished_version: str | None, retries: int,
            counter: list[int]) -> str | None:
     """Bring ``path`` to one whole version of ``uri`` (resuming a partial copy of that version);
-    return the version. Adds the bytes fetched to ``counter[0]``. A file already in place counts
-    when the object's version is the one it was fetched at (or the source has no versions)."""
+    return the version. Adds the bytes fetched to ``counter[0]``. A file already in place, or a
+    partial one, is kept only when the object's version is known and is the one it was fetched
+    at; a source that names no version (a local file, a server without ETags) is fetched whole."""
     _parent_dirs(uri, dest, name, path)
     last: VersionChanged | None = None
     for _ in range(retries + 1):
@@ -278,7 +287,7 @@ def _fetch(uri: str, dest: str, name: str, path: str, size: int, concurrency: in
                 raise LoaderError(f"{uri}: size {actual:,} bytes differs from the listed {size:,} (the object changed "
                                   "since the listing); run the pull again")
             version = src.version()
-            if _regular_size(path) == size and (version is None or version == finished_version):
+            if _regular_size(path) == size and version is not None and version == finished_version:
                 return version
             try:
                 _download(src, path, size, block_size, concurrency, version, on_bytes, counter)
@@ -321,7 +330,7 @@ def _download(src, path: str, size: int, block_size: int, concurrency: int, vers
     header = _journal_header(size, block_size, version)
     nblocks = (size + block_size - 1) // block_size
     done: set[int] = set()
-    if _regular_size(partial) is not None and _read_journal_header(journal) == header:
+    if version is not None and _regular_size(partial) is not None and _read_journal_header(journal) == header:
         done = {b for b in _read_journal(journal) if b < nblocks}
     try:
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -334,7 +343,7 @@ def _download(src, path: str, size: int, block_size: int, concurrency: int, vers
         if not done:
             os.ftruncate(fd, 0)  # bytes of another version or block size are never kept
         os.ftruncate(fd, size)
-        with open(journal, "a" if done else "w", encoding="utf-8") as jf:
+        with open(journal, "a" if done else "w", encoding="utf-8", opener=_nofollow) as jf:
             if not done:
                 jf.write(header + "\n")
                 jf.flush()
@@ -366,8 +375,11 @@ def _download(src, path: str, size: int, block_size: int, concurrency: int, vers
         os.close(fd)
     if _regular_size(partial) != size:
         raise LoaderError(f"{src.uri}: downloaded size {_regular_size(partial)} != listed {size}")
-    os.replace(partial, path)
-    os.unlink(journal)
+    try:
+        os.replace(partial, path)
+        os.unlink(journal)
+    except OSError as exc:
+        raise LoaderError(f"{src.uri}: cannot move {partial} into place ({exc.strerror})") from None
 
 
 def _run_blocks(one, blocks, concurrency: int, stop: threading.Event, on_bytes, counter: list[int]) -> None:

@@ -41,7 +41,8 @@ class HostileS3:
     - ``content_range``: ``fn(start, end, total) -> header`` to lie in Content-Range;
     - ``honor_if_match``: False serves whatever is stored now, whatever If-Match says;
     - ``on_get``: ``fn(server, key, n)`` called before the n-th GET (1-based) is answered;
-    - ``fail_gets_after``: GETs after this many are answered 403 (a pull killed half-way).
+    - ``fail_gets_after``: GETs after this many are answered 403 (a pull killed half-way);
+    - ``send_etag``: False sends no ETag header at all (nothing to pin a version by).
     """
 
     def __init__(self, bucket: str = "b"):
@@ -54,6 +55,7 @@ class HostileS3:
         self.honor_if_match = True
         self.on_get: Callable[["HostileS3", str, int], None] | None = None
         self.fail_gets_after: int | None = None
+        self.send_etag = True
         self.gets: list[tuple[str, str | None, str | None, int]] = []  # key, Range, If-Match, status
         self.lock = threading.Lock()
         self._httpd = _QuietServer(("127.0.0.1", 0), _handler(self))
@@ -138,7 +140,8 @@ def _handler(s3: HostileS3):
             if s3.honor_if_match and if_match is not None and if_match.strip() not in (obj.etag, "*"):
                 self._error(412, "PreconditionFailed")
                 return 412
-            headers = {"ETag": obj.etag, "Last-Modified": formatdate(usegmt=True), "Accept-Ranges": "bytes",
+            headers = {"ETag": obj.etag} if s3.send_etag else {}
+            headers |= {"Last-Modified": formatdate(usegmt=True), "Accept-Ranges": "bytes",
                        "Content-Type": "application/octet-stream"}
             whole = s3.ignore_range_after is not None and count > s3.ignore_range_after
             if rng is None or whole:
@@ -160,7 +163,8 @@ def _handler(s3: HostileS3):
                 return self._send(404)
             self.send_response(200)
             self.send_header("Content-Length", str(obj.size))
-            self.send_header("ETag", obj.etag)
+            if s3.send_etag:
+                self.send_header("ETag", obj.etag)
             self.send_header("Last-Modified", formatdate(usegmt=True))
             self.send_header("Accept-Ranges", "bytes")
             self.end_headers()

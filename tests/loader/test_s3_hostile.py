@@ -94,6 +94,15 @@ def test_nested_relative_names_still_pull(s3, tmp_path, capsys):
     assert open(os.path.join(dest, "sub", "w.bin"), "rb").read() == b"w" * 1000
 
 
+def test_pull_refuses_a_name_that_is_also_a_directory(s3, tmp_path, capsys):
+    s3.put(PREFIX + "sub", b"file")
+    s3.put(PREFIX + "sub/w.bin", b"w")
+    s3.listing = [(PREFIX + "sub", 4), (PREFIX + "sub/w.bin", 1)]
+    rc, err = _pull(s3, tmp_path / "c", capsys)
+    _one_error_line(rc, err)
+    assert "'sub/w.bin'" in err and not s3.gets
+
+
 def test_pull_refuses_a_symlinked_subdirectory_that_leaves_the_cache(s3, tmp_path, capsys):
     """A cache subdirectory replaced by a link elsewhere: the resolved path leaves the cache."""
     s3.put(PREFIX + "sub/w.bin", b"w" * 1000)
@@ -182,6 +191,22 @@ def test_a_resumed_pull_of_an_unchanged_object_fetches_only_the_rest(s3, tmp_pat
     assert rc == 0, err
     assert len(s3.gets) == 8 - 3  # 512 KiB in 64 KiB blocks, three already journaled
     assert open(os.path.join(cache_path(str(tmp_path / "c"), URI), "w.safetensors"), "rb").read() == data
+
+
+def test_a_resume_without_any_version_to_check_starts_over(s3, tmp_path, capsys):
+    """A server that sends no ETag: nothing proves the journaled blocks are of today's object."""
+    s3.send_etag = False
+    old, new = os.urandom(512 * KiB), os.urandom(512 * KiB)
+    s3.put(PREFIX + "w.safetensors", old)
+    s3.fail_gets_after = 3
+    assert _pull(s3, tmp_path / "c", capsys)[0] == 2
+    s3.fail_gets_after = None
+    s3.put(PREFIX + "w.safetensors", new)
+    s3.gets.clear()
+    rc, err = _pull(s3, tmp_path / "c", capsys)
+    assert rc == 0, err
+    assert len(s3.gets) == 8
+    assert open(os.path.join(cache_path(str(tmp_path / "c"), URI), "w.safetensors"), "rb").read() == new
 
 
 def test_a_resume_with_another_block_size_restarts(s3, tmp_path, capsys):
@@ -324,6 +349,17 @@ def test_max_object_size_flag(s3, tmp_path, capsys):
     assert "204800" in err.replace(",", "") and "--max-object-size" in err, err
     rc, err = _pull(s3, tmp_path / "c", capsys, "--max-object-size", "1MiB")
     assert rc == 0, err
+
+
+def test_load_refuses_an_object_beyond_its_max_object_size(s3, capsys):
+    """`kvtier load s3://...` (the streaming reader, no cache): the HEAD's size is bounded too."""
+    from kvtier.cli import main
+
+    s3.put(PREFIX + "w.safetensors", _safetensors(1))
+    rc = main(["load", URI, "--endpoint-url", s3.endpoint_url, "--no-progress", "--max-object-size", "64KiB"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("kvtier load: error: ") and "\n" not in err, err
+    assert "maximum object size 65,536 bytes" in err and not s3.gets, err
 
 
 @pytest.mark.parametrize("size", ["-1", "12abc"])

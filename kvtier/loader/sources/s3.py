@@ -141,7 +141,8 @@ class S3Source(Source):
             return self._size
 
     def version(self) -> str | None:
-        """The ETag pinned by the first HEAD (the version id when there is no ETag)."""
+        """The ETag pinned by the first HEAD (the version id when there is no ETag; None when the
+        HEAD gave neither, and then the first GET's ETag pins the reads that follow)."""
         self.size()
         return self._etag or self._version_id
 
@@ -180,7 +181,10 @@ class S3Source(Source):
         if length is not None and int(length) != last - first + 1:
             raise LoaderError(f"{self.uri}: {length} body bytes announced for the {last - first + 1}-byte range "
                               f"{first}-{last}; refusing the answer")
-        etag = resp.get("ETag")
+        etag = _bounded(resp.get("ETag"), "ETag", self.uri)
+        if etag and not self._etag:
+            with self._lock:  # no ETag at the HEAD: the first answer's pins the rest
+                self._etag = self._etag or etag
         if self._etag and etag and etag != self._etag:
             raise VersionChanged(f"{self.uri}: the object changed while it was read (ETag {self._etag[:80]} "
                                  f"pinned, {str(etag)[:80]} served)")
@@ -251,8 +255,12 @@ class S3Source(Source):
             prefix += "/"
         client = client or make_client(config or S3Config())
         out: list[tuple[str, int]] = []
+        pages = 0
         try:
             for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter="/"):
+                pages += 1
+                if pages > MAX_LISTED // 100:
+                    raise LoaderError(f"{uri}: the listing runs past {MAX_LISTED // 100:,} pages; refusing it")
                 for obj in page.get("Contents", []):
                     key = str(obj["Key"])
                     if not key.startswith(prefix):
