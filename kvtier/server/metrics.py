@@ -22,13 +22,34 @@ stats), per tier with a ``tier`` label (counters ``tier_hits_total``, ``tier_mis
 ``server_staging_used_bytes``). No secret is ever part of the output.
 
 The HTTP server binds ``host:port`` as given (port 0: a free port; the caller reads the bound one
-from ``server_address``) and gives each scrape connection 5 s to send its request. A stats
-callable that raises makes that scrape answer 500 with one line; the endpoint keeps serving.
+from ``server_address``). A stats callable that raises makes that scrape answer 500 with one
+line; the endpoint keeps serving.
+
+Bounds against slow, many or hostile clients (each connection carries one request):
+
+- at most ``max_connections`` connections are served at once, one thread each (so the endpoint
+  never runs more than ``max_connections + 1`` threads); a connection over the cap is answered
+  ``503`` from the accept loop without a thread and closed at once;
+- a connection has ``request_timeout_s`` in all to send its request and take the answer, however
+  slowly its bytes come (the deadline is for the whole request, not per read), and at most
+  ``MAX_REQUEST_BYTES`` of request; then it is closed;
+- a client that resets its connection, runs past its deadline or sends too much costs one log
+  line with the running count, never a traceback; refusals at the cap are logged at most once
+  per ``REFUSED_LOG_INTERVAL_S`` with their count.
+
+These are counted in the endpoint's own families: ``kvtier_metrics_refused_total``,
+``kvtier_metrics_timeouts_total``, ``kvtier_metrics_resets_total``,
+``kvtier_metrics_oversized_total``, ``kvtier_metrics_errors_total``.
 """
 
 from __future__ import annotations
 
+import io
+import logging
+import socket
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterator
 
@@ -64,7 +85,14 @@ _SERVER_GAUGES = {
     "unauthenticated_open": "Connections open now that have not completed hello.",
     "leases_open": "Read leases held by clients now.",
 }
-_REQUEST_TIMEOUT_S = 5.0
+DEFAULT_MAX_CONNECTIONS = 8
+DEFAULT_REQUEST_TIMEOUT_S = 5.0
+MAX_REQUEST_BYTES = 16 * 1024  # a scrape's request line and headers are a few hundred bytes
+REFUSED_LOG_INTERVAL_S = 10.0
+_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 33\r\n"
+         b"Connection: close\r\n\r\nbusy: too many metrics requests\n")
+
+log = logging.getLogger(__name__)
 
 
 class StatsCollector(Collector):
@@ -108,10 +136,52 @@ def _numeric(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def make_registry(stats: StatsFn) -> CollectorRegistry:
-    """A fresh registry with the stats collector and the process, platform and GC collectors."""
+class EndpointCounters:
+    """What the endpoint refused or cut short, by kind (thread-safe)."""
+
+    KINDS = {
+        "refused": "Metrics connections answered 503 at once because the endpoint served its maximum.",
+        "timeouts": "Metrics connections closed because their request ran past its deadline.",
+        "resets": "Metrics connections reset or broken by the client mid-request.",
+        "oversized": "Metrics connections closed because their request was larger than allowed.",
+        "errors": "Metrics requests that failed otherwise.",
+    }
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(self.KINDS, 0)
+
+    def add(self, kind: str) -> int:
+        """Count one ``kind``; the new total."""
+        with self._lock:
+            self._counts[kind] += 1
+            return self._counts[kind]
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+class _EndpointCollector(Collector):
+    """The endpoint's own counters as ``kvtier_metrics_*_total`` families."""
+
+    def __init__(self, counters: EndpointCounters):
+        self._counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        """One counter family per kind of ``EndpointCounters``."""
+        counts = self._counters.snapshot()
+        return iter([CounterMetricFamily(f"{PREFIX}metrics_{kind}", doc, value=counts[kind])
+                     for kind, doc in EndpointCounters.KINDS.items()])
+
+
+def make_registry(stats: StatsFn, counters: EndpointCounters | None = None) -> CollectorRegistry:
+    """A fresh registry with the stats collector, the endpoint's own counters (when given) and
+    the process, platform and GC collectors."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(stats))
+    if counters is not None:
+        registry.register(_EndpointCollector(counters))
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)
@@ -121,14 +191,19 @@ def make_registry(stats: StatsFn) -> CollectorRegistry:
 class MetricsEndpoint:
     """``/metrics`` and ``/healthz`` over HTTP for one stats callable, in a daemon thread.
 
-    ``server_address`` is the bound (host, port); ``close()`` stops serving and releases the port.
+    ``server_address`` is the bound (host, port); ``counters`` what was refused or cut short;
+    ``close()`` stops serving and releases the port. The bounds are the module docstring's.
     """
 
-    def __init__(self, stats: StatsFn, host: str, port: int):
+    def __init__(self, stats: StatsFn, host: str, port: int, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
         """Bind ``host:port`` and start serving; OSError when the address cannot be bound."""
-        self.registry = make_registry(stats)
-        self._httpd = ThreadingHTTPServer((host, port), _handler(self.registry))
-        self._httpd.daemon_threads = True
+        if max_connections < 1 or not request_timeout_s > 0:
+            raise ValueError("max_connections must be >= 1 and request_timeout_s > 0")
+        self.counters = EndpointCounters()
+        self.registry = make_registry(stats, self.counters)
+        handler = _handler(self.registry, self.counters, request_timeout_s)
+        self._httpd = _BoundedHTTPServer((host, port), handler, max_connections, self.counters)
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvtier-metrics", daemon=True)
         self._thread.start()
 
@@ -142,17 +217,158 @@ class MetricsEndpoint:
         self._httpd.server_close()
 
 
-def start_metrics(stats: StatsFn, host: str, port: int) -> MetricsEndpoint:
-    """Serve ``/metrics`` and ``/healthz`` for ``stats`` on ``host:port`` (port 0: any free one).
+def start_metrics(stats: StatsFn, host: str, port: int, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> MetricsEndpoint:
+    """Serve ``/metrics`` and ``/healthz`` for ``stats`` on ``host:port`` (port 0: any free one),
+    at most ``max_connections`` at once, each request within ``request_timeout_s``.
 
     Raises OSError when the address cannot be bound (the caller turns it into one line).
     """
-    return MetricsEndpoint(stats, host, port)
+    return MetricsEndpoint(stats, host, port, max_connections, request_timeout_s)
 
 
-def _handler(registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
+class _DeadlineExceeded(TimeoutError):
+    """A metrics request ran past its whole-request deadline."""
+
+
+class _Oversized(Exception):
+    """A metrics request sent more than MAX_REQUEST_BYTES."""
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer with a cap on the connections served at once (checked in the accept
+    loop: over it, a 503 without a thread) and one counted log line, no traceback, per failed
+    request."""
+
+    daemon_threads = True
+    request_queue_size = 128  # the kernel queue: refusals are answered rather than left pending
+
+    def __init__(self, address, handler, max_connections: int, counters: EndpointCounters):
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._max_connections = max_connections
+        self._counters = counters
+        self._refused_logged_at = -REFUSED_LOG_INTERVAL_S
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address) -> None:
+        """Serve in a thread when a slot is free; else answer 503 without blocking and close."""
+        if not self._slots.acquire(blocking=False):
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: its slot is free again
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _refuse(self, request: socket.socket) -> None:
+        total = self._counters.add("refused")
+        try:
+            request.setblocking(False)
+            request.send(_BUSY)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+        now = time.monotonic()
+        if now - self._refused_logged_at >= REFUSED_LOG_INTERVAL_S:
+            self._refused_logged_at = now
+            log.warning("metrics: connection refused, %d requests already being served (%d refused so far)",
+                        self._max_connections, total)
+
+    def handle_error(self, request, client_address) -> None:
+        """One log line with the running count for the request that failed (no traceback)."""
+        count_failure(self._counters, client_address, sys.exc_info()[1])
+
+
+def count_failure(counters: EndpointCounters, client_address: Any, exc: BaseException | None) -> None:
+    """Count a request that failed with ``exc`` by kind and log one line with the running count."""
+    peer = _peer(client_address)
+    if isinstance(exc, _Oversized):
+        log.info("metrics: request from %s larger than %d bytes, closed (%d so far)", peer, MAX_REQUEST_BYTES,
+                 counters.add("oversized"))
+    elif isinstance(exc, TimeoutError):
+        log.info("metrics: request from %s ran past its deadline, closed (%d so far)", peer, counters.add("timeouts"))
+    elif isinstance(exc, OSError):  # ConnectionResetError, BrokenPipeError, ...
+        log.info("metrics: connection from %s reset mid-request: %s (%d so far)", peer, type(exc).__name__,
+                 counters.add("resets"))
+    else:
+        log.warning("metrics: request from %s failed: %s: %s (%d so far)", peer, type(exc).__name__,
+                    str(exc)[:200], counters.add("errors"))
+
+
+def _peer(client_address: Any) -> str:
+    """``host:port`` of a client address tuple."""
+    try:
+        return f"{client_address[0]}:{client_address[1]}"
+    except (TypeError, IndexError):
+        return str(client_address)
+
+
+class _DeadlineSocket(io.RawIOBase):
+    """A connection's socket as a raw stream whose every read and write must end before one
+    deadline (each waits at most the time left), reading at most MAX_REQUEST_BYTES in all."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        super().__init__()
+        self._sock = sock
+        self._deadline = deadline
+        self._read = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def _arm(self) -> None:
+        """Give the next socket call the time left; _DeadlineExceeded when none is."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise _DeadlineExceeded("metrics request deadline")
+        self._sock.settimeout(left)
+
+    def readinto(self, buffer) -> int:
+        if self._read >= MAX_REQUEST_BYTES:
+            raise _Oversized(f"more than {MAX_REQUEST_BYTES} bytes")
+        self._arm()
+        try:
+            n = self._sock.recv_into(buffer, min(len(buffer), MAX_REQUEST_BYTES - self._read))
+        except socket.timeout:
+            raise _DeadlineExceeded("metrics request deadline") from None
+        self._read += n
+        return n
+
+    def write(self, data) -> int:
+        self._arm()
+        try:
+            self._sock.sendall(data)
+        except socket.timeout:
+            raise _DeadlineExceeded("metrics request deadline") from None
+        return len(data)
+
+
+def _handler(registry: CollectorRegistry, counters: EndpointCounters,
+             request_timeout_s: float) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        timeout = _REQUEST_TIMEOUT_S  # a silent scraper costs one thread for at most this long
+        def setup(self) -> None:
+            """Streams over the connection that share one deadline for the whole request."""
+            self.connection = self.request
+            raw = _DeadlineSocket(self.connection, time.monotonic() + request_timeout_s)
+            self.rfile = io.BufferedReader(raw, buffer_size=4096)
+            self.wfile = raw
+
+        def log_error(self, format: str, *args) -> None:  # noqa: A002 (http.server's signature)
+            """http.server reports a request past its deadline here (it catches the TimeoutError
+            itself): count it as ``handle_error`` would. Other errors (a 400's) stay unlogged."""
+            exc = sys.exc_info()[1]
+            if isinstance(exc, TimeoutError):
+                count_failure(counters, self.client_address, exc)
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             self._answer(body=True)
@@ -167,7 +383,8 @@ def _handler(registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
                 try:
                     payload = encoder(registry)
                 except Exception as exc:  # a failing stats source must not kill the endpoint
-                    self._reply(500, f"stats unavailable: {type(exc).__name__}: {exc}\n".encode(), "text/plain", body)
+                    line = f"stats unavailable: {type(exc).__name__}: {str(exc)[:200]}\n"
+                    self._reply(500, line.encode(errors="replace"), "text/plain", body)
                     return
                 self._reply(200, payload, ctype, body)
             elif path == "/healthz":

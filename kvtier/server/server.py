@@ -40,7 +40,6 @@ import dataclasses
 import hmac
 import itertools
 import logging
-import math
 import os
 import socket
 import socketserver
@@ -54,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.buffers import copy_segments
-from kvtier.config import Size, build
+from kvtier.config import Size, build, out_of_range, ranged, secret, show, validate
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.server import protocol as P
 from kvtier.store import StoreConfig, TieredStore
@@ -101,49 +100,56 @@ class ServeConfig:
     max_leases_per_client: leases one connection may hold; a ``get`` beyond it is a miss.
     client_staging_fraction: share (0, 1] of the staging area one connection may hold in open
         reservations; a ``reserve`` beyond it answers ``quota``.
+    metrics_max_connections: metrics connections served at once (one thread each); more are
+        answered 503 at once and closed.
+    metrics_request_timeout_s: the whole of one metrics request (reading it, answering it)
+        must fit in this many seconds, however slowly its bytes arrive; then it is closed.
+
+    Ranges are declared on the fields (``kvtier.config.ranged``) and checked by ``validate``,
+    cross-field rules by ``check``: one ConfigError line ``serve.KEY: ...``.
     """
 
     store: StoreConfig = field(default_factory=StoreConfig)
     listen: str = field(default_factory=default_listen)
-    token: str | None = field(default=None, repr=False)
+    token: str | None = secret(None)
     metrics: str | None = None
     staging: Size = Size(256 * 1024**2)
     shm_dir: str = "/dev/shm"
-    max_connections: int = 256
-    max_unauthenticated: int = 32
-    hello_timeout_s: float = 5.0
-    lease_timeout_s: float = 30.0
-    max_leases_per_client: int = 64
-    client_staging_fraction: float = 0.25
+    max_connections: int = ranged(256, ge=1, le=65536)
+    max_unauthenticated: int = ranged(32, ge=1, le=65536)
+    hello_timeout_s: float = ranged(5.0, ge=0.01, le=300.0)
+    lease_timeout_s: float = ranged(30.0, ge=0.01, le=86400.0)
+    max_leases_per_client: int = ranged(64, ge=1, le=1 << 20)
+    client_staging_fraction: float = ranged(0.25, gt=0.0, le=1.0)
+    metrics_max_connections: int = ranged(8, ge=1, le=1024)
+    metrics_request_timeout_s: float = ranged(5.0, gt=0.0, le=300.0)
 
     def __post_init__(self):
-        family, _ = P.parse_address(self.listen)
+        validate(self, "serve")  # a config built by hand is checked as one built from a file
+
+    def check(self, where: str) -> None:
+        """The checks across fields (``validate`` calls it after the declared ranges)."""
+        try:
+            family, _ = P.parse_address(self.listen)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}.listen: {exc}") from exc
         if family == socket.AF_INET and not self.token:
-            raise ConfigError("serve.token: a TCP listener requires a token")
-        _check_range("serve.max_connections", self.max_connections, 1, 65536)
-        _check_range("serve.max_unauthenticated", self.max_unauthenticated, 1, self.max_connections)
-        _check_range("serve.hello_timeout_s", self.hello_timeout_s, 0.01, 300.0)
-        _check_range("serve.lease_timeout_s", self.lease_timeout_s, 0.01, 86400.0)
-        _check_range("serve.max_leases_per_client", self.max_leases_per_client, 1, 1 << 20)
-        _check_range("serve.client_staging_fraction", self.client_staging_fraction, 1e-6, 1.0)
+            raise ConfigError(f"{where}.token: a TCP listener requires a token")
+        if self.max_unauthenticated > self.max_connections:
+            raise out_of_range(f"{where}.max_unauthenticated", self.max_unauthenticated,
+                               f"[1, max_connections={self.max_connections}]")
         first = self.store.tiers[0]
         if not issubclass(first.tier_class, ArenaTier):
-            raise ConfigError("serve.store.tiers[0]: the server's top tier must be 'ram' (the shared arena)")
+            raise ConfigError(f"{where}.store.tiers[0]: the server's top tier must be 'ram' (the shared arena)")
         if first.tier_class.shared_file(first.config) is not None:
-            raise ConfigError("serve.store.tiers[0].shm_path: set by the server; use serve.shm_dir")
+            raise ConfigError(f"{where}.store.tiers[0].shm_path: set by the server; use {where}.shm_dir")
         if self.metrics is not None:
-            _parse_hostport(self.metrics, "serve.metrics")
+            _parse_hostport(self.metrics, f"{where}.metrics")
 
     @classmethod
     def from_mapping(cls, mapping: dict | None) -> "ServeConfig":
         """Build from a YAML/JSON mapping (``store`` is a StoreConfig dict)."""
         return build(cls, mapping, "serve")
-
-
-def _check_range(what: str, value: float, low: float, high: float) -> None:
-    """ConfigError naming ``what`` and the valid range unless ``low <= value <= high`` (finite)."""
-    if isinstance(value, bool) or not math.isfinite(value) or not low <= value <= high:
-        raise ConfigError(f"{what}: {value!r} is out of range; valid: [{low:g}, {high:g}]")
 
 
 @dataclass
@@ -246,7 +252,9 @@ class CacheServer:
             from kvtier.server.metrics import start_metrics
 
             try:
-                self._metrics = start_metrics(self.stats, *_parse_hostport(self.config.metrics, "serve.metrics"))
+                self._metrics = start_metrics(self.stats, *_parse_hostport(self.config.metrics, "serve.metrics"),
+                                              max_connections=self.config.metrics_max_connections,
+                                              request_timeout_s=self.config.metrics_request_timeout_s)
             except OSError as exc:
                 raise ServeError(f"serve.metrics: cannot bind {self.config.metrics}: {exc.strerror or exc}") from None
         self._wait_ready()
@@ -586,7 +594,7 @@ def _parse_hostport(value: str, what: str) -> tuple[str, int]:
     the port is a number in 0..65535 (0: any free port)."""
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit():
-        raise ConfigError(f"{what}: expected HOST:PORT, got {value!r}")
+        raise ConfigError(f"{what}: expected HOST:PORT, got {show(value)}")
     if int(port) > 65535:
         raise ConfigError(f"{what}: port {int(port)} is out of range 0..65535 (0: any free port)")
     return host or "127.0.0.1", int(port)
