@@ -60,7 +60,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from multidict import CIMultiDict
 
-from kvtier.route.body import BadRequest, parse_body
+from kvtier.route.body import BadRequest, TokenIds, parse_body
 from kvtier.route.config import RouteConfig
 from kvtier.route.events import EventSubscriber
 from kvtier.route.guard import ConnectionGuard
@@ -77,6 +77,7 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
 #: end-to-end headers this hop recomputes (the body is relayed decoded, its length may change)
 _RECOMPUTED = frozenset({"host", "content-length", "content-encoding", "expect"})
 _FD_RESERVE = 64  # descriptors kept free beside client and upstream connections (+8 per engine)
+_BACKLOG = 128  # also how many connections asyncio accepts in one go, before any excess is closed
 _TEXT_CHARS_PER_TOKEN = 8  # a text prompt is cut at this many characters per routed token
 
 
@@ -444,11 +445,15 @@ class Router:
                 return _error(exc.status, str(exc), close=True)
             except (web.RequestPayloadError, aiohttp.ClientError, ConnectionError) as exc:  # a broken body
                 return _error(400, f"request body could not be read: {type(exc).__name__}", close=True)
+            count = None
             try:
                 body = parse_body(raw, chat)
+                if isinstance(body.get("prompt"), TokenIds):  # long: checked in slices, the head kept
+                    body["prompt"], count = await body["prompt"].read(self.config.max_route_tokens)
             except BadRequest as exc:
                 return _error(400, str(exc))
             keys, n_tokens = await self.prompt_keys(body, chat)
+            n_tokens = n_tokens if count is None else count
             return await self._dispatch(request, path, raw, keys, n_tokens)
         finally:
             self._budget.give(reserved)
@@ -600,13 +605,14 @@ def _error(status: int, message: str, close: bool = False) -> web.Response:
 
 def fit_connections(wanted: int, engines: int) -> int:
     """The connection cap that fits the file-descriptor limit: each client connection may need
-    an upstream one, plus a reserve. Raises the soft limit towards the hard one when it can;
-    logs when the cap had to be lowered."""
+    an upstream one, plus a reserve, plus one accept burst (``_BACKLOG`` connections accepted
+    before the excess among them is closed). Raises the soft limit towards the hard one when it
+    can; logs when the cap had to be lowered."""
     try:
         import resource
     except ImportError:  # not POSIX
         return wanted
-    reserve = _FD_RESERVE + 8 * engines
+    reserve = _FD_RESERVE + 8 * engines + _BACKLOG
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = 2 * wanted + reserve
     if soft != resource.RLIM_INFINITY and soft < need:
@@ -638,7 +644,7 @@ async def serve(config: RouteConfig, tokenizer: PromptTokenizer,
     try:
         loop = asyncio.get_running_loop()
         server = await loop.create_server(router.guard.factory(runner.server), config.host, config.port,
-                                          reuse_address=True, backlog=512)
+                                          reuse_address=True, backlog=_BACKLOG)
         port = server.sockets[0].getsockname()[1]
         if isinstance(ready, asyncio.Future):
             ready.set_result((config.host, port))
