@@ -55,6 +55,7 @@ from typing import Any
 from kvtier.buffers import copy_segments
 from kvtier.config import Size, build, out_of_range, ranged, secret, show, validate
 from kvtier.errors import ConfigError, KVTierError
+from kvtier.fileio import untrusted_dir
 from kvtier.server import protocol as P
 from kvtier.store import StoreConfig, TieredStore
 from kvtier.tiers.ram import ArenaTier, RamConfig, RamTier
@@ -520,17 +521,11 @@ def _check_socket_dir(path: str) -> None:
         except OSError as exc:
             raise ServeError(f"serve.listen: cannot create the socket directory {parent}: "
                              f"{exc.strerror or exc}") from None
-    st = os.stat(parent)
-    if not stat.S_ISDIR(st.st_mode):
-        raise ServeError(f"serve.listen: {parent} is not a directory")
-    if st.st_uid not in (os.geteuid(), 0):
-        raise ServeError(f"serve.listen: the socket directory {parent} belongs to uid {st.st_uid}, not to this "
-                         f"server's user (uid {os.geteuid()}) or root; use a directory of your own (default listen: "
+    problem = untrusted_dir(os.stat(parent), "server")  # the rule the disk tier applies too
+    if problem:
+        raise ServeError(f"serve.listen: the socket directory {parent} {problem}, so another user could bind the "
+                         f"path first; use a directory of your own only this user can write (default listen: "
                          f"{default_listen()})")
-    if st.st_mode & 0o022:
-        raise ServeError(f"serve.listen: the socket directory {parent} is writable by other users "
-                         f"(mode {stat.S_IMODE(st.st_mode):04o}), so another user could bind the path first; use a "
-                         f"directory only this user can write (default listen: {default_listen()})")
 
 
 def _claim_socket_path(path: str) -> None:
