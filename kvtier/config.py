@@ -15,7 +15,9 @@ the key and the valid range. A config class may add checks across fields in a me
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import os
 import re
 import reprlib
 import types
@@ -118,7 +120,7 @@ SHOW_CHARS = 80
 _SHOW = reprlib.Repr()
 _SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxtuple, _SHOW.maxdict, _SHOW.maxset = 2, 4, 4, 4, 4
 _SHOW.maxstring, _SHOW.maxother = SHOW_CHARS, SHOW_CHARS
-_SECRET_NAME = re.compile(r"(token|secret|password|passwd|auth_key|credential|api_key)", re.I)
+_SECRET_NAME = re.compile(r"(?:^|_)(?:token|secret|password|passwd|auth_key|api_key|credentials?)(?:_|$)", re.I)
 
 
 def show(value: Any) -> str:
@@ -135,9 +137,10 @@ def show(value: Any) -> str:
 
 
 def is_secret(field: dataclasses.Field) -> bool:
-    """Whether a config field holds a secret: its metadata says ``secret=True`` or its name says
-    token, secret, password, auth_key, credential or api_key. Error messages about a secret
-    field name the field and what is wrong, never its value."""
+    """Whether a config field holds a secret: its metadata says ``secret=True`` or a ``_``-separated
+    part of its name is token, secret, password, passwd, auth_key, api_key or credential(s)
+    (``server_token``, ``secret_key``; not ``chunk_tokens``). Error messages about a secret field
+    name the field and what is wrong, never its value."""
     return bool(field.metadata.get("secret")) or bool(_SECRET_NAME.search(field.name))
 
 
@@ -214,21 +217,42 @@ def out_of_range(what: str, value: Any, valid: Range | str, hidden: bool = False
 
 
 def validate(config: Any, where: str = "") -> None:
-    """Check every ranged field of the dataclass ``config`` (None values pass), then its own
-    cross-field ``check(where)`` if it has one; ConfigError naming the key and the valid range."""
+    """Check every ranged field of the dataclass ``config`` and every field declared a
+    ``Literal`` (None values pass), then its own cross-field ``check(where)`` if it has one;
+    ConfigError naming the key and the valid range or choices. So a config built by hand (its
+    ``__post_init__`` calling ``validate``) is held to what ``build`` checks."""
     label = where or type(config).__name__
+    choices = _literal_fields(type(config))
     for f in dataclasses.fields(config):
-        rng = f.metadata.get("range")
-        if rng is None:
-            continue
         value = getattr(config, f.name)
         if value is None or isinstance(value, bool):
             continue
-        if value not in rng:
+        if f.name in choices and value not in choices[f.name]:
+            raise ConfigError(f"{label}.{f.name}: must be one of {', '.join(map(str, choices[f.name]))}, "
+                              f"got {_val(value, is_secret(f))}")
+        rng = f.metadata.get("range")
+        if rng is not None and value not in rng:
             raise out_of_range(f"{label}.{f.name}", value, rng, is_secret(f))
     check = getattr(config, "check", None)
     if callable(check):
         check(label)
+
+
+@functools.lru_cache(maxsize=None)
+def _literal_fields(cls: type) -> dict[str, tuple]:
+    """Field name -> its choices, for the fields of ``cls`` annotated ``Literal[...]`` (or
+    ``Literal[...] | None``)."""
+    out = {}
+    try:
+        hints = typing.get_type_hints(cls)
+    except (NameError, TypeError):  # annotations that cannot be resolved here: no Literal to check
+        return out
+    for name, hint in hints.items():
+        args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        literals = [a for a in args if typing.get_origin(a) is typing.Literal]
+        if literals:
+            out[name] = tuple(c for lit in literals for c in typing.get_args(lit))
+    return out
 
 
 def build(cls: type[T], mapping: Mapping[str, Any] | None, where: str = "") -> T:
@@ -366,6 +390,8 @@ def load_mapping(path: str, where: str | None = None) -> dict:
     a number too long to read.
     """
     label = where or path
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"{where or 'config_file'}: expected a file path, got {show(path)}")
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)

@@ -49,43 +49,44 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping, get_args
 
-from kvtier.config import build, load_mapping
+from kvtier.config import build, load_mapping, ranged, secret, show, validate
 from kvtier.errors import ConfigError
 from kvtier.store import StoreConfig
 
 DEFAULT_CONNECTOR_TIERS = ({"type": "ram", "capacity": "4GiB"},)
-TRANSFER_MODES = ("sync", "async")
+TransferMode = Literal["sync", "async"]
+TRANSFER_MODES = get_args(TransferMode)
+WHERE = "kv_connector_extra_config"
 
 
 @dataclass(frozen=True)
 class ConnectorConfig:
-    """Everything the connector reads from ``kv_connector_extra_config``."""
+    """Everything the connector reads from ``kv_connector_extra_config`` (the keys are the
+    module docstring's). Ranges are declared on the fields, ``transfer_mode`` is a Literal, and
+    rules across fields are in ``check``: one ConfigError line ``kv_connector_extra_config.KEY``."""
 
-    chunk_tokens: int | None = None
-    load_threads: int = 4
+    chunk_tokens: int | None = ranged(None, ge=1)
+    load_threads: int = ranged(4, ge=1)
     store: StoreConfig = field(default_factory=lambda: StoreConfig(tiers=[dict(t) for t in DEFAULT_CONNECTOR_TIERS]))
     server: str | None = None
-    server_token: str | None = field(default=None, repr=False)
+    server_token: str | None = secret(None)
     weights_id: str | None = None
     require_recompute: bool = False
-    transfer_mode: str = "sync"
+    transfer_mode: TransferMode = "sync"
     async_ram_loads: bool = False
 
     def __post_init__(self):
-        if self.chunk_tokens is not None and self.chunk_tokens <= 0:
-            raise ConfigError(f"kv_connector_extra_config.chunk_tokens: must be positive, got {self.chunk_tokens}")
-        if self.load_threads < 1:
-            raise ConfigError(f"kv_connector_extra_config.load_threads: must be at least 1, got {self.load_threads}")
-        if self.transfer_mode not in TRANSFER_MODES:
-            raise ConfigError(f"kv_connector_extra_config.transfer_mode: must be one of {', '.join(TRANSFER_MODES)}, "
-                              f"got {self.transfer_mode!r}")
+        validate(self, WHERE)  # a config built by hand is checked as one built from a dict
+
+    def check(self, where: str) -> None:
+        """The checks across fields (``validate`` calls it after the declared ranges)."""
         if self.async_ram_loads and self.transfer_mode != "async":
-            raise ConfigError("kv_connector_extra_config.async_ram_loads: needs transfer_mode \"async\" "
+            raise ConfigError(f"{where}.async_ram_loads: needs transfer_mode \"async\" "
                               f"(got {self.transfer_mode!r}); valid: remove it, or set transfer_mode async")
         for i, spec in enumerate(self.store.tiers):
-            check_tier_spec(spec, f"kv_connector_extra_config.tiers[{i}]")
+            check_tier_spec(spec, f"{where}.tiers[{i}]")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "ConnectorConfig":
@@ -95,16 +96,16 @@ class ConnectorConfig:
         merged = {**(load_mapping(path) if path else {}), **extra}
         own = {f.name for f in dataclasses.fields(cls)} - {"store"}
         store_keys = {f.name for f in dataclasses.fields(StoreConfig)}
-        unknown = sorted(set(merged) - own - store_keys - {"store"})
+        unknown = sorted((k for k in merged if k not in own | store_keys | {"store"}), key=str)
         if unknown:
             valid = sorted(own | store_keys | {"config_file"})
-            raise ConfigError(f"kv_connector_extra_config: unknown key {unknown[0]!r}; valid keys: {', '.join(valid)}")
+            raise ConfigError(f"{WHERE}: unknown key {show(unknown[0])}; valid keys: {', '.join(valid)}")
         store = dict(merged.pop("store", {}) or {})
         for key in store_keys & set(merged):
             store[key] = merged.pop(key)
         store.setdefault("tiers", [dict(t) for t in DEFAULT_CONNECTOR_TIERS])
-        merged["store"] = build(StoreConfig, store, "kv_connector_extra_config")
-        return build(cls, merged, "kv_connector_extra_config")
+        merged["store"] = build(StoreConfig, store, WHERE)
+        return build(cls, merged, WHERE)
 
     def with_page_size(self, page_bytes: int) -> "ConnectorConfig":
         """The same config with RAM tiers sized for the engine: page size = the engine's page
