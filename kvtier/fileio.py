@@ -105,10 +105,11 @@ def open_dir_at(dir_fd: int | None, name: str) -> int:
     """A descriptor of the real directory ``name`` (relative to ``dir_fd``; None: the current
     directory), opened without following a symbolic link at ``name``.
 
-    OSError (ELOOP for a symlink, ENOTDIR for anything else that is not a directory,
-    FileNotFoundError when absent). The caller closes the descriptor.
+    OSError (ENOTDIR or ELOOP for a symlink, ENOTDIR for anything else that is not a
+    directory, FileNotFoundError when absent). Never blocks (a FIFO is not opened). The caller
+    closes the descriptor.
     """
-    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=dir_fd)
+    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | _NOFOLLOW, dir_fd=dir_fd)
 
 
 def open_regular_at(dir_fd: int | None, name: str, flags: int = 0) -> tuple[int, os.stat_result]:
