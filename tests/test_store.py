@@ -1011,3 +1011,26 @@ def test_a_store_config_built_by_hand_is_held_to_the_declared_ranges(field, valu
     with pytest.raises(ConfigError) as info:
         StoreConfig(**{field: value})
     assert f"store.{field}: must be in" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_delete_during_a_writes_fill_wins(make_store):
+    """``fill`` runs outside the store lock, into reserved pages: a delete of the key while it
+    runs wins (the pages are freed, nothing is published or copied down)."""
+    store = make_store(ram_pages=4)
+    data = np.frombuffer(payload(1), dtype=np.uint8)
+
+    def fill(segments):
+        pos = 0
+        for seg in segments:
+            seg[:] = data[pos : pos + seg.size]
+            pos += seg.size
+        store.delete(key(1))  # another thread's delete, arriving mid-fill
+
+    assert not store.write(key(1), data.size, fill)
+    assert store.flush()
+    assert store.get(key(1)) is None and not store.tiers[1].contains(key(1))
+    assert store.stats()["cancelled_writes"] == 1
+    assert tier_stats(store, "ram")["used_bytes"] == 0
+    assert_accounting(store)
+    assert store._ledger.idle()
+    assert store.put(key(1), payload(1)) and store.get(key(1)) == payload(1)  # written again: there

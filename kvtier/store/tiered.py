@@ -433,11 +433,11 @@ class TieredStore(KVStore):
             filled = True
         finally:
             with self._lock:
+                stored = filled and not self._ledger.deleted_since(key, gen)  # before end_copy drops the tombstone
                 self._ledger.end_store(0, key)
                 self._ledger.end_copy(key)
                 if top.managed:
                     self._index.unreserve(0, nbytes)
-                stored = filled and not self._ledger.deleted_since(key, gen)
                 if filled and not stored:
                     self._counters.cancelled_writes += 1
                 if stored:
