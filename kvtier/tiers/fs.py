@@ -70,6 +70,7 @@ _TMP = ".tmp"
 _FANOUT = re.compile(r"^[0-9a-f]{2}$")
 _ENTRY = re.compile(r"^[0-9a-f]{64}$")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_STUCK_RESCAN_S = 1.0  # least time between put-triggered scans while a scan could not get under budget
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,7 @@ class FsTier(Tier):
         self._inflight: dict[str, int] = {}  # key hex -> this process's renames/unlinks of it under way
         self._scanned: dict[str, int] = {}  # in-flight key hex -> what the last scan counted for it
         self._last_scan = time.monotonic()
+        self._stuck_until = 0.0  # a scan that could not get under budget: no put-triggered rescan before
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if config.usage_refresh_s > 0:
@@ -458,10 +460,13 @@ class FsTier(Tier):
 
     def _account(self) -> None:
         """After a put: scan now when this process's count is over budget or the last scan is
-        older than ``scan_interval_s``."""
+        older than ``scan_interval_s``; while the last scan could not get under budget, at most
+        every ``_STUCK_RESCAN_S`` (a directory full of files this process cannot remove must
+        not make every put walk it)."""
         with self._usage_lock:
-            due = time.monotonic() - self._last_scan >= self.config.scan_interval_s
-            over = self._used > self.config.capacity
+            now = time.monotonic()
+            due = now - self._last_scan >= self.config.scan_interval_s
+            over = self._used > self.config.capacity and now >= self._stuck_until
         if due or over:
             self._scan(unless_fresh=True)
 
@@ -496,6 +501,9 @@ class FsTier(Tier):
                                            seen[name][1] if name in seen and name not in evicted else 0)
                 self._used = total
                 self._last_scan = time.monotonic()
+                # files this process cannot remove (another user's, a read-only share) keep the
+                # count over budget: without this every put would walk the directory again
+                self._stuck_until = self._last_scan + _STUCK_RESCAN_S if total > self.config.capacity else 0.0
 
     def _evict(self, seen: dict, total: int) -> dict[str, int]:
         """Remove the oldest entries of ``seen`` (still the same files) until ``total`` is under
@@ -522,7 +530,9 @@ class FsTier(Tier):
                     continue
                 if unlink_at(dirs[sub], name, same_as=st):
                     removed += 1
-                gone[name] = size  # gone either way unless replaced: we removed it or another node did
+                elif _exists(dirs[sub], name):
+                    continue  # not ours to remove (another user's), or a new file published meanwhile
+                gone[name] = size  # we removed it or another node did
                 total -= size
         finally:
             for fd in dirs.values():
@@ -607,6 +617,17 @@ def _refresh_loop(ref: "weakref.ref[FsTier]", stop: threading.Event, interval: f
             log.exception("fs tier %s: usage scan failed", tier.name)
         del tier
         delay = interval
+
+
+def _exists(dfd: int, name: str) -> bool:
+    """Whether anything holds the name ``name`` in ``dfd`` (no link followed)."""
+    try:
+        os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
 
 
 def _regular_payload(dfd: int, name: str) -> int:

@@ -172,3 +172,27 @@ def test_s3_used_bytes_never_lists_and_follows_other_nodes(s3_server, s3_bucket,
         assert wait_for(lambda: tier.used_bytes() == 800, timeout_s=10.0)
     assert not [t for t in threading.enumerate() if t.name == "kvtier-s3-usage" and t.is_alive()
                 and not wait_for(lambda t=t: not t.is_alive(), 2.0)]
+
+
+def test_fs_files_it_cannot_remove_do_not_make_every_put_walk(tmp_path, monkeypatch):
+    """Over budget with files this process may not remove (another user's): puts rescan at most
+    about once a second, not once each."""
+    import kvtier.tiers.fs as fs_mod
+
+    root = tmp_path / "shared"
+    fill(root, 50, 1000)
+    monkeypatch.setattr(fs_mod, "unlink_at", lambda *a, **kw: False)  # a fault: every removal refused
+    tier = FsTier(FsConfig(path=str(root), capacity=10_000, usage_refresh_s=0), name="fs")
+    try:
+        assert tier.used_bytes() == 50_000
+        walks = []
+        real_walk = tier._walk
+        monkeypatch.setattr(tier, "_walk", lambda *a, **kw: walks.append(1) or real_walk(*a, **kw))
+        start = time.monotonic()
+        for i in range(40):
+            assert tier.put(key(i), b"n" * 100)
+        took = time.monotonic() - start
+        assert len(walks) <= 2 + took / 1.0, (len(walks), took)
+        assert tier.used_bytes() >= 50_000
+    finally:
+        tier.close()
