@@ -4,8 +4,10 @@
 - ``events.py``: ``StoreEvent`` (stored/removed, key, medium) and its bounded log.
 - ``index.py``: bookkeeping and decisions (sizes, prefix chains, policies, admission, what to
   evict and where it goes); no I/O, no threads.
-- ``writeback.py``: queues and writer threads for the lower tiers, in-flight copies and delete
-  generations, flush/close; the bounded prefetch worker.
+- ``ledger.py``: ``CopyLedger``, the copies and removals under way (queued, in flight, delete
+  generations, orphan bytes) as pure state; no I/O, no threads.
+- ``writeback.py``: queues and writer threads for the lower tiers, flush/close; the bounded
+  prefetch worker.
 - ``config.py``: ``StoreConfig`` (tier specs typed through the tier registry).
 - ``tiered.py``: ``TieredStore``, the facade that carries the index's decisions out with tiers.
 

@@ -1,8 +1,9 @@
 """TieredStore: KV chunks kept in an ordered list of tiers (fastest first), in this process.
 
 A facade: ``StoreIndex`` (``index.py``) decides (what each level holds, admission, what to
-evict and where it goes), ``WriteBack`` (``writeback.py``) runs the background copies, and this
-class carries the decisions out with the tiers. The contract:
+evict and where it goes), ``CopyLedger`` (``ledger.py``) keeps the copies and removals under
+way, ``WriteBack`` (``writeback.py``) runs the background copies, and this class carries the
+decisions out with the tiers. The contract:
 
 - ``lookup(keys)`` counts how many leading chunks are present in any tier. No side effects.
 - ``write`` stores a chunk in the top tier synchronously (a memcpy into its arena) and queues
@@ -17,7 +18,7 @@ class carries the decisions out with the tiers. The contract:
 - A tier that fails to start is left out (the store degrades); a tier fault at run time is a
   counted miss or drop. Nothing here raises into the engine for a storage fault.
 - ``delete`` wins over every copy of the key already queued or in flight (write-through,
-  demotion, promotion): see ``writeback.py``. After ``delete`` and ``flush`` no tier holds the
+  demotion, promotion): see ``ledger.py``. After ``delete`` and ``flush`` no tier holds the
   key (unless it is written again).
 - A key is a ``KEY_BYTES``-byte digest (``kvtier.entry.check_key``): a write or delete of any
   other key raises InvalidKey; a read or lookup of one is a miss.
