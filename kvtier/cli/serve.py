@@ -6,6 +6,8 @@ The config file (YAML or JSON)::
                                              # or tcp://0.0.0.0:7300 (then token is required)
     token: ...                               # never logged
     metrics: 127.0.0.1:9400                  # /metrics and /healthz over HTTP (optional; port 0: any free)
+    metrics_max_connections: 8               # metrics requests served at once; more get 503 at once
+    metrics_request_timeout_s: 5             # the whole of one metrics request, however slowly it comes
     staging: 256MiB                          # shared write staging area
     shm_dir: /dev/shm
     max_connections: 256                     # open connections at once
@@ -24,8 +26,10 @@ Once every listener accepts connections it prints one line on stderr, the ready 
     kvtier serve: ready on ADDRESS[, metrics http://HOST:PORT]
 
 with the addresses actually bound (a port 0 resolved). A start that cannot happen (listen path
-taken by a live server or by a file, unsafe socket directory, no room for the shared memory)
-prints one line naming the problem and exits 2.
+taken by a live server or by a file, unsafe socket directory, no room for the shared memory), or
+a config file that is wrong or hostile (over 1 MiB, over 20,000 values with its YAML aliases
+expanded, nested over 64 levels), prints one line naming the problem and exits 2; the token is
+never part of a message.
 """
 
 from __future__ import annotations
