@@ -358,3 +358,63 @@ def test_idle_connections_past_the_fd_limit_leave_health_answering(stub, tmp_pat
         for s in socks:
             s.close()
         r.stop()
+
+
+# --- 10: KV events ----------------------------------------------------------------------------
+
+def _metric(text: str, pattern: str) -> float:
+    m = re.search(pattern + r" (\S+)", text)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_malformed_kv_event_is_counted_and_the_stream_goes_on(stub, tmp_path):
+    """Token id -1 (OverflowError in the index), a medium of the wrong type, a hash that cannot be
+    hashed: each is counted and skipped; good events after them are still applied."""
+    import msgspec
+    import zmq
+
+    from kvtier.bench.services import free_port
+
+    port = free_port()
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    r = Router(tmp_path, "events", {"engines": [{"url": stub.url, "kv_events": f"tcp://127.0.0.1:{port}"}],
+                                    "block_size": 4})
+
+    def stored(h, tokens, **extra):
+        return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": None, "token_ids": tokens,
+                "block_size": 4, "medium": "GPU", **extra}
+
+    bad = [stored(1, [1, 2, 3, -1]), stored(2, [1, 2, 3, 4], medium=5), stored([[1]], [1, 2, 3, 4]),
+           stored(3, [1, 2, 3, 2**40])]
+    seq = 0
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            for batch in ([bad[seq % 4]], [stored(1000 + seq, [seq, seq + 1, seq + 2, seq + 3])]):
+                pub.send_multipart([b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode([time.time(), batch, 0])])
+                seq += 1
+            time.sleep(0.1)
+            text = r.metrics()
+            malformed = _metric(text, r'kvtier_route_kv_events_total\{engine="[^"]+",type="malformed"\}')
+            if malformed >= 4 and r.health()["index_keys"] >= 3:
+                break
+            assert time.monotonic() < deadline, f"malformed={malformed}, health={r.health()}"
+        assert "Traceback" not in r.text()
+    finally:
+        r.stop()
+        pub.close(linger=0)
+        ctx.term()
+
+
+def test_a_subscriber_that_dies_is_restarted_and_logged(stub, tmp_path):
+    r = Router(tmp_path, "deadsub", {"engines": [{"url": stub.url, "kv_events": "tcp://127.0.0.1:notaport"}]})
+    try:
+        pattern = r'kvtier_route_kv_subscriber_restarts_total\{engine="%s"\}' % re.escape(stub.url)
+        _until(lambda: _metric(r.metrics(), pattern) >= 2, 10, "two restarts")
+        assert f"kv events of {stub.url} stopped (ZMQError" in r.text()
+        assert r.health()["healthy"] == [stub.url]
+        assert "Traceback" not in r.text()
+    finally:
+        r.stop()
