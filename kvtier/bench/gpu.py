@@ -31,13 +31,16 @@ import argparse
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-import torch
 
 from kvtier.output import emit_json, print_table
-from kvtier.integrations.vllm.pages import PageLayout
+
+if TYPE_CHECKING:  # torch (and PageLayout, which needs it) are imported where used: --help needs neither
+    import torch
+
+    from kvtier.integrations.vllm.pages import PageLayout
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
 def check(device: str = "auto", shapes: str | None = None, step_tokens: int | None = None, repeat: int = 5,
           quick: bool = False) -> dict:
     """The whole check as one JSON-ready dict (see the module docstring)."""
+    import torch
+
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
     step_tokens = step_tokens or (2048 if dev.type == "cuda" else 1024)
@@ -141,12 +146,16 @@ def dataclass_replace(shape: Shape, **changes) -> Shape:
 
 
 def _device_name(dev: torch.device) -> str:
+    import torch
+
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
     return f"cpu ({torch.get_num_threads()} torch threads)"
 
 
 def _make_kv(shape: Shape, num_blocks: int, dev: torch.device) -> dict[str, torch.Tensor]:
+    import torch
+
     gen = torch.Generator(device="cpu").manual_seed(0)
     kv = {}
     for i in range(shape.layers):
@@ -158,6 +167,7 @@ def _make_kv(shape: Shape, num_blocks: int, dev: torch.device) -> dict[str, torc
 def _measure(shape: Shape, chunk_tokens: int, step_tokens: int, dev: torch.device, repeat: int,
              bounds: dict) -> list[dict]:
     """Rows for one (layout, chunk size): round trip check, then save/load timings per path."""
+    from kvtier.integrations.vllm.pages import PageLayout
     from kvtier.store import TieredStore
 
     bpc = chunk_tokens // shape.block_size
@@ -209,6 +219,8 @@ def _measure(shape: Shape, chunk_tokens: int, step_tokens: int, dev: torch.devic
 
 def _round_trip(layout: PageLayout, kv: dict, store, keys: list[bytes], src, dst) -> bool:
     """Save the step through the store, wipe the destination blocks, load; bit-exact?"""
+    import torch
+
     _store_save(layout, store, keys, src)
     for t in kv.values():
         view = t if layout.pieces == 1 else t.transpose(0, 1)
@@ -266,6 +278,8 @@ def _per_page_save(layout: PageLayout, chunks, entries) -> None:
     """The pre-batching algorithm: one copy per (layer, block, piece), layer-major entries; on
     CPU split over the layout's copy threads as the old code did, on CUDA ``non_blocking``
     copies on a side stream, then a synchronize."""
+    import torch
+
     for blocks, entry in zip(chunks, entries):
         pieces = iter(_split(entry, layout.piece_bytes))
         if layout.on_cpu:  # as the old code: the page pairs, split over the copy threads
@@ -281,6 +295,8 @@ def _per_page_save(layout: PageLayout, chunks, entries) -> None:
 
 
 def _per_page_load(layout: PageLayout, entries, chunks) -> None:
+    import torch
+
     for blocks, entry in zip(chunks, entries):
         pieces = iter(_split(entry, layout.piece_bytes))
         if layout.on_cpu:
@@ -301,6 +317,8 @@ def _split(entry: np.ndarray, size: int) -> list[np.ndarray]:
 
 def _bound(nbytes: int, dev: torch.device, repeat: int) -> dict:
     """GB/s of one large copy of ``nbytes``: pinned D2H/H2D on CUDA, memcpy on CPU."""
+    import torch
+
     if dev.type == "cuda":
         d = torch.empty(nbytes, dtype=torch.uint8, device=dev)
         h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -314,6 +332,8 @@ def _bound(nbytes: int, dev: torch.device, repeat: int) -> dict:
 
 
 def _sync(dev: torch.device) -> None:
+    import torch
+
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
@@ -336,6 +356,10 @@ def _overlap(shape: Shape, step_tokens: int, dev: torch.device, quick: bool) -> 
     device-to-host copy, the save's device work) issued on the side stream after every
     iteration; each save is released one iteration later, so at most two are in flight.
     Slowdown = loop time with saves / alone (the target: < 1.05)."""
+    import torch
+
+    from kvtier.integrations.vllm.pages import PageLayout
+
     bpc = 128 // shape.block_size
     chunks = max(1, step_tokens // 128)
     num_blocks = chunks * bpc

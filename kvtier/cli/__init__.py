@@ -53,26 +53,54 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# command -> the module it imports first: its optional dependencies are checked before the
+# command reads its configuration, and a missing one is named with its extra (one line)
+_IMPORTS_FIRST = {
+    "route": "kvtier.route.proxy",
+}
+
+
+def command_label(parser: argparse.ArgumentParser, argv: list[str]) -> str:
+    """The (sub)command ``argv`` names, as messages print it: ``route``, ``bench gpu``; ``""``
+    when it names none. Reads the parser's subcommand tables only (nothing is imported)."""
+    words: list[str] = []
+    for word in argv:
+        if word.startswith("-"):
+            continue
+        choices = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if not choices or word not in choices:
+            break
+        words.append(word)
+        parser = choices[word]
+    return " ".join(words)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the console script."""
+    """Entry point of the console script. A user mistake (KVTierError) or a missing optional
+    module (named with what installs it) prints ``kvtier CMD: error: ...`` on one line and
+    returns 2, also when the module is needed to build a subcommand's parser."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
+    label = command_label(parser, argv)
     try:
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        if label in _IMPORTS_FIRST:
+            importlib.import_module(_IMPORTS_FIRST[label])
         return int(args.func(args) or 0)
     except BrokenPipeError:  # `kvtier ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except KVTierError as exc:
-        print(f"kvtier {args.command}: error: {exc}", file=sys.stderr)
+        print(f"kvtier {label}: error: {exc}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:
         message = missing_dependency(exc)
         if message is None:
             raise
-        print(f"kvtier {args.command}: error: {message}", file=sys.stderr)
+        print(f"kvtier {label}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -8,7 +8,8 @@ from kvtier.output import emit_json, note, print_table
 __all__ = ["OPTIONAL_MODULES", "emit_json", "missing_dependency", "note", "print_table"]
 
 
-# top-level module -> what installs it (the extra's name, or the instruction for vLLM)
+# top-level module -> what installs it (the extra's name, or the instruction for vLLM); the
+# extras' lists in pyproject.toml hold these modules' distributions (tests/test_packaging.py)
 OPTIONAL_MODULES = {
     "redis": "pip install 'kvtier[redis]'",
     "hiredis": "pip install 'kvtier[redis]'",
@@ -20,10 +21,11 @@ OPTIONAL_MODULES = {
     "matplotlib": "pip install 'kvtier[plot]'",
     "runai_model_streamer": "pip install 'kvtier[bench]'",
     "vllm": "install vLLM >= 0.32 for your hardware (kvtier's extras never install it)",
-    "transformers": "install vLLM >= 0.32 for your hardware (it brings transformers)",
-    "aiohttp": "install vLLM >= 0.32 for your hardware (it brings aiohttp)",
-    "zmq": "install vLLM >= 0.32 for your hardware (it brings pyzmq)",
-    "msgspec": "install vLLM >= 0.32 for your hardware (it brings msgspec)",
+    "aiohttp": "pip install 'kvtier[route]'",
+    "zmq": "pip install 'kvtier[route]'",
+    "msgspec": "pip install 'kvtier[route]'",
+    "transformers": "pip install 'kvtier[route]' (vLLM brings it too)",
+    "tokenizers": "pip install 'kvtier[route]' (vLLM brings it too)",
 }
 
 
@@ -33,4 +35,4 @@ def missing_dependency(exc: ModuleNotFoundError) -> str | None:
     root = (exc.name or "").split(".")[0]
     if root not in OPTIONAL_MODULES:
         return None
-    return f"this command needs the optional module {root!r}, which is not installed: {OPTIONAL_MODULES[root]}"
+    return f"needs the module {root!r}, which is not installed: {OPTIONAL_MODULES[root]}"

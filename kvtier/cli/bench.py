@@ -24,13 +24,47 @@ BENCHMARKS = {
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add ``bench`` and its benchmarks."""
+    """Add ``bench`` and its benchmarks. A benchmark's module is imported only when its parser
+    is used (``kvtier bench NAME ...`` or its ``--help``), so listing the benchmarks, and every
+    other command, imports none of them or their dependencies."""
     parser = sub.add_parser("bench", help="run a benchmark (kvtier beside its baselines)",
                             description=DESCRIPTION)
     bench_sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True,
+                                      parser_class=_lazy_parser_class(type(parser)),
                                       help="the benchmark to run ('kvtier bench BENCHMARK --help': its options)")
     for name, (module_name, help_text) in BENCHMARKS.items():
-        p = bench_sub.add_parser(name, help=help_text, description=help_text)
-        module = importlib.import_module(module_name)
-        module.add_arguments(p)
-        p.set_defaults(func=module.run)
+        bench_sub.add_parser(name, help=help_text, description=help_text, module=module_name)
+
+
+def _lazy_parser_class(base: type[argparse.ArgumentParser]) -> type[argparse.ArgumentParser]:
+    """A subclass of ``base`` (so errors keep its one-line format) taking ``module=NAME``: the
+    module's ``add_arguments(parser)`` and ``func=module.run`` are added on first use (parsing,
+    help or usage). A module that needs a missing optional dependency raises
+    ``ModuleNotFoundError`` there, which ``kvtier.cli.main`` turns into one line."""
+
+    class LazyParser(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, module: str | None = None, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self._module_name = module
+
+        def _load(self) -> None:
+            if self._module_name is None:
+                return
+            module = importlib.import_module(self._module_name)
+            self._module_name = None
+            module.add_arguments(self)
+            self.set_defaults(func=module.run)
+
+        def parse_known_args(self, args=None, namespace=None):
+            self._load()
+            return super().parse_known_args(args, namespace)
+
+        def format_help(self) -> str:
+            self._load()
+            return super().format_help()
+
+        def format_usage(self) -> str:
+            self._load()
+            return super().format_usage()
+
+    return LazyParser

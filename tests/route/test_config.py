@@ -64,4 +64,4 @@ def test_missing_router_dependency_is_one_line(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "aiohttp", None)
     assert main(["route", "--engine", "http://a:1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "'aiohttp'" in err and "install vLLM" in err
+    assert "\n" not in err and "'aiohttp'" in err and "pip install 'kvtier[route]'" in err
