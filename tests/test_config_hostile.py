@@ -202,6 +202,8 @@ def test_a_secret_field_out_of_range_or_off_its_choices_is_not_echoed():
 
 @pytest.mark.parametrize("mapping", [
     {"listen": ["x" * 1000] * 1000},
+    {"listen": "unix://" + "x" * 100_000},
+    {"listen": "bogus" + "x" * 100_000},
     {"metrics": "h" * 100_000},
     {"max_connections": "9" * 100_000},
     {"hello_timeout_s": "1" * 100_000},

@@ -63,6 +63,7 @@ from kvtier.tiers.ram import ArenaTier, RamConfig, RamTier
 log = logging.getLogger(__name__)
 
 SYSTEM_SOCKET = "/run/kvtier/kvtier.sock"
+_MAX_ADDRESS_CHARS = 1024  # a unix socket path is at most 107 bytes; a host:port far less
 
 
 def default_listen() -> str:
@@ -130,6 +131,8 @@ class ServeConfig:
 
     def check(self, where: str) -> None:
         """The checks across fields (``validate`` calls it after the declared ranges)."""
+        if len(self.listen) > _MAX_ADDRESS_CHARS:
+            raise ConfigError(f"{where}.listen: longer than {_MAX_ADDRESS_CHARS} characters, got {show(self.listen)}")
         try:
             family, _ = P.parse_address(self.listen)
         except ConfigError as exc:
