@@ -252,5 +252,5 @@ def unlink_at(dir_fd: int | None, name: str, same_as: os.stat_result | None = No
 
 
 __all__ = ["NotRegularFile", "ShortRead", "advance", "create_exclusive_at", "dir_mode_for", "fsync_dir",
-           "make_dir_at", "open_dir_at", "open_regular_at", "parse_mode", "resolve_group", "read_exact", "read_upto", "unlink_at", "unlink_quietly",
-           "untrusted_dir", "write_all"]
+           "make_dir_at", "open_dir_at", "open_regular_at", "parse_mode", "read_exact", "read_upto",
+           "resolve_group", "unlink_at", "unlink_quietly", "untrusted_dir", "write_all"]
