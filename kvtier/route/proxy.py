@@ -603,6 +603,34 @@ def _error(status: int, message: str, close: bool = False) -> web.Response:
     return response
 
 
+class _OneLineServerLog:
+    """The logger aiohttp's request handlers get: an error handling a request (a malformed
+    request line, a header too long, a broken chunk) is one line without a traceback, at most
+    one per second (the rest counted in the next line), so a flood of bad requests cannot flood
+    the log."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._log = logger
+        self._last = 0.0
+        self._quiet = 0
+
+    def debug(self, *args: Any, **kw: Any) -> None:
+        self._log.debug(*args, **kw)
+
+    def exception(self, msg: str, *args: Any, exc_info: Any = None, **_kw: Any) -> None:
+        now = time.monotonic()
+        if now - self._last < 1.0:
+            self._quiet += 1
+            return
+        detail = ""
+        if isinstance(exc_info, BaseException):
+            first = str(exc_info).strip().splitlines()
+            detail = f": {type(exc_info).__name__}: {' '.join(line.strip() for line in first)[:300]}"
+        more = f" ({self._quiet} more since the last line)" if self._quiet else ""
+        self._last, self._quiet = now, 0
+        self._log.warning("%s%s%s", msg % args if args else msg, detail, more)
+
+
 def fit_connections(wanted: int, engines: int) -> int:
     """The connection cap that fits the file-descriptor limit: each client connection may need
     an upstream one, plus a reserve, plus one accept burst (``_BACKLOG`` connections accepted
@@ -638,7 +666,7 @@ async def serve(config: RouteConfig, tokenizer: PromptTokenizer,
                                    config.header_timeout_s, router.count_close)
     runner = web.AppRunner(router.app(), access_log=None, handler_cancellation=True,
                            keepalive_timeout=config.keepalive_timeout_s, lingering_time=2.0,
-                           shutdown_timeout=10.0)
+                           shutdown_timeout=10.0, logger=_OneLineServerLog(logging.getLogger("aiohttp.server")))
     await runner.setup()
     server = None
     try:
