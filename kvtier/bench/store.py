@@ -234,7 +234,10 @@ def slow_tier(args: argparse.Namespace, work: str) -> Iterator[dict]:
         return
     path = os.path.join(work, "fs")
     _fill_fs(path, args.fs_entries)
-    yield {"type": "fs", "path": path, "capacity": "64GiB"}
+    spec = {"type": "fs", "path": path, "capacity": "64GiB"}
+    if args.fs_refresh_s is not None:
+        spec["usage_refresh_s"] = args.fs_refresh_s
+    yield spec
 
 
 def _fill_fs(path: str, entries: int) -> None:
@@ -264,6 +267,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--delay-ms", type=float, default=50.0, help="redis: proxy delay per request (default 50)")
     parser.add_argument("--fs-entries", type=int, default=100_000,
                         help="fs: entries already in the directory (default 100000)")
+    parser.add_argument("--fs-refresh-s", type=float, default=None,
+                        help="fs: the tier's usage_refresh_s (default: the tier's; 0: one scan when the "
+                             "store starts, none during the round)")
     parser.add_argument("--entry-bytes", default="64KiB", help="chunk size (default 64KiB)")
     parser.add_argument("--hot", type=int, default=128, help="hot chunks kept in the RAM tier (default 128)")
     parser.add_argument("--put-every", type=int, default=10, help="a client puts one chunk per N reads (default 10)")
@@ -315,7 +321,8 @@ def measure(args: argparse.Namespace, entry: int, work: str) -> dict:
     out.update({"clients": args.clients, "lower": args.lower, "entry_bytes": entry, "duration_s": args.duration,
                 "rounds": args.rounds, "think_ms": args.think_ms, "stats_interval_s": args.stats_interval,
                 "delay_ms": args.delay_ms if args.lower == "redis" else None,
-                "fs_entries": args.fs_entries if args.lower == "fs" else None})
+                "fs_entries": args.fs_entries if args.lower == "fs" else None,
+                "fs_refresh_s": args.fs_refresh_s if args.lower == "fs" else None})
     return out
 
 
