@@ -17,7 +17,8 @@ Contracts
   sees it), never a duplicate.
 * Deadlines per upstream request: the engine's first response byte within
   ``first_byte_timeout_s`` (else the client gets a 504 and the upstream request is closed), then
-  no gap longer than ``stream_idle_timeout_s`` (else the client's response is cut). A client that
+  no gap longer than ``stream_idle_timeout_s`` (else the client's response is cut; so is it when
+  the client takes no bytes for as long: a client that stops reading). A client that
   disconnects cancels its upstream request (the engine sees the connection close). Every path
   gives back the request's share of the engine's load (``in_flight`` returns to 0).
 * The front door (``serve``): request heads within ``header_timeout_s``, bodies within
@@ -556,7 +557,8 @@ class Router:
     async def _stream(self, request: web.Request, upstream: Any, first: bytes,
                       engine: str) -> tuple[str, web.StreamResponse]:
         """Relay the engine's response from its first bytes on, as they arrive; a gap longer
-        than ``stream_idle_timeout_s`` cuts the client's response."""
+        than ``stream_idle_timeout_s`` from the engine, or a client that takes no bytes for as
+        long (it stopped reading), cuts the client's response and closes the upstream one."""
         response = web.StreamResponse(status=upstream.status)
         for name, value in relay_headers(upstream.headers).items():
             response.headers.add(name, value)
@@ -565,9 +567,16 @@ class Router:
         try:
             await response.prepare(request)
             while chunk:
-                await response.write(chunk)
                 try:
-                    chunk = await asyncio.wait_for(upstream.content.readany(), idle)
+                    async with asyncio.timeout(idle):
+                        await response.write(chunk)
+                except TimeoutError:  # the client stopped reading: it must not hold the engine
+                    self.count_close("client_write_timeout")
+                    _cut(request)
+                    return "client_write_timeout", response
+                try:
+                    async with asyncio.timeout(idle):
+                        chunk = await upstream.content.readany()
                 except TimeoutError:  # the engine went silent mid-response
                     log.warning("engine %s sent nothing for %g s mid-response: response cut", engine, idle)
                     _cut(request)

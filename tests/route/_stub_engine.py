@@ -3,7 +3,7 @@ real ``kvtier route`` process in front of: it records what reaches it and misbeh
 
 The client picks the behaviour per request with the ``X-Stub`` header (relayed by the router):
 ``ok`` (JSON answer, default), ``hang`` (never answers), ``stall`` (a streamed answer whose first
-event comes at once and the rest never), ``hop`` (answers with hop-by-hop headers of its own).
+event comes at once and the rest never), ``flood`` (256 MiB streamed), ``hop`` (answers with hop-by-hop headers of its own).
 A request whose connection the router closes is recorded in ``cancelled``.
 """
 
@@ -66,6 +66,13 @@ class StubEngine:
                 await resp.prepare(request)
                 await resp.write(b'data: {"i": 0}\n\n')
                 await asyncio.sleep(3600)
+            if mode == "flood":  # 256 MiB streamed as fast as the reader takes it
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(request)
+                for _ in range(4096):
+                    await resp.write(b"x" * 65536)
+                await resp.write_eof()
+                return resp
             if mode == "hop":
                 return web.json_response({"ok": True}, headers={
                     "Connection": "X-Engine-Hop", "X-Engine-Hop": "1", "Keep-Alive": "timeout=5",

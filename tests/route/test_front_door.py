@@ -141,6 +141,28 @@ def test_a_client_that_disconnects_cancels_the_upstream_request(router, stub):
     assert 'outcome="client_gone"' in router.metrics()
 
 
+def test_a_client_that_stops_reading_does_not_hold_the_engine(router, stub):
+    with socket.create_connection(("127.0.0.1", router.port)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        body = json.dumps({"prompt": [3] * 8, "stream": True}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"X-Stub: flood\r\nX-Stub-Id: slow-reader\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        _until(lambda: "slow-reader" in stub.cancelled, 15, "the engine's stream closed")
+    _until(lambda: router.in_flight() == 0, 3, "in_flight back to 0")
+    assert 'outcome="client_write_timeout"' in router.metrics()
+
+
+def test_a_flood_of_bad_requests_is_a_few_log_lines(router):
+    before = len(router.text().splitlines())
+    for _ in range(100):
+        with socket.create_connection(("127.0.0.1", router.port)) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n")
+            sock.settimeout(5)
+            assert sock.recv(100).startswith(b"HTTP/1.0 400")
+    lines = router.text().splitlines()[before:]
+    assert len(lines) <= 10 and not any("Traceback" in line for line in lines), lines
+
+
 # --- 9: slow, large and idle clients ---------------------------------------------------------------
 
 def _closed_within(sock: socket.socket, limit: float, drip: bytes | None = None) -> float:
