@@ -17,6 +17,19 @@ Config file (YAML/JSON; flags win)::
     balance_ratio: 1.5                      # request-share guard over the last balance_window decisions
     balance_slack: 2
     health_interval_s: 1
+    # the front door (defaults shown)
+    first_byte_timeout_s: 300               # an engine's first response byte, else 504
+    stream_idle_timeout_s: 60               # longest gap in a relayed response (either side)
+    header_timeout_s: 10                    # a request line and headers, from their first byte
+    body_timeout_s: 30                      # a request body, from its headers, else 408
+    keepalive_timeout_s: 15                 # an idle client connection
+    max_body_bytes: 32MiB                   # else 413
+    max_body_bytes_total: 512MiB            # all bodies held at once, else 503
+    max_connections: 1024                   # lowered to fit the open-file limit
+    max_route_tokens: 262144                # tokens of a prompt keyed for routing
+
+Engine URLs may carry credentials (http://user:pass@host:8000): they go to that engine as Basic
+auth (replacing a client's Authorization header) and are never shown.
 
 When it listens it prints ``kvtier route: ready on http://HOST:PORT`` on stderr (the bound port, also
 with ``--port 0``).
@@ -50,6 +63,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculative-ttl", type=float, dest="speculative_ttl_s", help="seconds (default 5)")
     p.add_argument("--balance-ratio", type=float, help="request-share guard, 0 = off (default 1.5)")
     p.add_argument("--retries", type=int, help="other engines to try before the first byte (default 1)")
+    p.add_argument("--first-byte-timeout", type=float, dest="first_byte_timeout_s",
+                   help="seconds an engine has to send its first response byte, else 504 (default 300)")
+    p.add_argument("--stream-idle-timeout", type=float, dest="stream_idle_timeout_s",
+                   help="longest gap in a relayed response, either side, before it is cut (default 60)")
+    p.add_argument("--max-body-bytes", help="largest request body, else 413 (default 32MiB)")
+    p.add_argument("--max-connections", type=int, help="client connections at most (default 1024)")
     p.add_argument("--log-decisions", action="store_true", default=None,
                    help="log one JSON line per decision (engine, each score)")
     p.add_argument("--log-level", default="INFO", type=str.upper,
@@ -58,7 +77,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 _OVERRIDES = ("host", "port", "tokenizer", "block_size", "prefix_weight", "load_weight",
-              "speculative_ttl_s", "balance_ratio", "retries", "log_decisions")
+              "speculative_ttl_s", "balance_ratio", "retries", "log_decisions", "first_byte_timeout_s",
+              "stream_idle_timeout_s", "max_body_bytes", "max_connections")
 
 
 def build_config(args: argparse.Namespace):

@@ -65,3 +65,35 @@ def test_missing_router_dependency_is_one_line(monkeypatch, capsys):
     assert main(["route", "--engine", "http://a:1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "'aiohttp'" in err and "pip install 'kvtier[route]'" in err
+
+
+def test_front_door_flags_and_sizes():
+    from kvtier.cli import build_parser
+    from kvtier.cli.route import build_config
+
+    args = build_parser().parse_args(["route", "--engine", "http://a:1", "--max-body-bytes", "2MiB",
+                                      "--first-byte-timeout", "5", "--stream-idle-timeout", "7",
+                                      "--max-connections", "10"])
+    cfg = build_config(args)
+    assert (cfg.max_body_bytes, cfg.first_byte_timeout_s, cfg.stream_idle_timeout_s, cfg.max_connections) == \
+        (2 * 1024**2, 5.0, 7.0, 10)
+    with pytest.raises(ConfigError, match="max_body_bytes_total: must be >= max_body_bytes"):
+        RouteConfig.from_dict({"engines": ["http://a"], "max_body_bytes": "1GiB"})
+    with pytest.raises(ConfigError, match=r"route.first_byte_timeout_s: must be in \(0, inf\)"):
+        RouteConfig.from_dict({"engines": ["http://a"], "first_byte_timeout_s": 0})
+
+
+@pytest.mark.parametrize("url", ["ftp://bob:hunter2@h:1", "http://bob:hunter2@h:99999", "http://bob:hunter2@"])
+def test_engine_credentials_never_appear_in_config_errors(url):
+    with pytest.raises(ConfigError) as info:
+        RouteConfig.from_dict({"engines": [url]})
+    assert "hunter2" not in str(info.value) and "bob" not in str(info.value)
+
+
+def test_engine_name_and_basic_auth_from_the_url():
+    cfg = RouteConfig.from_dict({"engines": ["http://bob:p%40ss@h:8000/", "http://h:8001"]})
+    a, b = cfg.engines
+    assert a.name == "http://h:8000" and "bob" not in repr(cfg) and b.authorization is None
+    assert a.authorization == "Basic Ym9iOnBAc3M="  # bob:p@ss
+    with pytest.raises(ConfigError, match="twice"):
+        RouteConfig.from_dict({"engines": ["http://bob:x@h:8000", "http://h:8000"]})
