@@ -10,7 +10,6 @@ A request whose connection the router closes is recorded in ``cancelled``.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 
 from aiohttp import web
@@ -82,7 +81,3 @@ class StubEngine:
             self.cancelled.append(ident)
             raise
 
-
-def _unused_engine_body(seen: dict) -> dict:
-    """The JSON body a request carried to the stub (its first 1,000 bytes)."""
-    return json.loads(seen["body"])
