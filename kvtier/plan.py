@@ -545,6 +545,29 @@ def _note(shape: KVShape) -> str | None:
         k.kind == CHUNKED for k in shape.kinds) else "")
 
 
+def model_kv_bytes(path: str, tokens: int | str, dtype: str | None = None, tp: int = 1,
+                   ssm_dtype: str | None = None) -> dict:
+    """``kv_size`` of one ``tokens``-long prompt of the model at ``path`` (a directory holding
+    config.json, or the file): what ``breakeven`` and ``fleet-load`` read from ``--model``."""
+    config = load_model_config(path)
+    shape = kv_shape(config, dtype, where=path, tp=tp, ssm_dtype=ssm_dtype)
+    return kv_size(shape, parse_tokens(tokens))
+
+
+def checkpoint_bytes(path: str) -> int:
+    """Bytes of a model directory's ``*.safetensors`` files (what each pod reads at start); a
+    config.json path stands for its directory. ConfigError when there are none."""
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+        total = sum(os.path.getsize(os.path.join(folder, n)) for n in names)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot list the model directory ({exc.strerror})") from None
+    if not names:
+        raise ConfigError(f"{folder}: no *.safetensors files; give --model-size instead (e.g. 140GB)")
+    return total
+
+
 # -- break-even ------------------------------------------------------------------------------
 def breakeven(miss_cost_ms: float, hit_gain_ms: float) -> float | None:
     """p* = miss cost / (miss cost + hit gain): the hit rate above which offload pays.

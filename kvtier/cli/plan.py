@@ -26,7 +26,12 @@ With --json, wtinylfu_adaptive also reports window_share: [requests seen, share]
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the planning subcommands."""
-    p = sub.add_parser("kv-size", help="KV-cache bytes per token and for N tokens, from a model's config.json")
+    p = sub.add_parser("kv-size", help="KV-cache bytes per token and for N tokens, from a model's config.json",
+                       description="Sizes full, sliding-window and chunked-local attention, MLA (one latent per "
+                       "layer, the same on every TP rank) and recurrent state (Mamba, Mamba2, gated delta net: "
+                       "bytes per sequence, not per token); a multimodal config's text_config. Figures are per "
+                       "TP rank: total = full layers' bytes per token x tokens + fixed bytes per sequence "
+                       "(windowed layers at min(tokens, window), the current chunk, recurrent state).")
     p.add_argument("model", metavar="MODEL_DIR_OR_CONFIG_JSON",
                    help="a model directory holding config.json, or the config.json itself")
     p.add_argument("--tokens", default=None,
@@ -35,14 +40,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None,
                    help="KV dtype as vLLM's --kv-cache-dtype names it: auto (the model's, the default), "
                         "float16, bfloat16, fp8, fp8_e4m3, fp8_e5m2 (also fp16, bf16, fp32)")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    _shape_arguments(p)
+    p.add_argument("--json", action="store_true",
+                   help="print JSON (with the breakdown per layer kind and the formula used)")
     p.set_defaults(func=run_kv_size)
 
     p = sub.add_parser("breakeven", help="break-even hit rate of KV offload: p* = miss cost / (miss cost + hit gain)",
                        description="Give --miss-cost-ms and --hit-gain-ms; or measured TTFTs --recompute-ms, "
                        "--hit-ms, --store-ms (miss cost = store - recompute, hit gain = recompute - hit); or "
-                       "first principles --kv-bytes, --bandwidth, --latency-ms, --recompute-ms (a hit loads "
-                       "S/B + latency; a miss costs a synchronous write unless --miss-cost-ms is given).")
+                       "first principles --kv-bytes (or --model with --tokens: the prompt's KV from the "
+                       "model's config.json, all TP ranks), --bandwidth, --latency-ms, --recompute-ms (a hit "
+                       "loads S/B + latency; a miss costs a synchronous write unless --miss-cost-ms is given).")
     for name, text in (("miss-cost-ms", "what storing costs a request that then misses (ms)"),
                        ("hit-gain-ms", "what a hit saves a request (ms)"),
                        ("recompute-ms", "measured TTFT without offload (ms)"),
@@ -53,16 +61,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-bytes", default=None, help="KV size of the prefix, e.g. 0.13GB or 139460608")
     p.add_argument("--bandwidth", default=None, help="load bandwidth, e.g. 13.4GB/s")
     p.add_argument("--write-bandwidth", default=None, help="store bandwidth (default: --bandwidth)")
+    p.add_argument("--model", metavar="MODEL_DIR_OR_CONFIG_JSON", default=None,
+                   help="instead of --kv-bytes: size the prompt's KV from this model's config.json (with --tokens)")
+    p.add_argument("--tokens", default=None, help="prompt length for --model, e.g. 4864 or 32k")
+    _shape_arguments(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run_breakeven)
 
     p = sub.add_parser("fleet-load", help="bytes and read time of a fleet cold start (every pod loads the model)")
-    p.add_argument("--model-size", required=True, help="checkpoint size with its unit, e.g. 140GB or 130GiB")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--model-size", help="checkpoint size with its unit, e.g. 140GB or 130GiB")
+    size.add_argument("--model", metavar="MODEL_DIR",
+                      help="a model directory: its *.safetensors files' size, and with --tokens the KV of one "
+                           "prompt from its config.json")
+    p.add_argument("--tokens", default=None, help="with --model: also size one prompt's KV (e.g. 32k)")
     p.add_argument("--pods", type=int, required=True, help="pods starting at once")
     p.add_argument("--bandwidth", required=True, help="aggregate storage bandwidth with its unit, e.g. 10GB/s")
     p.add_argument("--pods-per-node", type=int, default=1,
                    help="pods per node sharing a node-local cache (at most --pods)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per pod (per-rank sharding)")
+    _shape_arguments(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run_fleet_load)
 
@@ -78,11 +96,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_simulate)
 
 
+def _shape_arguments(p: argparse.ArgumentParser) -> None:
+    """The options that shape a model's KV: --tp and the state dtype (kv-size adds --dtype itself)."""
+    taken = {o for a in p._actions for o in a.option_strings}
+    if "--dtype" not in taken:
+        p.add_argument("--dtype", default=None,
+                       help="KV dtype for --model as vLLM's --kv-cache-dtype names it (default: auto, the model's)")
+    if "--tp" not in taken:
+        p.add_argument("--tp", type=int, default=1,
+                       help="tensor-parallel ranks: KV heads and recurrent state split across them, MLA's latent "
+                            "not (default 1)")
+    p.add_argument("--mamba-ssm-cache-dtype", default=None,
+                   help="dtype of recurrent (SSM) state as vLLM's --mamba-ssm-cache-dtype (default: the config's "
+                        "mamba_ssm_cache_dtype, else the model's dtype; Nemotron-H float32)")
+
+
 def run_kv_size(args: argparse.Namespace) -> int:
     from kvtier import plan
 
     config = plan.load_model_config(args.model)
-    shape = plan.kv_shape(config, args.dtype, where=args.model)
+    shape = plan.kv_shape(config, args.dtype, where=args.model, tp=args.tp, ssm_dtype=args.mamba_ssm_cache_dtype)
     tokens = plan.parse_tokens(args.tokens) if args.tokens is not None else plan.max_tokens(config)
     out = plan.kv_size(shape, tokens)
     if args.json:
@@ -91,13 +124,28 @@ def run_kv_size(args: argparse.Namespace) -> int:
     if out["note"]:
         note(out["note"])
     heads = "latent (MLA)" if shape.attention == "mla" else str(shape.kv_heads)
-    print_table(["field", "value"], [
-        ["layers", shape.layers], ["KV heads", heads], ["head dim / latent", shape.head_dim],
-        ["dtype", f"{shape.dtype} ({shape.dtype_bytes} B)"], ["bytes per token", shape.bytes_per_token],
-        ["tokens", tokens], ["total bytes", out["total_bytes"]],
-        ["total GB", f"{out['total_gb']:.4f}"], ["total GiB", f"{out['total_gib']:.4f}"],
-    ], title=f"KV cache size: {args.model}")
+    rows = [["layers", shape.layers], ["KV heads", heads], ["head dim / latent", shape.head_dim],
+            ["dtype", f"{shape.dtype} ({shape.dtype_bytes} B)"], ["tp", shape.tp],
+            ["bytes per token (attention layers)", shape.bytes_per_token],
+            ["bytes per token (full layers)", out["full_bytes_per_token"]],
+            ["fixed bytes per sequence (windows, state)", out["fixed_bytes_per_sequence"]],
+            ["tokens", tokens], ["total bytes", out["total_bytes"]],
+            ["total GB", f"{out['total_gb']:.4f}"], ["total GiB", f"{out['total_gib']:.4f}"]]
+    if shape.tp > 1:
+        rows.append(["total bytes, all ranks", out["all_ranks_total_bytes"]])
+    rows += [[f"  {k['kind']} ({k['layers']} layers)", k["bytes"]] for k in out["layer_kinds"]]
+    print_table(["field", "value"], rows, title=f"KV cache size per rank: {args.model}")
+    print(out["formula"])
     return 0
+
+
+def _model_kv(args: argparse.Namespace, command: str) -> dict:
+    """``kv_size`` of ``--tokens`` tokens of ``--model``; ConfigError without --tokens."""
+    from kvtier import plan
+
+    if args.tokens is None:
+        raise ConfigError(f"{command} --model needs --tokens (the prompt length, e.g. 4864 or 32k)")
+    return plan.model_kv_bytes(args.model, args.tokens, args.dtype, args.tp, args.mamba_ssm_cache_dtype)
 
 
 def run_breakeven(args: argparse.Namespace) -> int:
@@ -109,20 +157,29 @@ def run_breakeven(args: argparse.Namespace) -> int:
                "miss_cost_ms": a.miss_cost_ms, "hit_gain_ms": a.hit_gain_ms}
     elif None not in (a.recompute_ms, a.hit_ms, a.store_ms):
         out = plan.breakeven_from_ttft(a.recompute_ms, a.hit_ms, a.store_ms)
-    elif a.kv_bytes is not None and a.bandwidth is not None and a.recompute_ms is not None:
+    elif (a.kv_bytes is not None or a.model is not None) and a.bandwidth is not None and a.recompute_ms is not None:
+        if a.kv_bytes is not None and a.model is not None:
+            raise ConfigError("give --kv-bytes or --model (with --tokens), not both")
+        size = _model_kv(a, "breakeven") if a.model is not None else None
+        kv_bytes = size["all_ranks_total_bytes"] if size else parse_size(a.kv_bytes, "--kv-bytes")
         out = plan.breakeven_first_principles(
-            parse_size(a.kv_bytes, "--kv-bytes"), parse_bandwidth(a.bandwidth, "--bandwidth"),
+            kv_bytes, parse_bandwidth(a.bandwidth, "--bandwidth"),
             a.latency_ms or 0.0, a.recompute_ms, a.miss_cost_ms,
             parse_bandwidth(a.write_bandwidth, "--write-bandwidth") if a.write_bandwidth else None)
+        out["kv_bytes"] = kv_bytes
+        if size:
+            out["kv_size"] = _kv_summary(size)
     else:
         raise ConfigError("give --miss-cost-ms and --hit-gain-ms, or --recompute-ms --hit-ms --store-ms, "
-                          "or --kv-bytes --bandwidth --recompute-ms [--latency-ms]")
+                          "or --kv-bytes (or --model --tokens) --bandwidth --recompute-ms [--latency-ms]")
     out["pays_off"] = out["breakeven_hit_rate"] is not None
     if args.json:
         emit_json(out)
         return 0
     p = out["breakeven_hit_rate"]
     rows = [[k, v] for k, v in out.items() if k.endswith("_ms")]
+    if "kv_bytes" in out:
+        rows.insert(0, ["kv_bytes", out["kv_bytes"]])
     rows.append(["break-even hit rate", f"{p:.2%}" if p is not None else "never (a hit saves nothing)"])
     print_table(["quantity", "value"], rows, title="Offload pays when the hit rate exceeds p*")
     return 0
@@ -131,10 +188,19 @@ def run_breakeven(args: argparse.Namespace) -> int:
 def run_fleet_load(args: argparse.Namespace) -> int:
     from kvtier import plan
 
-    model_size = _with_unit(args.model_size, "--model-size", "140GB or 130GiB")
     bandwidth = _with_unit(args.bandwidth, "--bandwidth", "10GB/s or 1.6GiB/s")
-    out = plan.fleet_load(parse_size(model_size, "--model-size"), args.pods,
-                          parse_bandwidth(bandwidth, "--bandwidth"), args.pods_per_node, args.tp)
+    if args.model is not None:
+        model_bytes = plan.checkpoint_bytes(args.model)
+        model_size = f"{model_bytes / 1e9:,.2f} GB"
+    else:
+        if args.tokens is not None:
+            raise ConfigError("fleet-load --tokens sizes a prompt's KV from --model; give --model MODEL_DIR")
+        model_size = _with_unit(args.model_size, "--model-size", "140GB or 130GiB")
+        model_bytes = parse_size(model_size, "--model-size")
+    out = plan.fleet_load(model_bytes, args.pods, parse_bandwidth(bandwidth, "--bandwidth"), args.pods_per_node,
+                          args.tp)
+    if args.model is not None and args.tokens is not None:
+        out["kv_size"] = _kv_summary(_model_kv(args, "fleet-load"))
     for text in out["notes"]:
         note(text)
     if args.json:
@@ -144,10 +210,21 @@ def run_fleet_load(args: argparse.Namespace) -> int:
             for s in out["scenarios"]]
     print_table(["scenario", "read from storage", "seconds", "minutes"], rows,
                 title=f"{args.pods} pods x {model_size.strip()} model at {bandwidth.strip()}")
+    if "kv_size" in out:
+        kv = out["kv_size"]
+        print(f"KV of one {kv['tokens']:,}-token prompt: {kv['total_bytes']:,} B per rank, "
+              f"{kv['all_ranks_total_bytes']:,} B on all {kv['tp']} ranks ({kv['formula']})")
     return 0
 
 
 _BARE_NUMBER = re.compile(r"^\s*[0-9]+(\.[0-9]+)?\s*(/s)?\s*$")
+
+
+def _kv_summary(size: dict) -> dict:
+    """The figures of a ``kv_size`` document that another command reports beside its own."""
+    keys = ("tokens", "tp", "bytes_per_token", "full_bytes_per_token", "fixed_bytes_per_sequence", "total_bytes",
+            "all_ranks_total_bytes", "formula")
+    return {k: size[k] for k in keys}
 
 
 def _with_unit(text: str, what: str, example: str) -> str:
