@@ -2,8 +2,11 @@
 
 The server runs as its own process (as in production: engines and server do not share a GIL),
 on a unix socket in the benchmark's scratch directory, with a RAM arena large enough for one
-pass. ``get_into`` copies an entry out of the shared arena into the caller's buffer, so its
-figure compares directly with the "memcpy" baseline. The process is started, polled for
+pass. ``get_into`` copies an entry out of the shared arena into the caller's buffer, and ``put``
+copies the payload straight into arena pages the server reserved (a direct write), so both
+figures compare directly with the "memcpy" baseline. The target "server-staging" is the same
+server with the client's writes forced through the staging area (two copies: the path before
+direct writes), to compare the two in one run. The process is started, polled for
 readiness and stopped through ``kvtier.bench.procs`` (it dies with the benchmark).
 """
 
@@ -27,7 +30,8 @@ class ServerTarget:
     ``ServerRejected`` when it refuses the client.
     """
 
-    def __init__(self, workdir: str, capacity: int, page_size: int = 256 * 1024, timeout: float = 30.0):
+    def __init__(self, workdir: str, capacity: int, page_size: int = 256 * 1024, timeout: float = 30.0,
+                 direct_writes: bool = True):
         os.makedirs(workdir, exist_ok=True)
         sock = os.path.join(workdir, "kvtier.sock")
         path = os.path.join(workdir, "serve.json")
@@ -38,7 +42,7 @@ class ServerTarget:
                                    log=os.path.join(workdir, "serve.log"))
         self.client: ServerStore | None = None
         try:
-            self.client = _connect(self._child, sock, timeout)
+            self.client = _connect(self._child, sock, timeout, direct_writes)
         except BaseException:
             self._child.stop()
             raise
@@ -67,7 +71,7 @@ def _serve_config(sock: str, capacity: int, page_size: int) -> dict:
                                  "policy": "lru"}]}}
 
 
-def _connect(child: Child, sock: str, timeout: float) -> ServerStore:
+def _connect(child: Child, sock: str, timeout: float, direct_writes: bool = True) -> ServerStore:
     """A client connected to the server ``child`` runs on the unix socket ``sock``, polled with
     real handshakes once the socket exists until one succeeds; a refusal (``ServerRejected``) is
     raised at once, not retried."""
@@ -78,7 +82,7 @@ def _connect(child: Child, sock: str, timeout: float) -> ServerStore:
         if not os.path.exists(sock):  # not listening yet: no handshake (the client would log each miss)
             return False
         try:
-            client = ServerStore(address)
+            client = ServerStore(address, direct_writes=direct_writes)
         except ServerRejected as exc:
             found.append(exc)
             return True
@@ -94,6 +98,16 @@ def _connect(child: Child, sock: str, timeout: float) -> ServerStore:
     return found[-1]
 
 
-def server_target(args, workdir: str, entry_bytes: int, count: int) -> ServerTarget:
-    """Factory for ``kvtier.bench.tiers.TARGETS["server"]``."""
-    return ServerTarget(os.path.join(workdir, f"server-{entry_bytes}"), count * entry_bytes + 64 * MiB)
+def server_target(args, workdir: str, entry_bytes: int, count: int, direct_writes: bool = True) -> ServerTarget:
+    """Factory for ``kvtier.bench.tiers.TARGETS["server"]`` (and, with ``direct_writes=False``,
+    ``"server-staging"``)."""
+    name = f"server-{entry_bytes}" if direct_writes else f"server-staging-{entry_bytes}"
+    page = _page_for(entry_bytes)
+    capacity = count * (-(-entry_bytes // page) * page) + 64 * MiB
+    return ServerTarget(os.path.join(workdir, name), capacity, page_size=page, direct_writes=direct_writes)
+
+
+def _page_for(entry_bytes: int, largest: int = 256 * 1024, os_page: int = 4096) -> int:
+    """The arena page for entries of ``entry_bytes``: at most ``largest``, no larger than an entry
+    (rounded up to whole OS pages, as direct writes need), so one pass fits the arena."""
+    return min(largest, max(os_page, -(-entry_bytes // os_page) * os_page))

@@ -148,6 +148,12 @@ def _server(args: argparse.Namespace, workdir: str, entry_bytes: int, count: int
     return server_target(args, workdir, entry_bytes, count)
 
 
+def _server_staging(args: argparse.Namespace, workdir: str, entry_bytes: int, count: int):
+    from kvtier.bench.server import server_target  # the same, writes through the staging area
+
+    return server_target(args, workdir, entry_bytes, count, direct_writes=False)
+
+
 # name -> Target. Baselines first, so a tier's ratio can be printed beside it.
 TARGETS: dict[str, Target] = {
     "memcpy": Target(_memcpy, baseline=None),
@@ -159,6 +165,7 @@ TARGETS: dict[str, Target] = {
     "s3": Target(shared_targets.s3_tier, baseline=None),
     "fs": Target(shared_targets.fs_tier, baseline="file"),
     "server": Target(_server, baseline="memcpy"),
+    "server-staging": Target(_server_staging, baseline="memcpy"),
 }
 
 

@@ -81,6 +81,7 @@ _TIER_GAUGES = {
 }
 _SERVER_GAUGES = {
     "staging_used_bytes": "Bytes of the shared staging area held by open reservations.",
+    "direct_write_bytes_open": "Arena bytes held by open direct writes (reserved, not yet committed).",
     "connections_open": "Client connections open now.",
     "unauthenticated_open": "Connections open now that have not completed hello.",
     "leases_open": "Read leases held by clients now.",

@@ -1,7 +1,8 @@
 """The cache server's control protocol: length-prefixed msgpack maps over a stream socket.
 
 Payloads never travel here: they sit in shared-memory files both sides map (the server's RAM
-arena for reads, a staging area for writes); messages carry only keys, offsets and lengths.
+arena for reads and direct writes, a staging area for staged writes); messages carry only keys,
+offsets and lengths.
 
 Framing: a 4-byte big-endian length, then one msgpack map (no extension types, no pickle).
 A request is ``{"op": NAME, ...fields}``; a reply is ``{"ok": True, ...}`` or
@@ -14,15 +15,26 @@ server has one, its ``token``; anything else closes the connection with an error
 hello deadline: an unauthenticated peer can make it allocate nothing larger and hold nothing
 longer. A server at its connection cap answers ``busy`` and closes.
 
+Direct writes (a server whose hello reply has ``direct_writes: true``): ``reserve_arena``
+reserves arena pages under a write lease and answers their extents; the client copies the payload
+into them through its own writable mapping of the arena; the next request on that connection must
+be the lease's ``commit`` (the entry becomes visible, ``stored`` says whether it did: a delete of
+the key meanwhile wins, ``stored: false``) or ``abort``. Anything else (another op, another lease
+id) is refused with ``bad_lease`` and the reservation is aborted; a ``commit`` arriving more than
+``lease_timeout_s`` after the reserve reply is refused with ``lease_expired`` and aborted. A
+commit carries no extents: the server publishes exactly the pages it reserved. Older clients keep
+using ``reserve`` (staging), which is unchanged.
+
 Every key field (``lookup.keys[i]``, ``get.key``, ``reserve.key``, ``reserve.parent``,
-``delete.key``) is a chunk key of exactly ``KEY_BYTES`` bytes; any other length is a
+``reserve_arena.key``, ``reserve_arena.parent``, ``delete.key``) is a chunk key of exactly ``KEY_BYTES`` bytes; any other length is a
 ``malformed`` error reply and the connection goes on.
 
 ======== ======================================== ===============================================
 op       request fields                           reply fields
 ======== ======================================== ===============================================
 hello    version:int, token:str|None              version, server_id, arena{path,size},
-                                                  staging{path,size}, page_size, tiers[str]
+                                                  staging{path,size}, page_size, tiers[str],
+                                                  lease_timeout_s, direct_writes:bool
 lookup   keys:[bytes]                             n (leading keys present in some tier)
 get      key:bytes                                tier (str|None), lease:int, extents[[off,len]]
                                                   (a lease is released by the server after
@@ -30,7 +42,10 @@ get      key:bytes                                tier (str|None), lease:int, ex
 release  lease:int                                (none)
 reserve  key, nbytes:int, parent:bytes|None,      status ("ok"|"exists"|"full"|"quota"), lease, extents
          chunk_index:int                          (offsets in the staging area)
-commit   lease:int                                stored:bool
+reserve_ key, nbytes, parent, chunk_index         status ("ok"|"exists"|"full"|"quota"), lease,
+arena    (as reserve)                             extents (offsets in the arena); the next request
+                                                  must be this lease's commit or abort
+commit   lease:int                                stored:bool (errors: bad_lease, lease_expired)
 abort    lease:int                                (none)
 delete   key:bytes                                (empty)
 stats    -                                        stats (the store's stats dict + server counters)
@@ -67,6 +82,8 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "get": {"key": (bytes,)},
     "release": {"lease": (int,)},
     "reserve": {"key": (bytes,), "nbytes": (int,), "parent": (bytes, type(None)), "chunk_index": (int,)},
+    "reserve_arena": {"key": (bytes,), "nbytes": (int,), "parent": (bytes, type(None)),
+                      "chunk_index": (int,)},
     "commit": {"lease": (int,)},
     "abort": {"lease": (int,)},
     "delete": {"key": (bytes,)},
@@ -82,9 +99,12 @@ BAD_VERSION = "version_mismatch"
 MALFORMED = "malformed"
 HELLO_FIRST = "hello_first"
 BUSY = "busy"  # the server is at its connection cap: try again later
+BAD_LEASE = "bad_lease"  # a direct write's lease is open: only its commit or abort may follow
+LEASE_EXPIRED = "lease_expired"  # a direct write committed after its lease ran out (aborted)
 
 # fields that carry a chunk key (a list of keys for lookup); ``None`` allowed where listed
-_KEY_FIELDS: dict[str, tuple[str, ...]] = {"get": ("key",), "reserve": ("key", "parent"), "delete": ("key",)}
+_KEY_FIELDS: dict[str, tuple[str, ...]] = {"get": ("key",), "reserve": ("key", "parent"),
+                                           "reserve_arena": ("key", "parent"), "delete": ("key",)}
 
 
 class ProtocolError(KVTierError):
@@ -156,10 +176,10 @@ def validate(message: dict[str, Any]) -> str:
     for name in _KEY_FIELDS.get(op, ()):
         if message[name] is not None:
             _check_key(message[name], f"{op}: field {name!r}")
-    if op == "reserve" and message["nbytes"] < 0:
-        raise ProtocolError(MALFORMED, "reserve: nbytes must not be negative")
-    if op == "reserve" and message["chunk_index"] < 0:
-        raise ProtocolError(MALFORMED, "reserve: chunk_index must not be negative")
+    if op in ("reserve", "reserve_arena") and message["nbytes"] < 0:
+        raise ProtocolError(MALFORMED, f"{op}: nbytes must not be negative")
+    if op in ("reserve", "reserve_arena") and message["chunk_index"] < 0:
+        raise ProtocolError(MALFORMED, f"{op}: chunk_index must not be negative")
     if op == "flush" and not (math.isfinite(message["timeout"]) and message["timeout"] >= 0):
         raise ProtocolError(MALFORMED, "flush: timeout must be a finite, non-negative number of seconds")
     return op

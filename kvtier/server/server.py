@@ -1,10 +1,34 @@
 """The per-node cache server: one TieredStore shared by every engine on the node.
 
 The store's top tier is a RAM tier whose arena is a shared-memory file; a client maps it and
-copies entries straight out of it. Writes go through a second shared-memory file, the staging
-area: the client copies a chunk there, the server copies it into the store on ``commit`` (the
-store decides placement, eviction and write-through). The socket carries only control messages
-(``kvtier.server.protocol``).
+copies entries straight out of it. The socket carries only control messages
+(``kvtier.server.protocol``). Writes take one of two paths:
+
+- Direct (``reserve_arena``, one copy): the store reserves arena pages for the entry (its
+  ``write``, with the eviction and admission every write gets) and, from inside that write's
+  ``fill``, the server answers their extents and waits for the client's next request on the
+  connection. The client copies the payload into the pages through its own writable mapping;
+  its ``commit`` ends the ``fill`` and the store publishes the entry and queues its lower-tier
+  copies (a delete of the key that came meanwhile wins: nothing is published, ``stored: false``).
+  Its ``abort``, any other request (``bad_lease``), a ``commit`` later than ``lease_timeout_s``
+  after the reserve reply (``lease_expired``) or the connection's end raise out of ``fill``: the
+  store frees the pages and nothing becomes visible. The entry's checksum, where a lower tier
+  stores one, is computed by the server from the arena pages when it writes the entry down,
+  after the commit, so it always matches the bytes the arena serves; the client sends none (a
+  check of it would cost a pass over the payload, more than the copy this path removes).
+- Staged (``reserve``, two copies; clients that cannot map the arena writable, and clients of
+  before direct writes): the client copies a chunk into a second shared-memory file, the staging
+  area, and the server copies it into the store on ``commit``.
+
+Write leases: the pages of a direct write are never reused while the client that reserved them
+may still be writing into them, because a late write would land in another entry. They return
+to the arena at the client's ``commit``/``abort``, at its next request (which proves a
+sequential client's copy is over; the write is aborted), or when its connection ends (a killed
+client: at once). An expired lease is therefore refused at once but its pages come back only when
+the client speaks again or goes away. A connection holds at most one direct write at a time (the
+next request must end it), of at most ``client_staging_fraction`` x ``staging`` bytes, and all
+connections together hold at most ``staging`` bytes of arena in open direct writes: the same
+bounds as the staging area, so a client holding reservations cannot take the arena from others.
 
 Leases: ``get`` pins the entry's arena pages until the client sends ``release``, its connection
 ends, or ``lease_timeout_s`` passes (then the server releases it; the hello reply names the
@@ -92,7 +116,8 @@ class ServeConfig:
     token: shared secret clients present in ``hello``; required for TCP, optional for unix.
     metrics: ``host:port`` of the HTTP endpoint (``/metrics``, ``/healthz``); off when unset;
         port 0 binds a free port, reported in the ready line.
-    staging: bytes of the shared write staging area (concurrent puts in flight).
+    staging: bytes of the shared write staging area (concurrent staged puts in flight), and the
+        most arena bytes all open direct writes together may hold.
     shm_dir: directory of the shared-memory files (a tmpfs such as /dev/shm).
     max_connections: connections open at once (authenticated or not); more are refused (busy).
     max_unauthenticated: connections at once that have not yet completed hello.
@@ -100,8 +125,8 @@ class ServeConfig:
     lease_timeout_s: a ``get`` lease not released within this many seconds is released by the
         server (the pinned pages, maybe of a deleted entry, return to the arena).
     max_leases_per_client: leases one connection may hold; a ``get`` beyond it is a miss.
-    client_staging_fraction: share (0, 1] of the staging area one connection may hold in open
-        reservations; a ``reserve`` beyond it answers ``quota``.
+    client_staging_fraction: share (0, 1] of ``staging`` one connection may hold in open
+        reservations (staged, or one direct write); a reservation beyond it answers ``quota``.
     metrics_max_connections: metrics connections served at once (one thread each); more are
         answered 503 at once and closed.
     metrics_request_timeout_s: the whole of one metrics request (reading it, answering it)
@@ -173,6 +198,10 @@ class _ServerCounters:
     leases_expired: int = 0  # get leases released by the server after lease_timeout_s
     lease_quota: int = 0  # gets answered as a miss because the client held too many leases
     put_quota: int = 0  # reserves refused because the client held its staging share
+    direct_puts: int = 0  # reserve_arena requests (also counted in puts)
+    direct_aborted: int = 0  # direct writes aborted (abort, connection end, refused commit)
+    write_leases_expired: int = 0  # direct-write commits refused: past lease_timeout_s
+    write_leases_refused: int = 0  # direct writes ended by a request other than their commit/abort
 
 
 class CacheServer:
@@ -215,6 +244,8 @@ class CacheServer:
         self._unauthenticated = 0  # admitted connections that have not completed hello
         self._socket_ident: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket we bound
         self._staging_quota = max(1, int(self.staging.capacity_bytes * config.client_staging_fraction))
+        self._direct_cap = self.staging.capacity_bytes  # arena bytes all open direct writes may hold
+        self._direct_open = 0  # arena bytes held by open direct writes now (guarded by _lock)
         self._warned_quota = False
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -403,6 +434,7 @@ class CacheServer:
             "page_size": int(self.arena.config.page_size),
             "tiers": [t.name for t in self.store.tiers],
             "lease_timeout_s": float(self.config.lease_timeout_s),
+            "direct_writes": True,
         }
 
     def check_token(self, token: str | None) -> bool:
@@ -461,6 +493,55 @@ class CacheServer:
         extents = [[self.staging.offset_of(v), int(v.size)] for v in views]
         return {"ok": True, "status": "ok", "lease": lease, "extents": extents}
 
+    def reserve_arena(self, conn: "_Connection", msg: dict) -> dict[str, Any] | None:
+        """A direct write (see the module notes): reserve arena pages through ``store.write``,
+        answer their extents from its ``fill`` and wait there for the client's commit or abort.
+
+        Returns the reply to the request that ended the write: the reserve's own reply when no
+        pages were reserved (``exists``, ``full``, ``quota``), the commit's (``stored``), an error
+        (``bad_lease``, ``lease_expired``, ``malformed``), or None after an abort. The connection's
+        end propagates (ConnectionError/OSError) after the store has freed the pages.
+        """
+        self.count(puts=1, direct_puts=1)
+        key, nbytes = msg["key"], msg["nbytes"]
+        if self.arena.contains(key):
+            return {"ok": True, "status": "exists"}
+        if not self._hold_direct(nbytes):
+            return {"ok": True, "status": "quota"}
+        write = _DirectWrite(self, conn, next(self._lease_ids))
+        try:
+            stored = self.store.write(key, nbytes, write.fill, msg["parent"], msg["chunk_index"])
+        except _WriteEnded as ended:
+            self.count(direct_aborted=1)
+            return ended.reply
+        except BaseException:
+            self.count(direct_aborted=1)
+            raise
+        finally:
+            with self._lock:
+                self._direct_open -= nbytes
+        if not write.reserved:  # the store answered without reserving: held already, or no room
+            if not stored:
+                self.count(put_full=1)
+            return {"ok": True, "status": "exists" if stored else "full"}
+        if stored:
+            self.count(put_stored=1)
+        return {"ok": True, "stored": bool(stored)}
+
+    def _hold_direct(self, nbytes: int) -> bool:
+        """Count ``nbytes`` against the direct-write bounds (one client's share, all clients'
+        ``staging`` bytes); False (counted as ``put_quota``) when it does not fit."""
+        with self._lock:
+            if nbytes <= self._staging_quota and self._direct_open + nbytes <= self._direct_cap:
+                self._direct_open += nbytes
+                return True
+            self._counters.put_quota += 1
+        if nbytes > self._staging_quota and not self._warned_quota:
+            self._warned_quota = True  # a chunk that can never fit: the operator must see it once
+            log.warning("kvtier serve: a %d-byte chunk exceeds one client's write share of %d bytes; raise "
+                        "serve.staging or serve.client_staging_fraction", nbytes, self._staging_quota)
+        return False
+
     def commit(self, lease: int, pending: dict) -> dict[str, Any]:
         """Copy a filled staging reservation into the store; free the staging pages."""
         item = pending.pop(lease, None)
@@ -490,6 +571,8 @@ class CacheServer:
             stats["server"]["unauthenticated_open"] = self._unauthenticated
         stats["server"]["leases_open"] = sum(len(c.leases) for c in conns)
         stats["server"]["staging_used_bytes"] = self.staging.used_bytes()
+        with self._lock:
+            stats["server"]["direct_write_bytes_open"] = self._direct_open
         return stats
 
 
@@ -585,6 +668,60 @@ def _loopback_for(host: str) -> str:
 
 def _ignore(segments) -> None:
     """A consume callback that copies nothing (the client copies from the arena itself)."""
+
+
+class _WriteEnded(Exception):
+    """Raised out of a direct write's ``fill`` so the store frees its pages; ``reply`` answers
+    the request that ended it (None: an abort, which has no reply)."""
+
+    def __init__(self, reply: dict[str, Any] | None):
+        super().__init__("direct write ended without a commit")
+        self.reply = reply
+
+
+class _DirectWrite:
+    """One direct write's ``fill``: announce the reserved pages, wait for the client's verdict.
+
+    Runs on the connection's thread, outside the store lock (``TieredStore.write`` runs ``fill``
+    after releasing it). Returning publishes the entry; raising frees the pages.
+    """
+
+    def __init__(self, server: CacheServer, conn: "_Connection", lease: int):
+        self.server = server
+        self.conn = conn
+        self.lease = lease
+        self.reserved = False  # fill ran: the store reserved pages
+
+    def fill(self, segments: list) -> None:
+        """Send the reserve reply with the segments' arena extents, then read the client's next
+        request: this lease's commit in time returns; anything else raises ``_WriteEnded`` (or
+        the connection's error). The wait has no timeout: the pages must stay reserved while the
+        client may still write into them (see the module notes)."""
+        self.reserved = True
+        server, sock = self.server, self.conn.sock
+        extents = [[server.arena.offset_of(s), int(s.size)] for s in segments]
+        P.send(sock, {"ok": True, "status": "ok", "lease": self.lease, "extents": extents})
+        deadline = time.monotonic() + server.config.lease_timeout_s
+        msg = P.recv(sock)
+        if msg is None:
+            raise ConnectionError("client closed the connection during a direct write")
+        try:
+            op = P.validate(msg)
+        except P.ProtocolError as exc:
+            server.count(malformed=1)
+            raise _WriteEnded(P.error(exc.code, f"{exc}; direct write {self.lease} aborted")) from None
+        server.count(requests=1)
+        if op in ("commit", "abort") and msg["lease"] == self.lease:
+            if op == "abort":
+                raise _WriteEnded(None)
+            if time.monotonic() > deadline:
+                server.count(write_leases_expired=1)
+                raise _WriteEnded(P.error(P.LEASE_EXPIRED, f"commit: write lease {self.lease} expired (more than "
+                                          f"{server.config.lease_timeout_s:g} s after its reserve); aborted"))
+            return
+        server.count(write_leases_refused=1)
+        raise _WriteEnded(P.error(P.BAD_LEASE, f"{op}: direct write {self.lease} is open on this connection; only "
+                                  f"its commit or abort may follow; aborted"))
 
 
 def _parse_hostport(value: str, what: str) -> tuple[str, int]:
@@ -701,8 +838,11 @@ class _Connection:
                     P.send(self.sock, P.error(exc.code, str(exc)))
                     continue
                 server.count(requests=1)
-                with self.lock:
-                    reply = self._dispatch(op, msg)
+                if op == "reserve_arena":  # waits for the client: never under the lease lock
+                    reply = server.reserve_arena(self, msg)
+                else:
+                    with self.lock:
+                        reply = self._dispatch(op, msg)
                 if reply is not None:
                     P.send(self.sock, reply)
         except P.ProtocolError as exc:  # the stream is out of sync: answer once, then hang up
