@@ -336,3 +336,31 @@ def test_vllm_serve_by_names_in_the_project_env(tmp_path):
         assert "Creating v1 connector with name: KVTierConnector" in text
     finally:
         child.stop(grace=60)
+
+
+# -- benchmarks load on use (issue 23) --------------------------------------------------------
+def test_a_benchmark_module_is_imported_only_when_its_parser_is_used(tmp_path, monkeypatch, capsys):
+    """`kvtier bench --help` lists a benchmark without importing it; running it (or its --help)
+    when its module needs a missing optional module is one line naming the extra, exit 2."""
+    from kvtier.cli import bench
+
+    (tmp_path / "kvtier_fake_bench.py").write_text("import torch\n\ndef add_arguments(p):\n    pass\n\n"
+                                                   "def run(args):\n    return 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(bench.BENCHMARKS, "fake", ("kvtier_fake_bench", "a benchmark needing torch"))
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--help"])
+    assert exc.value.code == 0 and "a benchmark needing torch" in capsys.readouterr().out
+    assert "kvtier_fake_bench" not in sys.modules
+    for argv in (["bench", "fake"], ["bench", "fake", "--help"]):
+        _one_line_error(capsys, argv, "kvtier bench fake: error:", "'torch'", "pip install 'kvtier[loader]'")
+
+
+def test_command_label_names_nested_subcommands():
+    from kvtier.cli import command_label
+
+    parser = build_parser()
+    assert command_label(parser, ["bench", "gpu", "--quick"]) == "bench gpu"
+    assert command_label(parser, ["--version"]) == ""
+    assert command_label(parser, ["route", "--engine", "http://a:1"]) == "route"
