@@ -118,6 +118,7 @@ def site(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow  # the site build: ~5-15 s on 2 cores
 def test_every_page_of_the_nav_is_built_and_every_png_is_used(site):
     import yaml
 
@@ -139,6 +140,7 @@ def test_every_page_of_the_nav_is_built_and_every_png_is_used(site):
     assert not unused, f"plots no page shows: {unused}"
 
 
+@pytest.mark.slow  # the site build: ~5-15 s on 2 cores
 def test_the_configuration_reference_lists_every_field_of_every_config_dataclass(site):
     documented = _reference_sections((site / "configuration" / "index.html").read_text())
     expected = _config_classes()
