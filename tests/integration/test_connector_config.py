@@ -67,6 +67,7 @@ def test_unknown_tier_types_keys_and_policies_are_one_config_error_line(tiers, m
         assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_scheduler_side_connector_rejects_a_bad_tier_before_any_store_or_probe(tmp_path):
     """Today's scheduler skipped a tier it could not build with a warning (and a RAM tier's keys
     were never checked there): the bad spec surfaced only when the worker built its store, after

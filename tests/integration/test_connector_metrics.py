@@ -161,6 +161,7 @@ logging.getLogger("kvtier.store").debug("kvtier-debug-line")
 """
 
 
+@pytest.mark.slow
 def test_kvtier_logs_follow_vllms_logging_configuration():
     """In a process where vLLM configured logging (and nobody else did), kvtier's INFO records
     come out through vLLM's handler and format; DEBUG stays out at vLLM's default INFO level."""
@@ -176,6 +177,7 @@ def test_kvtier_logs_follow_vllms_logging_configuration():
 # ---------------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.vllm
 def test_metrics_on_vllms_own_endpoint(tmp_path):
     """vLLM's OpenAI server with the connector (kv_load_failure_policy left at "fail"): the
     connector's one-line warning and its INFO line appear in vLLM's log format; after a prompt is

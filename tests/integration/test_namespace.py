@@ -127,6 +127,7 @@ print("KEYS " + json.dumps([k.hex() for k in keys]))
 """
 
 
+@pytest.mark.slow
 def test_same_config_same_keys_in_two_processes(model):
     """Keys must not depend on PYTHONHASHSEED or anything else about the process."""
     outs = []

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import pytest
 
 from kvtier.loader.cache import MARKER, _read_journal, cache_path, is_complete, pull
 
@@ -48,6 +49,7 @@ def test_stale_journal_without_partial_is_ignored(tmp_path):
     assert open(os.path.join(res.path, "a.safetensors"), "rb").read() == (d / "a.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_two_processes_one_download(tmp_path):
     d = _src(tmp_path, 8_000_000)
     cmd = [sys.executable, "-m", "kvtier.cli", "pull", f"file://{d}", "--cache-dir", str(tmp_path / "c"),

@@ -184,6 +184,7 @@ def _file(text: str, data: int, pad: int = 0) -> bytes:
 
 # -- properties ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @_fuzz(1500)
 @given(_document(), st.integers(0, 7))
 def test_generated_headers_parse_consistently_or_fail_in_one_line(doc, pad):
