@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+
 import pytest
 
 from kvtier.loader.cache import MARKER, _read_journal, cache_path, is_complete, pull
