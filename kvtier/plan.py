@@ -89,8 +89,9 @@ SUPPORTED_LAYER_TYPES = ("full_attention, sliding_attention, chunked_attention, 
 
 # transformers' class defaults for the keys a config.json may leave out
 _DEFAULT_WINDOW = {"gemma2": 4096, "gemma3_text": 4096, "gpt_oss": 128}
-_DEFAULT_WINDOW_PATTERN = {"gemma2": 2, "gemma3_text": 6, "cohere2": 4}
+_DEFAULT_WINDOW_PATTERN = {"gemma2": 2, "gpt_oss": 2, "gemma3_text": 6, "cohere2": 4}
 _DEFAULT_CHUNK = {"llama4_text": 8192}
+_WINDOW_OFF_BY_DEFAULT = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")  # use_sliding_window defaults to false
 _GDN_DEFAULTS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
                  "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
 _MAMBA2_DEFAULTS = {  # (heads, head_dim or None = expand x hidden / heads, d_state, groups, d_conv, expand)
@@ -357,9 +358,10 @@ def sliding_layers(cfg: Mapping[str, Any], layers: int, where: str = "config") -
     """(layers with sliding-window attention, the window) from a text config; (0, None) if none.
 
     Read in this order: ``layer_types`` (``"sliding_attention"`` entries; Gemma 2/3, newer
-    configs), ``use_sliding_window: false`` (Qwen2: the window is declared but off), Qwen2's
+    configs), ``use_sliding_window: false`` (Qwen2/Qwen3: the window is declared but off, also
+    when the key is absent), Qwen2's
     ``max_window_layers`` (layers from it on slide), ``sliding_window_pattern`` N (every Nth
-    layer is global; Gemma 3's default 6, Cohere 2's 4), Gemma 2 (every other layer), and
+    layer is global; Gemma 3's default 6, Cohere 2's 4), Gemma 2 and gpt-oss (every other layer), and
     otherwise a ``sliding_window`` on every layer (Mistral 7B v0.1).
     """
     window = cfg.get("sliding_window")
@@ -370,7 +372,7 @@ def sliding_layers(cfg: Mapping[str, Any], layers: int, where: str = "config") -
     if isinstance(types_, list) and types_:
         count = sum(1 for t in types_[:layers] if t == SLIDING)
         return (count, window) if count else (0, None)
-    if cfg.get("use_sliding_window") is False:
+    if cfg.get("use_sliding_window", cfg.get("model_type") not in _WINDOW_OFF_BY_DEFAULT) is False:
         return 0, None
     return sum(_sliding_flags(cfg, layers)), window
 
