@@ -54,10 +54,17 @@ class Namespace:
     pp_partition: str = ""  # the layer split over pipeline stages, when set explicitly
     lora: str = ""  # the adapter's identity: name, path and weights digest (lora_identity())
     cache_salt: str = ""
+    # each KV cache group's spec (attention type, window, chunk size, MLA sizes, layers) when the
+    # engine has more than one plain full-attention group (see integrations.vllm.groups)
+    kv_groups: str = ""
 
     def digest(self) -> bytes:
-        """A 32-byte digest of all fields (canonical JSON, sorted keys)."""
-        blob = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        """A 32-byte digest of all fields (canonical JSON, sorted keys). An empty ``kv_groups``
+        is left out, so a dense model's namespace digest is what it was before the field."""
+        fields = asdict(self)
+        if not fields["kv_groups"]:
+            del fields["kv_groups"]
+        blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).digest()
 
     def with_salt(self, cache_salt: str | None) -> "Namespace":
@@ -179,6 +186,15 @@ def worker_key(key: bytes, tp_rank: int = 0, tp_size: int = 1, pp_stage: int = 0
     if pp_size > 1:
         blob += b"stage" + pp_stage.to_bytes(4, "little")
     return hashlib.sha256(blob).digest()
+
+
+def group_key(key: bytes, group: int) -> bytes:
+    """The key of KV cache group ``group``'s part of a chunk (vLLM's hybrid KV cache groups):
+    ``key`` itself for group 0, ``sha256(key || "group" || group)`` (little-endian uint32) for
+    the others. Applied after ``worker_key``."""
+    if group == 0:
+        return key
+    return hashlib.sha256(key + b"group" + group.to_bytes(4, "little")).digest()
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,16 @@ and PP sizes (and an explicit PP layer split), the LoRA adapter (name, path, wei
 the cache salt. Each multimodal item's content hash and placeholder span is folded into every
 chunk it overlaps, and through the chain into every later chunk; a prompt with an unhashed item
 or given as embeddings is not keyed at all. Each worker stores its share of a chunk under its own
-key (TP rank, PP stage: ``kvtier.keys.WorkerShare``).
+key (TP rank, PP stage: ``kvtier.keys.WorkerShare``), except replicated KV (MLA's latent, the
+same on every TP rank), stored once under rank 0's key and loaded by every rank.
+
+KV cache groups: the connector declares ``SupportsHMA``, so vLLM keeps its hybrid KV cache
+manager on (sliding-window layers hold only their window). Every group is saved and loaded with
+its own block ids (``kvtier.integrations.vllm.groups``); each group's spec is in the namespace.
+A model with a group kvtier cannot store (recurrent state) is refused at engine start.
+
+vLLM versions: ``SUPPORTED_VLLM`` (the connector API these versions share); another version
+gets one warning line at engine start.
 """
 
 from __future__ import annotations
@@ -54,12 +63,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig, check_load_failure_policy
+from kvtier.integrations.vllm.groups import GroupSpec, groups_of, namespace_groups
 from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics
 from kvtier.integrations.vllm.pages import ENTRY_FORMAT
@@ -77,12 +89,31 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["KVTierConnector", "KVTierMetadata", "KVTierWorkerMetadata", "mm_items"]
+__all__ = ["KVTierConnector", "KVTierMetadata", "KVTierWorkerMetadata", "mm_items", "SUPPORTED_VLLM",
+           "check_vllm_version"]
 
 log = logging.getLogger(__name__)
 
+# The vLLM versions whose KV connector API (KVConnectorBase_V1, SupportsHMA, the stats and events
+# hooks) this connector implements: [low, high). tests/integration/test_vllm_api.py compares the
+# installed vLLM's interface with the connector.
+SUPPORTED_VLLM = ((0, 32), (0, 34))
 
-class KVTierConnector(KVConnectorBase_V1):
+
+def check_vllm_version(version: str) -> str | None:
+    """One warning line when vLLM ``version`` is outside ``SUPPORTED_VLLM``, else None."""
+    (lo, hi) = SUPPORTED_VLLM
+    span = f"vllm>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
+    try:
+        parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return f"kvtier: cannot read vLLM's version {version!r}; the connector supports {span}"
+    if lo <= parts < hi:
+        return None
+    return f"kvtier: vLLM {version} is outside the versions this connector supports ({span}); it may fail"
+
+
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector backed by a kvtier store: one side per role (see the module docstring).
 
     ``scheduler`` is set in the scheduler role, ``worker`` in the worker role; the other is None.
@@ -96,22 +127,37 @@ class KVTierConnector(KVConnectorBase_V1):
         warning = check_load_failure_policy(transfer.kv_load_failure_policy, self.config.require_recompute)
         if warning and role == KVConnectorRole.SCHEDULER:  # once per engine
             log.warning("%s", warning)
+        if role == KVConnectorRole.SCHEDULER:
+            import vllm
+
+            version_warning = check_vllm_version(getattr(vllm, "__version__", "") or "")
+            if version_warning:
+                log.warning("%s", version_warning)
         self.geometry = _geometry(self.config, vllm_config.cache_config.block_size)
         parallel = vllm_config.parallel_config
         self.tp_size, self.pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-        self.namespace = _namespace(vllm_config, kv_cache_config, self.geometry.chunk_tokens, self.config.weights_id)
+        hf = getattr(vllm_config.model_config, "hf_config", None)
+        # ConfigError for a group kvtier cannot store (recurrent state): the engine does not start
+        self.groups: list[GroupSpec] = groups_of(kv_cache_config, str(getattr(hf, "model_type", "") or ""))
+        self.replicated = self.tp_size > 1 and bool(self.groups) and (
+            all(g.replicated for g in self.groups)
+            or getattr(kv_cache_config, "kv_tp_replicas", 1) == self.tp_size)
+        self.namespace = _namespace(vllm_config, kv_cache_config, self.geometry.chunk_tokens, self.config.weights_id,
+                                    self.groups)
         self.scheduler: KVTierScheduler | None = None
         self.worker: KVTierWorker | None = None
         if role == KVConnectorRole.WORKER:
             share = WorkerShare(_tp_rank(), self.tp_size, _pp_stage(), self.pp_size)
             spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec if kv_cache_config else None
             self.worker = KVTierWorker(self.config, self.geometry, share, getattr(spec, "page_size_bytes", None),
-                                       kv_cache_config.num_blocks if kv_cache_config else 0)
+                                       kv_cache_config.num_blocks if kv_cache_config else 0, groups=self.groups,
+                                       replicated=self.replicated)
         else:
             share = WorkerShare(0, self.tp_size, 0, self.pp_size)
             events = vllm_config.kv_events_config
             self.scheduler = KVTierScheduler(self.config, self.geometry, self.namespace, share,
-                                             publish_events=bool(events and events.enable_kv_cache_events))
+                                             publish_events=bool(events and events.enable_kv_cache_events),
+                                             groups=self.groups)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -149,6 +195,12 @@ class KVTierConnector(KVConnectorBase_V1):
         """Forget the request; its blocks can be freed at once (False: every save has read its
         pages within its step, also in ``async`` mode; see ``KVTierScheduler.request_finished``)."""
         return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` with every KV cache group's blocks (vLLM's HMA API): False, the
+        blocks can be freed at once, as for one group."""
+        return self.scheduler.request_finished_all_groups(request, block_ids)
 
     def take_events(self) -> Iterable["KVCacheEvent"]:
         """BlockStored/BlockRemoved events for chunks entering/leaving kvtier's tiers."""
@@ -203,6 +255,16 @@ class KVTierConnector(KVConnectorBase_V1):
             return None, None
         return None, (self.worker.finished_loads() or None)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``'s loads, and (several KV cache groups) the requests whose load failed:
+        vLLM recomputes them (it takes no per-block failures for such models)."""
+        results = super().get_transfer_results(finished_req_ids)
+        if self.worker is not None:
+            failed = self.worker.failed_loads()
+            results.failed_recving |= failed
+            results.finished_recving |= failed
+        return results
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes them)."""
         return self.worker.failed_blocks() if self.worker is not None else set()
@@ -246,13 +308,14 @@ def _geometry(config: ConnectorConfig, block_size: int) -> ChunkGeometry:
 
 
 def _namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None", chunk_tokens: int,
-               weights_id: str | None = None) -> Namespace:
+               weights_id: str | None = None, groups: list[GroupSpec] | None = None) -> Namespace:
     """The key namespace: everything about the engine that changes KV bytes.
 
     Model: its name/path, revision, a digest of its (possibly overridden) HF config, its
     weights (``weights_id`` when given, else ``weights_digest`` of a local model directory),
     its quantization method and compute dtype. KV: dtype and layout. Parallelism: TP and PP
-    sizes and an explicit PP layer partition (per-worker keys add rank and stage). Request
+    sizes and an explicit PP layer partition (per-worker keys add rank and stage). KV cache
+    groups: each group's spec when there is more than one plain full-attention group. Request
     parts (LoRA, cache salt, multimodal items) are added per request.
     """
     from vllm import envs
@@ -287,6 +350,7 @@ def _namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None
         tp_rank=0,  # per-worker keys are derived on the worker (WorkerShare)
         pp_world_size=pp,
         pp_partition=str(envs.VLLM_PP_LAYER_PARTITION or "") if pp > 1 else "",
+        kv_groups=namespace_groups(groups or []),
     )
 
 

@@ -45,8 +45,9 @@ class LoadSpec:
     keys: list[bytes]
     first_chunk: int
     block_ids: list[int]  # the request's whole block table
-    skip_blocks: int  # blocks at the start of the first chunk that are already computed
+    skip_blocks: int  # blocks at the start of the first chunk that are already computed (or null)
     background: bool = False
+    group: int = 0  # the KV cache group (vLLM's hybrid KV cache groups); block_ids are that group's
 
 
 @dataclass
@@ -57,12 +58,13 @@ class SaveSpec:
     key: bytes
     parent: bytes | None
     chunk_index: int
-    block_ids: list[int]  # the chunk's blocks
+    block_ids: list[int]  # the chunk's blocks (of the group's block table)
+    group: int = 0  # the KV cache group
 
 
 @dataclass
 class KVTierMetadata(KVConnectorMetadata):
-    """What the worker does this step."""
+    """What the worker does this step (one LoadSpec/SaveSpec per KV cache group involved)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)

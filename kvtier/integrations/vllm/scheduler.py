@@ -26,6 +26,16 @@ reports the request finished (``get_finished``) and any failed blocks, and vLLM 
 from the loaded (or, after a failure, the valid) prefix. A hit wholly in the mirror stays
 inline, as does any hit through a cache server (which may hold it in its shared memory).
 
+KV cache groups (vLLM's hybrid KV cache manager, ``kvtier.integrations.vllm.groups``): each
+group of a chunk is an entry of its own, saved and loaded with the block ids vLLM gives that
+group. Full-attention groups store every chunk; a sliding-window or chunked-local group stores
+only the chunks inside its window before the prompt's last chunk boundary (the point a re-read
+of the prompt resumes at) and every chunk after it (generated tokens: the next turn resumes
+later). A hit of ``n`` chunks needs every group's chunks for resuming at ``n`` chunks; ``n`` is
+the largest such count (the same for every group). With several groups every hit loads in the
+background: vLLM reports a failed load of such a model per request (``failed_recving``), only
+for requests waiting for their load, never per block.
+
 Events for routers (when vLLM publishes KV events): ``take_events`` turns the worker's store
 events into vLLM ``BlockStored``/``BlockRemoved`` events shaped as the engine's own (its block
 hashes, block size, token ids and extra keys; see ``events.py``), from what was remembered when
@@ -43,8 +53,9 @@ from vllm.distributed.kv_events import KVCacheEvent
 from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.events import ChunkEvents
+from kvtier.integrations.vllm.groups import FULL, GroupSpec, window_chunks
 from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, KVTierWorkerMetadata, LoadSpec, SaveSpec
-from kvtier.keys import ROOT, MMItem, Namespace, WorkerShare, chunk_keys, lora_identity, weights_digest
+from kvtier.keys import ROOT, MMItem, Namespace, WorkerShare, chunk_keys, group_key, lora_identity, weights_digest
 from kvtier.tiers.base import SchedulerView
 
 if TYPE_CHECKING:
@@ -65,7 +76,8 @@ class RequestState:
     namespace: bytes = b""
     mm: tuple[MMItem, ...] = ()  # the prompt's multimodal items, folded into the keys
     request: "Request | None" = None  # vLLM's request (its block hashes and extra keys, for events)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # group 0's block table
+    more_blocks: list[list[int]] = field(default_factory=list)  # the block tables of groups 1..
     hit_chunks: int = 0  # chunks found in the store at lookup
     background: bool = False  # async mode: the hit loads in the background (below RAM, or async_ram_loads)
     local_tokens: int = 0  # tokens vLLM's own prefix cache had
@@ -80,9 +92,12 @@ class KVTierScheduler:
     """
 
     def __init__(self, config: ConnectorConfig, geometry: ChunkGeometry, namespace: Namespace, share: WorkerShare,
-                 publish_events: bool = False):
+                 publish_events: bool = False, groups: Sequence[GroupSpec] = ()):
         self.config = config
         self.geometry = geometry
+        # vLLM's KV cache groups; none given: one full-attention group (a dense model)
+        self.groups = list(groups) or [GroupSpec(0, FULL, (), geometry.block_size)]
+        self._hybrid = len(self.groups) > 1
         self.namespace = namespace
         self._share = share.of(0, 0)  # worker rank 0 of stage 0 speaks for all
         self._lora_ids: dict[tuple[str, str], str] = {}  # (name, path) -> identity, read once
@@ -117,8 +132,8 @@ class KVTierScheduler:
         state = self.request_state(request)
         chunk = self.geometry.chunk_tokens
         max_chunks = (state.prompt_len - 1) // chunk
-        state.hit_chunks, mirrored = self._lookup(self._share.keys(state.keys[:max_chunks]))
-        state.background = self._background and (mirrored < state.hit_chunks or self._async_ram)
+        state.hit_chunks, mirrored = self._hit(self._share.keys(state.keys[:max_chunks]))
+        state.background = self._hybrid or (self._background and (mirrored < state.hit_chunks or self._async_ram))
         state.local_tokens = num_computed_tokens
         hit_tokens = state.hit_chunks * chunk
         if hit_tokens <= num_computed_tokens:
@@ -133,7 +148,7 @@ class KVTierScheduler:
         state = self._requests.get(request.request_id)
         if state is None:
             return
-        state.block_ids = list(blocks.get_block_ids()[0])
+        self._set_blocks(state, blocks.get_block_ids())
         state.saved_chunks = max(state.saved_chunks, state.hit_chunks)  # those are stored already
         if num_external_tokens <= 0:
             state.load = None
@@ -145,7 +160,7 @@ class KVTierScheduler:
         skip = (start - first_chunk * chunk) // self.geometry.block_size
         state.load = (first_chunk, end // chunk, skip)
         if state.background:  # vLLM took (n, True): the request waits
-            self._async_loads.append(self._take_load(request.request_id, state, background=True))
+            self._async_loads.extend(self._take_load(request.request_id, state, background=True))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVTierMetadata:
         """This step's loads (planned at allocation) and saves (newly completed full chunks)."""
@@ -155,7 +170,7 @@ class KVTierScheduler:
             state = self._requests.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0])
+            self._set_blocks(state, new.block_ids)
             # after a background load that failed part-way vLLM computes from the first missing
             # chunk: those chunks are saved again as they complete
             state.saved_chunks = min(state.saved_chunks, new.num_computed_tokens // self.geometry.chunk_tokens)
@@ -168,9 +183,11 @@ class KVTierScheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids else []
+                self._set_blocks(state, new_ids or ())
             elif new_ids:
                 state.block_ids.extend(new_ids[0])
+                for table, ids in zip(state.more_blocks, new_ids[1:]):
+                    table.extend(ids)
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             self._plan(meta, req_id, state, done)
         return meta
@@ -207,6 +224,11 @@ class KVTierScheduler:
         worker reports the load finished, which it always does."""
         self._requests.pop(request.request_id, None)
         return False, None
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` for vLLM's hybrid KV cache manager (every group's blocks)."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def take_events(self) -> list[KVCacheEvent]:
         """BlockStored/BlockRemoved events for chunks entering/leaving kvtier's tiers, shaped as
@@ -259,10 +281,31 @@ class KVTierScheduler:
             ident = self._lora_ids[(name, path)] = lora_identity(name, path, weights_digest(path) if path else "")
         return ident
 
+    def _set_blocks(self, state: RequestState, tables: Sequence[Sequence[int]]) -> None:
+        """Take the request's block table of every group (vLLM's per-group tuple)."""
+        tables = list(tables)
+        state.block_ids = list(tables[0]) if tables else []
+        state.more_blocks = [list(t) for t in tables[1:]]
+        while len(state.more_blocks) < len(self.groups) - 1:
+            state.more_blocks.append([])
+
+    def _blocks(self, state: RequestState, group: int) -> list[int]:
+        """The request's block table of ``group``."""
+        return state.block_ids if group == 0 else state.more_blocks[group - 1]
+
+    def _saves_chunk(self, group: GroupSpec, state: RequestState, c: int) -> bool:
+        """Whether chunk ``c`` of ``group`` is stored: always for a full group; for a window
+        group when it is inside the window before the prompt's last chunk boundary, or after
+        that boundary."""
+        if group.kind == FULL:
+            return True
+        resume = (state.prompt_len - 1) // self.geometry.chunk_tokens if state.prompt_len else 0
+        return c >= resume or c in window_chunks(group, resume, self.geometry.blocks_per_chunk)
+
     def _plan(self, meta: KVTierMetadata, req_id: str, state: RequestState, tokens_done: int) -> None:
         """Add a pending load and the saves of chunks completed by this step."""
         if state.load is not None:
-            meta.loads.append(self._take_load(req_id, state, background=False))
+            meta.loads.extend(self._take_load(req_id, state, background=False))
         # chunks whose KV this step completes, generated tokens included (a later turn of a
         # conversation re-reads them as its prompt); a token not yet known is never keyed
         chunk = self.geometry.chunk_tokens
@@ -271,12 +314,15 @@ class KVTierScheduler:
             prev = state.keys[-1] if state.keys else ROOT
             state.keys += chunk_keys(state.token_ids[: full * chunk], state.namespace, chunk,
                                      start=len(state.keys), prev=prev, mm=state.mm)
+        bpc = self.geometry.blocks_per_chunk
         for c in range(state.saved_chunks, full):
-            blocks = self.geometry.chunk_blocks(state.block_ids, c)
-            if len(blocks) < self.geometry.blocks_per_chunk:
+            tables = [self.geometry.chunk_blocks(self._blocks(state, g.index), c) for g in self.groups]
+            if any(len(blocks) < bpc for blocks in tables):
                 break
             parent = state.keys[c - 1] if c else None
-            meta.saves.append(SaveSpec(req_id, state.keys[c], parent, c, blocks))
+            for group, blocks in zip(self.groups, tables):
+                if self._saves_chunk(group, state, c):
+                    meta.saves.append(SaveSpec(req_id, state.keys[c], parent, c, blocks, group=group.index))
             self._remember_chunk(state, c)
             state.saved_chunks = c + 1
 
@@ -287,16 +333,56 @@ class KVTierScheduler:
             self.chunk_events.record(state.request, state.keys, c, state.token_ids[c * chunk : (c + 1) * chunk],
                                      store_key=self._share.key(state.keys[c]))
 
-    def _take_load(self, req_id: str, state: RequestState, background: bool) -> LoadSpec:
-        """The request's pending load as a ``LoadSpec`` (the load is then no longer pending)."""
+    def _take_load(self, req_id: str, state: RequestState, background: bool) -> list[LoadSpec]:
+        """The request's pending load as one ``LoadSpec`` per group with blocks to fill (the
+        load is then no longer pending). A window group loads only the blocks vLLM keeps at the
+        hit's end (its blocks before them are null)."""
         first, end, skip = state.load
         state.saved_chunks = max(state.saved_chunks, end)
         state.load = None
         for c in range(first, end):  # a loaded chunk may be promoted into a faster tier: an event
             self._remember_chunk(state, c)
-        return LoadSpec(req_id, state.keys[first:end], first, list(state.block_ids), skip, background)
+        bpc = self.geometry.blocks_per_chunk
+        loads = []
+        for group in self.groups:
+            start = first * bpc + skip
+            if group.kind != FULL:
+                start = max(start, group.first_block(end * self.geometry.chunk_tokens))
+            if start >= end * bpc:
+                continue
+            c0 = start // bpc
+            loads.append(LoadSpec(req_id, state.keys[c0:end], c0, list(self._blocks(state, group.index)),
+                                  start - c0 * bpc, background, group=group.index))
+        return loads
 
     # ------------------------------------------------------------------------- lookups
+
+    def _hit(self, keys: list[bytes]) -> tuple[int, int]:
+        """(chunks of the prefix of ``keys`` (rank 0's keys) that every group can load at the
+        same token count, how many of those the mirror holds: see ``_lookup``). One group: the
+        leading keys present. Several: the full groups' common leading run, then the largest
+        count at or below it for which every window group holds its window."""
+        if not self._hybrid:
+            return self._lookup(keys)
+        n, mirrored = len(keys), len(keys)
+        for group in self.groups:
+            if group.kind == FULL:
+                found, near = self._lookup([group_key(k, group.index) for k in keys[:n]])
+                n, mirrored = min(n, found), min(mirrored, near)
+        windows = [g for g in self.groups if g.kind != FULL]
+        bpc = self.geometry.blocks_per_chunk
+        while n > 0 and windows:
+            ok = True
+            for group in windows:
+                need = [group_key(keys[c], group.index) for c in window_chunks(group, n, bpc)]
+                found, _ = self._lookup(need)
+                if found < len(need):
+                    ok = False
+                    break
+            if ok:
+                break
+            n -= 1
+        return n, min(n, mirrored)
 
     def _lookup(self, keys: list[bytes]) -> tuple[int, int]:
         """(leading ``keys`` present, how many of those the mirror of the worker's private

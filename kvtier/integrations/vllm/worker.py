@@ -39,6 +39,15 @@ KV tensors, and carries out the plan the scheduler side put in the step's ``KVTi
 
 Each worker stores its share of a chunk under its own key (``WorkerShare.key``: TP rank, PP
 stage). Rank 0 of stage 0 records the store's events for the scheduler's mirror.
+
+KV cache groups (vLLM's hybrid KV cache manager): one ``PageLayout`` per group over that group's
+layers; each ``LoadSpec``/``SaveSpec`` names its group, and a group's part of a chunk is an entry
+of its own (``kvtier.keys.group_key``). With several groups a failed load is reported per request
+(``failed_loads``: vLLM cannot map block ids back to a group), never per block.
+
+Replicated KV (MLA under tensor parallelism: the latent is the same on every rank): every rank
+uses rank 0's key, so one copy serves every rank; when the store is shared between the ranks (a
+cache server, or only shared/persistent tiers) only rank 0 writes it.
 """
 
 from __future__ import annotations
@@ -56,11 +65,13 @@ import torch
 from kvtier.buffers import scatter, total_bytes
 from kvtier.errors import CorruptEntry
 from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.groups import GroupSpec
 from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, KVTierWorkerMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, TierDeltas, tier_counters
 from kvtier.integrations.vllm.pages import LoadStep, PageLayout, SaveStep
-from kvtier.keys import WorkerShare
+from kvtier.keys import WorkerShare, group_key
 from kvtier.store import KVStore, TieredStore
+from kvtier.tiers.base import SchedulerView
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +114,9 @@ class _Landing:
         False when that failed (the chunks are then dropped). Never raises."""
         if self.landed is None:
             try:
+                size = self.step._layout.chunk_bytes
                 for i, slot in enumerate(self.slots):  # on this thread: the copy threads are the step's
-                    self.step.copy_to(i, [saves.slot(slot)], parallel=False)
+                    self.step.copy_to(i, [saves.slot(slot)[:size]], parallel=False)
                 self.landed = True
             except Exception:
                 log.exception("kvtier: a background save's copy to host failed; %d chunks dropped", len(self.slots))
@@ -128,6 +140,7 @@ class _SaveJob:
     chunk_index: int
     slot: int
     landing: _Landing | None = None
+    size: int = 0  # the entry's bytes (0: a whole slot); a group's chunk may be smaller than a slot
 
 
 class BackgroundSaves:
@@ -155,7 +168,7 @@ class BackgroundSaves:
         self._free = list(range(slots))
         self._queue: deque[_SaveJob] = deque()
         self._busy = 0  # jobs queued or being written
-        self._outcomes = {"saved": 0, "dropped": 0}
+        self._outcomes = {"saved": 0, "dropped": 0, "saved_bytes": 0}
         self._closed = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="kvtier-save", daemon=True)
@@ -187,9 +200,10 @@ class BackgroundSaves:
             self._cond.notify_all()
 
     def take_outcomes(self) -> dict[str, int]:
-        """Chunks written (``saved``) and refused (``dropped``) since the last call."""
+        """Chunks written (``saved``, with their ``saved_bytes``) and refused (``dropped``) since
+        the last call."""
         with self._cond:
-            out, self._outcomes = self._outcomes, {"saved": 0, "dropped": 0}
+            out, self._outcomes = self._outcomes, {"saved": 0, "dropped": 0, "saved_bytes": 0}
         return out
 
     def drain(self, timeout: float = 30.0) -> bool:
@@ -224,6 +238,8 @@ class BackgroundSaves:
             with self._cond:
                 self._free.append(job.slot)
                 self._outcomes["saved" if ok else "dropped"] += 1
+                if ok:
+                    self._outcomes["saved_bytes"] += job.size or self.chunk_bytes
                 self._busy -= 1
                 self._cond.notify_all()
 
@@ -232,9 +248,9 @@ class BackgroundSaves:
         failed (never raises: the writer must go on and free the slot)."""
         if job.landing is not None and not job.landing.land(self):
             return False
-        data = self.slot(job.slot)
+        data = self.slot(job.slot)[: job.size or self.chunk_bytes]
         try:
-            return self._store.write(job.key, self.chunk_bytes, lambda segs: _fill_from(data, segs),
+            return self._store.write(job.key, data.size, lambda segs: _fill_from(data, segs),
                                      parent=job.parent, chunk_index=job.chunk_index)
         except Exception:
             log.exception("kvtier: background save of chunk %d failed; dropped", job.chunk_index)
@@ -257,18 +273,27 @@ class KVTierWorker:
     """
 
     def __init__(self, config: ConnectorConfig, geometry: ChunkGeometry, share: WorkerShare,
-                 page_bytes: int | None = None, num_blocks: int = 0):
+                 page_bytes: int | None = None, num_blocks: int = 0, groups: list[GroupSpec] | None = None,
+                 replicated: bool = False):
         self.config = config
         self.geometry = geometry
         self.share = share
         self._num_blocks = num_blocks
+        self.groups = list(groups or [])  # vLLM's KV cache groups; none: one group of every layer
+        # replicated KV (MLA under TP): every rank keys its copy as rank 0 does
+        self.key_share = share.of(0, share.pp_stage) if replicated else share
         cfg = config.for_rank(share.tp_rank, share.tp_size, share.pp_stage, share.pp_size)
         cfg = cfg.with_page_size(page_bytes) if page_bytes else cfg
+        shared_store = bool(cfg.server) or all(spec.scheduler_view is not SchedulerView.MIRRORED
+                                               for spec in cfg.store.tiers)
+        # one copy of replicated KV in a store the ranks share: rank 0 writes it, every rank reads it
+        self._saves_on = not (replicated and share.tp_rank != 0 and shared_store)
         self.store: KVStore = self._open_store(cfg)
         self._events_owner = share.tp_rank == 0 and share.pp_stage == 0  # speaks for all workers
         if self._events_owner:
             self.store.enable_events()
-        self._layout: PageLayout | None = None
+        self._layouts: dict[int, PageLayout] = {}  # group -> its layers' pages
+        self._failed_reqs: set[str] = set()  # several groups: loads that failed, per request
         self._load_pool: ThreadPoolExecutor | None = None
         self._background_pool: ThreadPoolExecutor | None = None  # async mode: reads off the step
         self._background: dict[str, BackgroundLoad] = {}  # request id -> its load in flight
@@ -279,6 +304,24 @@ class KVTierWorker:
         self._tier_deltas = TierDeltas()  # the in-process store's tier counters, as deltas
         log.info("kvtier: worker rank %d stage %d store tiers %s", share.tp_rank, share.pp_stage,
                  self.store.tier_names)
+
+    @property
+    def _layout(self) -> PageLayout | None:
+        """Group 0's page layout (the only one of a single-group engine); None before
+        ``register_kv_caches``."""
+        return self._layouts.get(0) or next(iter(self._layouts.values()), None)
+
+    @_layout.setter
+    def _layout(self, layout: PageLayout) -> None:
+        self._layouts[0] = layout
+
+    def _key(self, key: bytes, group: int = 0) -> bytes:
+        """The store key of this worker's share of group ``group`` of the chunk ``key``."""
+        return group_key(self.key_share.key(key), group)
+
+    def _layout_of(self, group: int) -> PageLayout | None:
+        """Group ``group``'s page layout (None: this worker holds none of its layers)."""
+        return self._layouts.get(group)
 
     @staticmethod
     def _open_store(cfg: ConnectorConfig) -> KVStore:
@@ -296,12 +339,19 @@ class KVTierWorker:
         mode the background loads' threads and the save writer with its staging slots (as many
         chunks as fit in ``SAVE_BACKLOG_BYTES``, at most ``SAVE_BACKLOG_CHUNKS``)."""
         num_blocks = self._num_blocks or next(iter(kv_caches.values())).shape[0]
-        self._layout = PageLayout(kv_caches, num_blocks, self.geometry.blocks_per_chunk)
+        bpc = self.geometry.blocks_per_chunk
+        if len(self.groups) <= 1:
+            self._layouts = {0: PageLayout(kv_caches, num_blocks, bpc)}
+        else:  # one layout per group, over this worker's layers of the group (PP: a stage's share)
+            for group in self.groups:
+                layers = {name: kv_caches[name] for name in group.layer_names if name in kv_caches}
+                if layers:
+                    self._layouts[group.index] = PageLayout(layers, num_blocks, bpc)
         if self.config.load_threads > 1:
             self._load_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-load")
         if self.config.transfer_mode == "async":
             self._background_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-bgload")
-            chunk = self._layout.chunk_bytes
+            chunk = max(layout.chunk_bytes for layout in self._layouts.values())
             slots = max(1, min(SAVE_BACKLOG_CHUNKS, SAVE_BACKLOG_BYTES // chunk))
             self._saves = BackgroundSaves(self.store, chunk, slots)
 
@@ -312,8 +362,9 @@ class KVTierWorker:
         start its background loads."""
         if self._layout is None or not meta.loads:
             return
-        inline = [load for load in meta.loads if not load.background]
-        for load in meta.loads:
+        loads = [load for load in meta.loads if load.group in self._layouts]
+        inline = [load for load in loads if not load.background]
+        for load in loads:
             if load.background:
                 self._start_background(load)
         if inline:
@@ -325,9 +376,9 @@ class KVTierWorker:
     def _start_background(self, load: LoadSpec) -> None:
         """Hand a waiting request's chunks to the background threads (see the module notes)."""
         pool = self._background_pool or self._start_background_pool()
-        pending = BackgroundLoad(load, self._layout.begin_load(len(load.keys)))
+        pending = BackgroundLoad(load, self._layouts[load.group].begin_load(len(load.keys)))
         pending.futures = [pool.submit(self._fill_chunk, pending, i) for i in range(len(load.keys))]
-        self._background[load.req_id] = pending
+        self._background[(load.req_id, load.group)] = pending
         self._stats.count(background_loads=1)
         if not self._announced:
             self._announced = True
@@ -350,7 +401,8 @@ class KVTierWorker:
         blocks = self.geometry.chunk_blocks(load.block_ids, c)
         first = load.skip_blocks if i == 0 else 0
         try:
-            tier = self.store.read(self.share.key(load.keys[i]), lambda segs: pending.step.fill(i, segs, blocks, first))
+            tier = self.store.read(self._key(load.keys[i], load.group),
+                                   lambda segs: pending.step.fill(i, segs, blocks, first))
         except CorruptEntry:  # an entry of another size: not ours to trust
             log.warning("kvtier: chunk %d of %s has an unexpected size; recomputing", c, load.req_id)
             tier = None
@@ -365,15 +417,21 @@ class KVTierWorker:
         """Requests whose background load has ended since the last call (engine thread): the
         loaded prefix is in their pages (scattered now with the torch engine), and the blocks
         from the first failed chunk on are among ``failed_blocks``."""
-        done = {req_id for req_id, pending in self._background.items() if pending.done()}
-        for req_id in done:
-            pending = self._background.pop(req_id)
+        ended = [ident for ident, pending in self._background.items() if pending.done()]
+        for ident in ended:
+            pending = self._background.pop(ident)
             good = self._settle(pending.load, pending.tiers())
             try:
                 pending.step.scatter(range(good))
             finally:
                 pending.step.release()
-        return done
+        running = {req_id for req_id, _ in self._background}
+        return {req_id for req_id, _ in ended if req_id not in running}  # every group's load ended
+
+    def failed_loads(self) -> set[str]:
+        """Requests (several KV cache groups) whose load failed since the last call."""
+        failed, self._failed_reqs = self._failed_reqs, set()
+        return failed
 
     def _load(self, load: LoadSpec) -> None:
         """Copy a request's planned chunks into its blocks.
@@ -384,7 +442,7 @@ class KVTierWorker:
         nothing without the chunks before it.
         """
         tiers: list[str | None] = [None] * len(load.keys)
-        local = self.store.in_top_tier(self.share.keys(load.keys))
+        local = self.store.in_top_tier([self._key(k, load.group) for k in load.keys])
         pending = {}
         if self._load_pool is not None:  # start the slow reads first, then copy the local ones
             pending = {i: self._load_pool.submit(self._load_chunk, load, i) for i, near in enumerate(local) if not near}
@@ -400,9 +458,9 @@ class KVTierWorker:
         c = load.first_chunk + i
         blocks = self.geometry.chunk_blocks(load.block_ids, c)
         first = load.skip_blocks if i == 0 else 0
-        layout = self._layout
+        layout = self._layouts[load.group]
         try:
-            return self.store.read(self.share.key(load.keys[i]), lambda segs: layout.load(segs, blocks, first))
+            return self.store.read(self._key(load.keys[i], load.group), lambda segs: layout.load(segs, blocks, first))
         except CorruptEntry:  # an entry of another size: not ours to trust
             log.warning("kvtier: chunk %d of %s has an unexpected size; recomputing", c, load.req_id)
             return None
@@ -412,8 +470,11 @@ class KVTierWorker:
         recomputation; the number of chunks loaded before that failure."""
         bad = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
         for tier in tiers[:bad]:
-            self._stats.count_tier(tier, loaded_chunks=1, loaded_bytes=self._layout.chunk_bytes)
-        if bad < len(tiers):
+            self._stats.count_tier(tier, loaded_chunks=1, loaded_bytes=self._layouts[load.group].chunk_bytes)
+        if bad < len(tiers) and len(self.groups) > 1:  # vLLM takes such failures per request only
+            self._failed_reqs.add(load.req_id)
+            self._stats.count(load_error_chunks=len(tiers) - bad)
+        elif bad < len(tiers):
             bpc = self.geometry.blocks_per_chunk
             first = load.skip_blocks if bad == 0 else 0
             end = (load.first_chunk + len(load.keys)) * bpc
@@ -433,14 +494,17 @@ class KVTierWorker:
         into staging slots now and written into the store by the background writer (``async``;
         chunks that find no free slot are dropped and counted). Either way the engine's pages
         are no longer needed when this returns."""
-        layout = self._layout
-        if layout is None or not meta.saves:
+        if not self._layouts or not meta.saves or not self._saves_on:
             return
         t0 = time.perf_counter()
-        if self._saves is None:
-            self._save_inline(layout, meta.saves)
-        else:
-            self._save_background(layout, self._saves, meta.saves)
+        for group, layout in self._layouts.items():
+            specs = [save for save in meta.saves if save.group == group]
+            if not specs:
+                continue
+            if self._saves is None:
+                self._save_inline(layout, specs)
+            else:
+                self._save_background(layout, self._saves, specs)
         self._stats.observe("save_seconds", time.perf_counter() - t0)
 
     def _save_inline(self, layout: PageLayout, saves: list[SaveSpec]) -> None:
@@ -448,8 +512,8 @@ class KVTierWorker:
         step = layout.gather([save.block_ids for save in saves])  # the step's pages, O(layers) copies
         try:
             for i, save in enumerate(saves):
-                parent = self.share.key(save.parent) if save.parent else None
-                ok = self.store.write(self.share.key(save.key), layout.chunk_bytes,
+                parent = self._key(save.parent, save.group) if save.parent else None
+                ok = self.store.write(self._key(save.key, save.group), layout.chunk_bytes,
                                       lambda segs, i=i: step.copy_to(i, segs), parent=parent,
                                       chunk_index=save.chunk_index)
                 if ok:
@@ -465,7 +529,7 @@ class KVTierWorker:
         copied into the slots now. ``torch`` engine: the gather is issued now (the pages may
         change once it returns) and the writer lands it in the slots, so the step does not wait
         for the device-to-host copy."""
-        jobs = self._stage_slots(saves, specs)
+        jobs = self._stage_slots(saves, specs, layout.chunk_bytes)
         if not jobs:
             return
         taken = [job.slot for _, job in jobs]
@@ -478,7 +542,7 @@ class KVTierWorker:
             else:
                 try:
                     for i, (_, job) in enumerate(jobs):
-                        step.copy_to(i, [saves.slot(job.slot)])
+                        step.copy_to(i, [saves.slot(job.slot)[: layout.chunk_bytes]])
                 finally:
                     step.release()
         except BaseException:
@@ -486,7 +550,8 @@ class KVTierWorker:
             raise
         saves.submit([job for _, job in jobs])
 
-    def _stage_slots(self, saves: BackgroundSaves, specs: list[SaveSpec]) -> list[tuple[SaveSpec, _SaveJob]]:
+    def _stage_slots(self, saves: BackgroundSaves, specs: list[SaveSpec],
+                     size: int = 0) -> list[tuple[SaveSpec, _SaveJob]]:
         """A staging slot for each chunk, in order, while slots are free. A chunk without one
         is dropped with its request's later chunks of this step (a chunk is worth nothing
         without the chunks before it); every drop is counted as ``save_backlog_dropped``."""
@@ -498,8 +563,8 @@ class KVTierWorker:
                 broken.add(spec.req_id)
                 self._stats.count(save_backlog_dropped=1)
                 continue
-            parent = self.share.key(spec.parent) if spec.parent else None
-            jobs.append((spec, _SaveJob(self.share.key(spec.key), parent, spec.chunk_index, slot)))
+            parent = self._key(spec.parent, spec.group) if spec.parent else None
+            jobs.append((spec, _SaveJob(self._key(spec.key, spec.group), parent, spec.chunk_index, slot, size=size)))
         return jobs
 
     def drain_saves(self, timeout: float = 30.0) -> bool:
@@ -521,7 +586,7 @@ class KVTierWorker:
         since the last call (a cache server reports its own on its /metrics)."""
         if self._saves is not None:  # the background writer's outcomes since the last call
             done = self._saves.take_outcomes()
-            self._stats.count(saved_chunks=done["saved"], saved_bytes=done["saved"] * self._saves.chunk_bytes,
+            self._stats.count(saved_chunks=done["saved"], saved_bytes=done.get("saved_bytes", done["saved"] * self._saves.chunk_bytes),
                               save_dropped=done["dropped"])
         if not self.config.server:
             for tier, deltas in self._tier_deltas.take(tier_counters(self.store.tiers)).items():
@@ -544,6 +609,6 @@ class KVTierWorker:
         for pending in self._background.values():
             pending.step.release()
         self._background.clear()
-        if self._layout is not None:
-            self._layout.close()
+        for layout in self._layouts.values():
+            layout.close()
         self.store.close()

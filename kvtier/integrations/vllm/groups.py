@@ -1,0 +1,129 @@
+"""vLLM's KV cache groups as kvtier stores them (plain data, no vLLM objects at run time).
+
+vLLM's hybrid KV cache manager ("HMA") gives each attention type its own KV cache group: its
+layers, its spec and its own block table per request. kvtier stores each group of a chunk as an
+entry of its own (``kvtier.keys.group_key``), copied with that group's layers and block ids:
+
+- ``full`` groups (full attention, MLA): every chunk of the prefix, as for a dense model;
+- ``window`` groups (sliding window, chunked local attention): only the chunks vLLM needs to
+  resume at a chunk boundary. At ``T`` computed tokens vLLM keeps a window group's blocks from
+  ``skipped(T) // block_size`` on (null blocks before: ``SlidingWindowManager`` /
+  ``ChunkedLocalAttentionManager.get_num_skipped_tokens``), so resuming at ``T`` needs exactly
+  the group's blocks ``[first_block(T), T // block_size)``.
+
+A prefix hit of ``n`` chunks needs every full group's chunks ``0..n-1`` and every window group's
+chunks that hold a block in ``[first_block(n * chunk), n * blocks_per_chunk)``; the hit is the
+largest such ``n`` (the same token count for every group).
+
+Groups kvtier cannot store (recurrent state: Mamba2, gated delta net, and any spec it does not
+know) are refused at engine start: ``groups_of`` raises ConfigError naming the model type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.errors import ConfigError
+
+FULL = "full"
+WINDOW = "window"
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One KV cache group: ``kind`` (FULL or WINDOW), its layers, its block size and, for a
+    window group, ``sliding_window`` (tokens; 0 if none), ``extra_retained`` and
+    ``attention_chunk`` (chunked local attention's chunk size; 0 if none). ``describe`` is the
+    group's spec as it enters the key namespace."""
+
+    index: int
+    kind: str
+    layer_names: tuple[str, ...]
+    block_size: int
+    sliding_window: int = 0
+    extra_retained: int = 0
+    attention_chunk: int = 0
+    describe: str = ""
+    replicated: bool = False  # every TP rank holds the same bytes (MLA's latent)
+
+    def skipped_tokens(self, computed: int) -> int:
+        """Tokens before ``computed`` that vLLM no longer keeps for this group (its null
+        blocks): vLLM's ``get_num_skipped_tokens`` for the group's attention type."""
+        if self.sliding_window:
+            return max(0, computed - self.sliding_window + 1 - self.extra_retained)
+        if self.attention_chunk:
+            return computed // self.attention_chunk * self.attention_chunk
+        return 0
+
+    def first_block(self, computed: int) -> int:
+        """The first block index vLLM keeps (a real block, not null) at ``computed`` tokens."""
+        return self.skipped_tokens(computed) // self.block_size
+
+
+def window_chunks(group: GroupSpec, boundary_chunks: int, blocks_per_chunk: int) -> range:
+    """The chunks of ``group`` needed to resume at ``boundary_chunks`` whole chunks: all of
+    them for a full group, the ones holding a block vLLM keeps for a window group."""
+    if group.kind == FULL:
+        return range(0, boundary_chunks)
+    first = group.first_block(boundary_chunks * blocks_per_chunk * group.block_size)
+    return range(min(first // blocks_per_chunk, boundary_chunks), boundary_chunks)
+
+
+def groups_of(kv_cache_config: Any, model_type: str = "") -> list[GroupSpec]:
+    """kvtier's view of ``kv_cache_config.kv_cache_groups`` (in vLLM's order); [] without a
+    config. ConfigError (one line naming the model type and the reason) for a group kvtier
+    cannot store, such as recurrent state."""
+    if kv_cache_config is None:
+        return []
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    out = []
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):  # one attention type, per-layer specs
+            spec = next(iter(spec.kv_cache_specs.values()))
+        name = type(spec).__name__
+        common = dict(index=i, layer_names=tuple(group.layer_names), block_size=int(spec.block_size),
+                      describe=_describe(i, spec, group.layer_names))
+        if isinstance(spec, SlidingWindowSpec) and type(spec) is SlidingWindowSpec:
+            out.append(GroupSpec(kind=WINDOW, sliding_window=int(spec.sliding_window),
+                                 extra_retained=int(spec.extra_retained_tokens), **common))
+        elif type(spec) is ChunkedLocalAttentionSpec:
+            out.append(GroupSpec(kind=WINDOW, attention_chunk=int(spec.attention_chunk_size), **common))
+        elif type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+            out.append(GroupSpec(kind=FULL, replicated=isinstance(spec, MLAAttentionSpec), **common))
+        else:
+            reason = ("recurrent state (Mamba2 / gated delta net) that kvtier does not save or restore"
+                      if "Mamba" in name else "a KV cache type kvtier does not store")
+            raise ConfigError(
+                f"kvtier cannot serve model type {model_type or '?'}: KV cache group {i} is {name}, {reason}; "
+                f"supported: full attention, MLA, sliding window, chunked local attention (run this model "
+                f"without the kvtier connector)")
+    return out
+
+
+def namespace_groups(groups: list[GroupSpec]) -> str:
+    """The groups' specs for the key namespace: "" for one plain full-attention group (a dense
+    model: its keys are unchanged), else every group's description."""
+    if len(groups) == 1 and groups[0].kind == FULL and not groups[0].replicated:
+        return ""
+    return ";".join(g.describe for g in groups)
+
+
+def _describe(index: int, spec: Any, layers: list[str]) -> str:
+    """A canonical string of what in a group's spec changes its KV bytes or their meaning."""
+    fields = [str(index), type(spec).__name__, f"bs{spec.block_size}"]
+    for name in ("num_kv_heads", "head_size", "head_size_v", "dtype", "sliding_window", "extra_retained_tokens",
+                 "attention_chunk_size", "cache_dtype_str", "page_size_padded", "kv_quant_mode"):
+        value = getattr(spec, name, None)
+        if value is not None:
+            fields.append(f"{name}={value}")
+    fields.append("layers=" + ",".join(layers))
+    return ":".join(fields)
