@@ -11,7 +11,8 @@ that is not a multiple of the OS page, or a mapping that cannot be write-protect
 
 The arena is mapped once, shared. Without direct writes it is mapped read-only: a stray write
 of this process cannot corrupt what another engine reads. With them it is mapped writable, and
-``read`` still hands out read-only views and ``fill`` views of exactly the reserved pages; the
+``read`` still hands out views through a read-only buffer (no view of them can be made
+writable) and ``fill`` views of exactly the reserved pages; the
 client sends ``commit`` only after ``fill`` returned, so no write of this client lands in an
 entry after its commit. ``write_protect=True`` keeps the mapping read-only (``mprotect``) except
 for the reserved pages during their ``fill``, so a stray write faults instead; it costs two
@@ -589,10 +590,9 @@ def _extents(answer: dict, size: int, nbytes: int) -> list[tuple[int, int]] | No
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:
-    """A read-only view of ``array`` (what ``read`` hands out is never writable)."""
-    view = array.view()
-    view.flags.writeable = False
-    return view
+    """A view of ``array`` through a read-only buffer: neither it nor any view of it can be made
+    writable (``flags.writeable = True`` raises), so what ``read`` hands out stays read-only."""
+    return np.frombuffer(memoryview(array).toreadonly(), dtype=np.uint8) if array.size else array
 
 
 def _libc_mprotect():

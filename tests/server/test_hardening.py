@@ -229,7 +229,7 @@ def test_client_maps_the_arena_read_only(make_server):
         with pytest.raises(ValueError, match="read-only"):
             arena[0] = 1
         with pytest.raises(ValueError):
-            arena.flags.writeable = True  # the mapping itself is PROT_READ
+            arena.flags.writeable = True  # a read-only buffer (PROT_READ too without direct writes)
         seen = []
 
         def consume(segs):
