@@ -91,6 +91,18 @@ SUPPORTED_LAYER_TYPES = ("full_attention, sliding_attention, chunked_attention, 
 _DEFAULT_WINDOW = {"gemma2": 4096, "gemma3_text": 4096, "gpt_oss": 128}
 _DEFAULT_WINDOW_PATTERN = {"gemma2": 2, "gpt_oss": 2, "gemma3_text": 6, "cohere2": 4}
 _DEFAULT_CHUNK = {"llama4_text": 8192}
+# families whose cache kv-size does not model: refused in one line rather than sized wrong
+_UNSUPPORTED_MODEL_TYPES = {
+    "falcon_h1": "every layer holds attention KV and Mamba2 state side by side",
+    "zamba": "shared attention blocks beside Mamba layers", "zamba2": "shared attention blocks beside Mamba2 layers",
+    "recurrent_gemma": "RG-LRU recurrent blocks", "minimax": "lightning linear attention state",
+    "kimi_linear": "Kimi delta attention state", "lfm2": "short convolution state", "lfm2_moe": "short convolution state",
+    "deepseek_v32": "the sparse-attention indexer's cache beside the MLA latent",
+    "gemma3n": "KV shared across layers",
+}
+SUPPORTED_FAMILIES = ("dense/GQA attention, sliding window (Gemma 2/3, gpt-oss, Mistral, Cohere 2, Qwen2), chunked "
+                      "local (Llama 4), MLA (DeepSeek V2/V3, Kimi K2), Mamba/Mamba2 hybrids (Jamba, Nemotron-H, "
+                      "Granite 4, Bamba, Mamba), gated delta net (Qwen3-Next), and their multimodal text_config")
 _WINDOW_OFF_BY_DEFAULT = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")  # use_sliding_window defaults to false
 _GDN_DEFAULTS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
                  "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
@@ -217,6 +229,9 @@ def kv_shape(config: Mapping[str, Any], dtype: str | None = None, where: str = "
     ConfigError names a missing key, a layer type it cannot size, or a TP size that does not fit.
     """
     cfg = text_config(config)
+    if cfg.get("model_type") in _UNSUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"{where}: model_type {cfg['model_type']!r} is not supported ("
+                          f"{_UNSUPPORTED_MODEL_TYPES[cfg['model_type']]}); supported: {SUPPORTED_FAMILIES}")
     model_dtype = cfg.get("torch_dtype") or cfg.get("dtype") or config.get("torch_dtype") or config.get("dtype") or "fp16"
     if dtype is None or str(dtype).lower() == AUTO_DTYPE:
         dtype = model_dtype
