@@ -37,6 +37,7 @@ from typing import Callable
 
 from kvtier.config import format_bytes
 from kvtier.errors import ConfigError, LoaderError
+from kvtier.fileio import open_regular_at, read_upto, unlink_quietly
 from kvtier.loader.sources import open_source, scheme_of, source_class
 from kvtier.loader.sources.base import VersionChanged
 
@@ -47,6 +48,9 @@ DEFAULT_MAX_OBJECT_SIZE = 1024 ** 4  # 1 TiB (the s3 source's default too)
 JOURNAL_TAG = "kvtier-journal "
 _PARTIAL, _JOURNAL = ".partial", ".partial.done"
 _MAX_SEGMENT = 255 - len(_JOURNAL)  # NAME_MAX, less the journal's suffix
+#: Largest marker or progress file read (a listing of 100,000 objects writes ~20 MiB); larger is ignored.
+MAX_BOOKKEEPING_BYTES = 64 * MiB
+_MAX_HEADER = 64 * 1024  # a journal's first line
 
 
 @dataclass(frozen=True)
@@ -72,11 +76,30 @@ def cache_path(cache_dir: str, uri: str) -> str:
 def is_complete(path: str) -> bool:
     """True when ``path`` has a marker and every file it lists has the recorded size."""
     try:
-        with open(os.path.join(path, MARKER), encoding="utf-8") as f:
-            files = json.load(f)["files"]
+        files = json.loads(_read_small(os.path.join(path, MARKER), MAX_BOOKKEEPING_BYTES) or "")["files"]
         return all(os.path.getsize(os.path.join(path, n)) == s for n, s in files.items())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
+
+
+def _read_small(path: str, limit: int) -> str | None:
+    """The text of the regular file ``path`` when it holds at most ``limit`` bytes; None when it is
+    absent, larger, unreadable or not a regular file. Never blocks and never follows a link: a
+    FIFO or a symlink another user planted in the cache is refused, not opened."""
+    try:
+        fd, st = open_regular_at(None, path)
+    except OSError:
+        return None
+    try:
+        if st.st_size > limit:
+            return None
+        buf = bytearray(st.st_size)
+        n = read_upto(fd, [memoryview(buf)])
+        return buf[:n].decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def pull(uri: str, cache_dir: str, concurrency: int = 16, block_size: int = 16 * MiB,
@@ -217,9 +240,8 @@ def _regular_size(path: str) -> int | None:
 
 def _count(path: str) -> int:
     try:
-        with open(os.path.join(path, MARKER), encoding="utf-8") as f:
-            return len(json.load(f)["files"])
-    except (OSError, ValueError, KeyError):
+        return len(json.loads(_read_small(os.path.join(path, MARKER), MAX_BOOKKEEPING_BYTES) or "")["files"])
+    except (ValueError, KeyError, TypeError):
         return 0
 
 
@@ -241,9 +263,8 @@ def _write_json(dest: str, name: str, value: dict) -> None:
 def _read_progress(dest: str) -> dict[str, str | None]:
     """``{name: version}`` of files an unfinished pull completed (empty when absent or unreadable)."""
     try:
-        with open(os.path.join(dest, PROGRESS), encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError):
+        value = json.loads(_read_small(os.path.join(dest, PROGRESS), MAX_BOOKKEEPING_BYTES) or "")
+    except ValueError:
         return {}
     if not isinstance(value, dict):
         return {}
@@ -302,23 +323,12 @@ def _fetch(uri: str, dest: str, name: str, path: str, size: int, concurrency: in
 def _discard(path: str) -> None:
     """Remove a partial copy and its journal (the next attempt starts from scratch)."""
     for p in (path + _PARTIAL, path + _JOURNAL):
-        try:
-            os.unlink(p)
-        except FileNotFoundError:
-            pass
+        unlink_quietly(p)
 
 
 def _journal_header(size: int, block_size: int, version: str | None) -> str:
     """The journal's first line: what its block numbers are valid for."""
     return JOURNAL_TAG + json.dumps({"size": size, "block": block_size, "version": version}, sort_keys=True)
-
-
-def _read_journal_header(journal: str) -> str | None:
-    try:
-        with open(journal, encoding="utf-8", errors="replace") as f:
-            return f.readline(64 * 1024).rstrip("\n")
-    except OSError:
-        return None
 
 
 def _download(src, path: str, size: int, block_size: int, concurrency: int, version: str | None,
@@ -330,10 +340,12 @@ def _download(src, path: str, size: int, block_size: int, concurrency: int, vers
     header = _journal_header(size, block_size, version)
     nblocks = (size + block_size - 1) // block_size
     done: set[int] = set()
-    if version is not None and _regular_size(partial) is not None and _read_journal_header(journal) == header:
-        done = {b for b in _read_journal(journal) if b < nblocks}
-    try:
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    if version is not None and _regular_size(partial) is not None:
+        done = _read_journal(journal, header, nblocks)
+    if not done:
+        _discard(path)  # another version's copy, or a FIFO or link someone planted: never opened
+    try:  # O_NONBLOCK: a FIFO raced in after the discard fails the open instead of blocking it
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         raise LoaderError(f"{src.uri}: cannot write {partial} ({exc.strerror})") from None
     jlock = threading.Lock()
@@ -343,7 +355,7 @@ def _download(src, path: str, size: int, block_size: int, concurrency: int, vers
         if not done:
             os.ftruncate(fd, 0)  # bytes of another version or block size are never kept
         os.ftruncate(fd, size)
-        with open(journal, "a" if done else "w", encoding="utf-8", opener=_nofollow) as jf:
+        with open(journal, "a" if done else "x", encoding="utf-8", opener=_nofollow) as jf:
             if not done:
                 jf.write(header + "\n")
                 jf.flush()
@@ -414,14 +426,17 @@ def _run_blocks(one, blocks, concurrency: int, stop: threading.Event, on_bytes, 
         raise error
 
 
-def _read_journal(journal: str) -> set[int]:
-    """Block numbers a journal records (its header line and a line cut short by a kill are ignored)."""
-    try:
-        with open(journal, encoding="ascii", errors="replace") as f:
-            lines = f.read().split("\n")[:-1]  # a line cut short by a kill has no newline: ignored
-        return {int(line) for line in lines if line.isdigit()}
-    except OSError:
+def _read_journal(journal: str, header: str, nblocks: int) -> set[int]:
+    """Block numbers below ``nblocks`` a journal records when its first line is ``header`` (a line
+    cut short by a kill is ignored); empty when the header differs, or the journal is not a
+    regular file or is larger than a journal of ``nblocks`` blocks can be (tampered: not trusted)."""
+    text = _read_small(journal, _MAX_HEADER + nblocks * (len(str(nblocks)) + 1))
+    if text is None:
         return set()
+    lines = text.split("\n")[:-1]  # a line cut short by a kill has no newline: ignored
+    if not lines or lines[0] != header:
+        return set()
+    return {int(line) for line in lines[1:] if line.isdigit() and int(line) < nblocks}
 
 
 def _kw(uri: str, source_kwargs: dict) -> dict:

@@ -22,8 +22,9 @@ def _src(tmp_path, size=300_000):
 
 def test_journal_ignores_a_cut_line(tmp_path):
     j = tmp_path / "j"
-    j.write_text("0\n1\n12")
-    assert _read_journal(str(j)) == {0, 1}
+    j.write_text("H\n0\n1\n12")
+    assert _read_journal(str(j), "H", 100) == {0, 1}
+    assert _read_journal(str(j), "another header", 100) == set()
 
 
 def test_marker_is_checked_against_sizes(tmp_path):
