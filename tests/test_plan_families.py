@@ -419,3 +419,45 @@ def test_page_sizes_match_vllm_kv_cache_specs(tmp_path, capsys):
              "mamba_d_state": 8, "mamba_d_conv": 3, "mamba_expand": 2, "torch_dtype": "bfloat16"}
     mamba1 = spec.MambaSpec(block_size=block, shapes=shapes, dtypes=(bf16, bf16))
     assert mamba1.page_size_bytes == per_token(jamba, "mamba")["state_bytes_per_layer"]
+
+
+# -- configs saved by transformers' own config classes ---------------------------------------------
+_HF_CASES = {  # model_type -> small kwargs; transformers fills the rest with its defaults
+    "gemma2": dict(num_hidden_layers=6, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    "gemma3_text": dict(num_hidden_layers=7, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=64, sliding_window=128),
+    "gpt_oss": dict(num_hidden_layers=5, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    "llama4_text": dict(num_hidden_layers=9, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=64, no_rope_layer_interval=3),
+    "qwen3_next": dict(num_hidden_layers=6, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                       full_attention_interval=3),
+    "jamba": dict(num_hidden_layers=10, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  attn_layer_period=3, attn_layer_offset=2),
+    "bamba": dict(num_hidden_layers=5, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  mamba_n_heads=8, attn_layer_indices=[0, 3]),
+    "nemotron_h": dict(hybrid_override_pattern="M*-M-E*M", hidden_size=256, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=64, mamba_num_heads=8, mamba_head_dim=64),
+}
+_HF_KIND = {"full_attention": "full_attention", "sliding_attention": "sliding_attention",
+            "chunked_attention": "chunked_attention"}
+
+
+@pytest.mark.parametrize("model_type", sorted(_HF_CASES))
+def test_layer_kinds_match_transformers_own_layer_types(tmp_path, capsys, model_type):
+    """The layer pattern read from a config.json that transformers wrote (its defaults filled in)
+    counts the same layers of each kind as transformers' own ``layer_types``."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoConfig.for_model(model_type, **_HF_CASES[model_type])
+    config = json.loads(hf.to_json_string(use_diff=False))
+    expected: dict[str, int] = {}
+    for t in hf.layer_types:
+        if t in ("mlp", "moe"):
+            continue
+        kind = _HF_KIND.get(t, "recurrent")
+        expected[kind] = expected.get(kind, 0) + 1
+    out = _kv_size(tmp_path, capsys, config, 100)
+    got: dict[str, int] = {}
+    for k in out["layer_kinds"]:
+        kind = "recurrent" if k["state_bytes_per_layer"] else k["kind"]
+        got[kind] = got.get(kind, 0) + k["layers"]
+    assert got == expected
