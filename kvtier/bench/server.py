@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 from kvtier.bench.procs import Child, spawn, wait_ready
 from kvtier.server.client import ServerStore
@@ -111,3 +112,135 @@ def _page_for(entry_bytes: int, largest: int = 256 * 1024, os_page: int = 4096) 
     """The arena page for entries of ``entry_bytes``: at most ``largest``, no larger than an entry
     (rounded up to whole OS pages, as direct writes need), so one pass fits the arena."""
     return min(largest, max(os_page, -(-entry_bytes // os_page) * os_page))
+
+
+# --- direct vs staged writes, each pass beside a memcpy pass of the same sizes --------------------
+
+
+def compare_writes(sizes: list[int], total: int, rounds: int, workdir: str) -> dict:
+    """Put and get GB/s through one ``kvtier serve`` per entry size, by a direct-write client and
+    a staging client, each pass interleaved with a memcpy pass of the same entries (the order
+    alternates per round), so a ratio compares passes measured moments apart. Returns the
+    per-round figures and, per (size, op, path), the median GB/s and the median, min and max of
+    the ratio to the memcpy pass of the same round. RuntimeError when a read is wrong."""
+    results = []
+    for entry_bytes in sizes:
+        count = max(2, total // entry_bytes)
+        page = _page_for(entry_bytes)
+        capacity = count * (-(-entry_bytes // page) * page) + 64 * MiB
+        target = ServerTarget(os.path.join(workdir, f"compare-{entry_bytes}"), capacity, page_size=page)
+        staged = None
+        try:
+            staged = _connect(target._child, os.path.join(workdir, f"compare-{entry_bytes}", "kvtier.sock"), 30.0,
+                              direct_writes=False)
+            rounds_out = [_one_round(target.client, staged, entry_bytes, count, r) for r in range(max(1, rounds))]
+        finally:
+            if staged is not None:
+                staged.close()
+            target.close()
+        results.extend(_summarise(entry_bytes, rounds_out))
+    return {"total_bytes": total, "rounds": rounds, "results": results}
+
+
+def _one_round(direct: ServerStore, staged: ServerStore, entry_bytes: int, count: int, r: int) -> dict:
+    """One round: memcpy, direct and staged passes (put then get) in an order that alternates
+    with ``r``; GB/s per (path, op)."""
+    import numpy as np
+
+    payload = np.random.default_rng(entry_bytes + r).integers(0, 256, size=entry_bytes, dtype=np.uint8)
+    out = np.empty(entry_bytes, dtype=np.uint8)
+    slots = [np.ones(entry_bytes, dtype=np.uint8) for _ in range(count)]  # touched: no first-use faults
+    keys = [int(i).to_bytes(4, "little") * 8 for i in range(count)]
+    gb = count * entry_bytes / 1e9
+    figures: dict[tuple[str, str], float] = {}
+
+    def memcpy_pass() -> None:
+        t0 = time.perf_counter()
+        for slot in slots:
+            np.copyto(slot, payload)
+        t1 = time.perf_counter()
+        for slot in slots:
+            np.copyto(out, slot)
+        t2 = time.perf_counter()
+        figures["memcpy", "put"], figures["memcpy", "get"] = gb / (t1 - t0), gb / (t2 - t1)
+
+    def server_pass(name: str, client: ServerStore) -> None:
+        t0 = time.perf_counter()
+        for key in keys:
+            if not client.put(key, payload):
+                raise RuntimeError(f"server ({name}) refused a put of {entry_bytes} bytes")
+        t1 = time.perf_counter()
+        for key in keys:
+            if client.get_into(key, out) != entry_bytes:
+                raise RuntimeError(f"server ({name}) missed an entry it just stored")
+        t2 = time.perf_counter()
+        if not np.array_equal(out, payload):
+            raise RuntimeError(f"server ({name}) returned wrong bytes")
+        for key in keys:
+            client.delete(key)
+        figures[name, "put"], figures[name, "get"] = gb / (t1 - t0), gb / (t2 - t1)
+
+    passes = [memcpy_pass, lambda: server_pass("direct", direct), memcpy_pass, lambda: server_pass("staging", staged)]
+    for run in passes if r % 2 == 0 else passes[::-1]:
+        run()  # memcpy twice per round: each server pass has one beside it; the figure is the last
+    return figures
+
+
+def _summarise(entry_bytes: int, rounds: list[dict]) -> list[dict]:
+    """Median GB/s per (path, op) and the median/min/max ratio to the same round's memcpy."""
+    import statistics
+
+    rows = []
+    for path in ("memcpy", "direct", "staging"):
+        for op in ("put", "get"):
+            gbps = [r[path, op] for r in rounds]
+            ratios = [r[path, op] / r["memcpy", op] for r in rounds]
+            rows.append({"entry_bytes": entry_bytes, "path": path, "op": op,
+                         "gb_per_s": round(statistics.median(gbps), 3),
+                         "vs_memcpy": round(statistics.median(ratios), 3),
+                         "vs_memcpy_min": round(min(ratios), 3), "vs_memcpy_max": round(max(ratios), 3)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvtier.bench.server``: ``compare_writes`` from the command line."""
+    import argparse
+    import shutil
+    import tempfile
+
+    from kvtier.config import parse_size
+    from kvtier.errors import ConfigError
+    from kvtier.output import emit_json, print_table
+
+    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.server",
+                                     description="server put/get, direct vs staged writes, beside memcpy")
+    parser.add_argument("--sizes", default="64KiB,1MiB,4MiB", help="comma-separated entry sizes")
+    parser.add_argument("--total", default="128MiB", help="bytes per pass (default 128MiB)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--work-dir", default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    try:
+        sizes = [parse_size(s.strip(), "--sizes") for s in args.sizes.split(",") if s.strip()]
+        total = parse_size(args.total, "--total")
+        if not sizes or min(sizes) <= 0 or args.rounds < 1:
+            raise ConfigError("--sizes: give positive sizes; --rounds: at least 1")
+    except ConfigError as exc:
+        print(f"kvtier bench server: {exc}", file=sys.stderr)
+        return 2
+    workdir = tempfile.mkdtemp(prefix="kvtier-bench-server-", dir=args.work_dir)
+    try:
+        report = compare_writes(sizes, total, args.rounds, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if args.json:
+        emit_json(report)
+    else:
+        print_table(["entry", "path", "op", "GB/s (median)", "vs memcpy (median)", "min", "max"],
+                    [[f"{r['entry_bytes'] / MiB:g} MiB", r["path"], r["op"], r["gb_per_s"], r["vs_memcpy"],
+                      r["vs_memcpy_min"], r["vs_memcpy_max"]] for r in report["results"]])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
