@@ -13,6 +13,7 @@ PYTHONHASHSEED changes per process). A trailing partial chunk has no key.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 from dataclasses import asdict, dataclass, replace
@@ -139,8 +140,14 @@ def chunk_keys(
     start: int = 0,
     prev: ChunkKey = ROOT,
     mm: Sequence[MMItem] = (),
+    auth_key: bytes | None = None,
 ) -> list[ChunkKey]:
     """Keys of the full chunks of ``tokens``; the trailing partial chunk is not keyed.
+
+    ``auth_key``: the trust domain's secret (``StoreConfig.auth_secret``). With it the namespace
+    digest is replaced by ``keyed_namespace(digest, auth_key)`` in every chunk, so whoever lacks
+    the secret can neither compute, probe nor overwrite these keys; without it (None) the keys
+    are what they always were.
 
     ``start``/``prev`` resume a chain: keys for chunks ``start, start+1, ...`` given the key of
     chunk ``start-1`` (ROOT when ``start == 0``), so a growing sequence is hashed once. ``mm``
@@ -151,6 +158,8 @@ def chunk_keys(
     if chunk_tokens <= 0:
         raise ConfigError(f"chunk_tokens must be positive, got {chunk_tokens}")
     ns = namespace if isinstance(namespace, bytes) else namespace.digest()
+    if auth_key is not None:
+        ns = keyed_namespace(ns, auth_key)
     arr = np.asarray(tokens)
     if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
         raise ConfigError("token ids must be in [0, 2**32)")
@@ -169,6 +178,15 @@ def chunk_keys(
         prev = ChunkKey(h.digest())
         keys.append(prev)
     return keys
+
+
+def keyed_namespace(namespace_digest: bytes, auth_key: bytes) -> bytes:
+    """HMAC-SHA256 of a namespace digest under the trust domain's secret: the first input of
+    every keyed chunk key (domain-separated from the entry tags of ``kvtier.entry.EntryAuth``).
+    ValueError for an empty secret."""
+    if not auth_key:
+        raise ValueError("an auth key must not be empty")
+    return hmac.new(bytes(auth_key), b"kvtier-chunk-keys-v1\x00" + bytes(namespace_digest), hashlib.sha256).digest()
 
 
 def worker_key(key: bytes, tp_rank: int = 0, tp_size: int = 1, pp_stage: int = 0, pp_size: int = 1) -> bytes:

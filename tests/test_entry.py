@@ -49,7 +49,8 @@ def _flip_payload_byte(buf: bytes) -> bytes:
 def _forged_length(buf: bytes) -> bytes:
     """A header (valid CRC, shape agreeing) that announces 2**40 bytes before the real payload."""
     length = 1 << 40
-    fixed = struct.pack("<4sHBBI32sQQ", entry.MAGIC, entry.VERSION, entry.DTYPES["uint8"][0], 1, 0, KEY, length, 0)
+    fixed = struct.pack("<4sHBBI32sQQQ", entry.MAGIC, entry.VERSION, entry.DTYPES["uint8"][0], 1, 0, KEY, length, 0,
+                        length)
     dims = struct.pack("<Q", length)
     return fixed + struct.pack("<II", zlib.crc32(fixed + dims), 0) + dims + PAYLOAD
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvtier.config import Size, ranged, validate
+from kvtier.config import Size, ranged, show, validate
 from kvtier.errors import ConfigError
 from kvtier.policies.admission import AdmissionConfig
 from kvtier.tiers.registry import TierSpec, parse_tier_spec
@@ -36,7 +36,14 @@ class StoreConfig:
     it cannot keep up with (counted): under sustained load, lower-tier completeness traded for
     prefill time. Measured by ``kvtier bench serve``'s ``kvtier-writers-nice10`` setting (KV-heavy
     model, one client): first pass 1.07 x vLLM alone's TTFT instead of 1.13 x, nothing lost; not
-    the default, as drops under a busier engine were not measured.
+    the default, as drops under a busier engine were not measured. ``auth_key_file`` /
+    ``auth_key_env``: where the trust domain's secret is (a file only its owner/group can read,
+    or an environment variable; at most one): every entry is then tagged and checked (keyed
+    BLAKE2b; an untagged or wrongly tagged entry is a counted miss), and ``kvtier.keys`` keys
+    the chunk keys with it. The secret itself is never a config value, logged or in a message.
+    ``element_dtype``: the element type of the KV the store is given (the engine's KV dtype,
+    e.g. ``bfloat16``; default ``uint8``): lower tiers record it in each entry's header, and a
+    tier ``codec`` shuffles by its width (``kvtier.codecs``).
     """
 
     tiers: list[TierSpec] = field(default_factory=lambda: [dict(t) for t in DEFAULT_TIERS])
@@ -45,6 +52,10 @@ class StoreConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     max_entry_bytes: Size = ranged(Size(1024**3), ge=1)
     writer_nice: int = ranged(0, ge=0, le=19)
+    # the trust domain's secret (kvtier.entry.load_auth_secret): tags every entry, keys the chunk keys
+    auth_key_file: str | None = None
+    auth_key_env: str | None = None
+    element_dtype: str = "uint8"  # the KV's element type (e.g. bfloat16): a tier codec's element width
 
     def __post_init__(self):
         validate(self, "store")  # the declared ranges, also for a config built by hand
@@ -52,7 +63,27 @@ class StoreConfig:
         specs = [parse_tier_spec(spec, f"store.tiers[{i}]") for i, spec in enumerate(self.tiers)]
         object.__setattr__(self, "tiers", specs)
 
+    def auth_secret(self, where: str = "store") -> bytes | None:
+        """The secret named by ``auth_key_file``/``auth_key_env`` (None: none configured); read
+        each time it is asked for, never kept in the config. ConfigError, one line without the
+        secret, when it cannot be had."""
+        from kvtier.entry import load_auth_secret
+
+        return load_auth_secret(self.auth_key_file, self.auth_key_env, where)
+
+    def entry_auth(self, where: str = "store"):
+        """The ``kvtier.entry.EntryAuth`` of the configured secret, or None."""
+        from kvtier.entry import EntryAuth
+
+        secret = self.auth_secret(where)
+        return None if secret is None else EntryAuth(secret)
+
     def check(self, where: str) -> None:
         """What the field declarations cannot say (``validate`` calls it after the ranges)."""
         if not self.tiers:
             raise ConfigError(f"{where}.tiers: at least one tier is needed")
+        from kvtier.entry import DTYPES
+
+        if self.element_dtype not in DTYPES:
+            raise ConfigError(f"{where}.element_dtype: unknown dtype {show(self.element_dtype)}; "
+                              f"valid: {', '.join(DTYPES)}")

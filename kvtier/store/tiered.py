@@ -62,7 +62,7 @@ import numpy as np
 
 from kvtier.buffers import Scratch, gather_into, scatter
 from kvtier.config import build
-from kvtier.entry import check_key, is_valid_key
+from kvtier.entry import DTYPES, check_key, is_valid_key
 from kvtier.errors import KVTierError, TierUnavailable
 from kvtier.keys import Key
 from kvtier.policies.admission import Admission
@@ -121,6 +121,10 @@ class TieredStore(KVStore):
             Admission(self.config.admission), self._events)
         self._scratch = Scratch()
         self._closed = False
+        auth = self.config.entry_auth()  # the trust domain's key, when configured: every tier uses it
+        if auth is not None:
+            for level in self._levels:
+                level.tier.set_auth(auth)
         for i in range(len(self._levels)):
             self._learn(i)
         lanes = [None] + [Lane(level.tier.name, level.tier.stats) for level in self._levels[1:]]
@@ -571,7 +575,7 @@ class TieredStore(KVStore):
             return False
         ok = undo = False
         try:
-            ok = self._tier_put(level, key, data)
+            ok = self._tier_put(level, key, data, self.config.element_dtype)
         finally:
             with self._lock:
                 if level.managed:
@@ -614,10 +618,13 @@ class TieredStore(KVStore):
     # ----------------------------------------------------------------------------- tier I/O (lock not held)
 
     @staticmethod
-    def _tier_put(level: _Level, key: Key, data: np.ndarray) -> bool:
-        """``level``'s put; a raising tier is a counted error and a failed put."""
+    def _tier_put(level: _Level, key: Key, data: np.ndarray, dtype: str = "uint8") -> bool:
+        """``level``'s put (of elements of ``dtype`` when they divide the bytes: a tier codec's
+        element width); a raising tier is a counted error and a failed put."""
+        if dtype != "uint8" and data.nbytes % DTYPES[dtype][1]:
+            dtype = "uint8"
         try:
-            return bool(level.tier.put(key, data))
+            return bool(level.tier.put(key, data, dtype))
         except Exception as exc:  # a tier must not raise, but a buggy one may
             log.warning("kvtier: write to tier %s failed: %s", level.tier.name, exc)
             level.tier.stats.add(errors=1)

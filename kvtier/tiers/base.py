@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, ClassVar, Iterable, Iterator, Protocol
 
-from kvtier.entry import check_key, decode, decode_header, encode_header
+from kvtier.entry import EntryAuth, check_key, decode, decode_header, seal
 from kvtier.errors import ConfigError, CorruptEntry
 from kvtier.keys import Key
 # The entry bound of a tier with no byte budget: Redis's own limit on one value (512 MB).
@@ -123,6 +123,29 @@ class Tier(ABC):
     def __init__(self, name: str):
         self.name = name
         self.stats = TierStats()
+        self.auth: EntryAuth | None = None  # set by the store (``set_auth``); None: unauthenticated
+
+    def set_auth(self, auth: EntryAuth | None) -> None:
+        """Authenticate every entry this tier writes with ``auth`` and accept only entries that
+        carry its valid tag (None: write untagged entries, accept only those). Called by the store
+        before the tier is used."""
+        self.auth = auth
+
+    @property
+    def codec(self):
+        """The ``kvtier.codecs.Codec`` this tier codes its entries with (its config's ``codec``),
+        or None (stored raw). Resolved once."""
+        try:
+            return self._codec
+        except AttributeError:
+            name = getattr(getattr(self, "config", None), "codec", "none")
+            if name == "none":
+                self._codec = None
+            else:
+                from kvtier.codecs import get_codec
+
+                self._codec = get_codec(name, f"tier {self.name}.codec")
+            return self._codec
 
     # Capabilities (class-level: answered from a configuration, before any tier is opened).
 
@@ -226,7 +249,8 @@ class Tier(ABC):
             self.stats.add(misses=1)
             return None
         try:
-            _header, payload = decode(value, expected_key=bytes(key), max_length=self.max_entry_bytes)
+            _header, payload = decode(value, expected_key=bytes(key), max_length=self.max_entry_bytes,
+                                      auth=self.auth)
         except CorruptEntry:
             self.stats.add(corrupt=1, misses=1)
             self.delete(key)
@@ -240,7 +264,7 @@ class Tier(ABC):
         if not head:
             return None
         try:
-            header = decode_header(head, self.max_entry_bytes)
+            header = decode_header(head, self.max_entry_bytes, self.auth)
             if header.key != bytes(key):
                 raise CorruptEntry("entry holds another key")
         except CorruptEntry:
@@ -266,12 +290,16 @@ class Tier(ABC):
         self.stats.add(hits=1, bytes_read=n)
         return n
 
-    def _header(self, key: Key, view: memoryview, dtype: str, shape: tuple[int, ...] | None) -> bytes | None:
-        """The entry header for a put, or None (counted as an error and a drop) when the key,
-        dtype or shape cannot describe ``view``. InvalidKey for a key that is not a chunk key."""
+    def _seal(self, key: Key, view: memoryview, dtype: str,
+              shape: tuple[int, ...] | None) -> tuple[bytes, memoryview] | None:
+        """(header, stored bytes) for a put: coded with the tier's codec when that shrinks it,
+        tagged with its auth key; or None (counted as an error and a drop) when the key, dtype or
+        shape cannot describe ``view``. InvalidKey for a key that is not a chunk key. Runs on
+        the caller's thread: for a lower tier, the store's writer thread (never the engine's
+        step)."""
         check_key(key)
         try:
-            return encode_header(bytes(key), view, dtype, shape)
+            return seal(bytes(key), view, dtype, shape, self.auth, self.codec)
         except ValueError:
             self.stats.add(errors=1, dropped=1)
             return None

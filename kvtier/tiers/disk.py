@@ -482,7 +482,7 @@ class DiskTier(Tier):
         such as a full disk (``stats.errors``). Never raises for those. The tier keeps no
         reference to ``data``."""
         src = memoryview(data).cast("B")
-        header = encode_header(key, src, dtype, shape)  # ValueError for a bad dtype/shape/key
+        header = encode_header(key, src, dtype, shape, self.auth)  # ValueError for a bad dtype/shape/key
         with self._lock:
             old = self._index.get(key)
             if self._used - (old.length if old else 0) + src.nbytes > self.capacity_bytes:
@@ -678,10 +678,10 @@ class DiskTier(Tier):
             self._bounce.put(bounce)
 
     def _check(self, key: Key, meta: _Meta, head, body) -> None:
-        header = decode_header(head)
+        header = decode_header(head, auth=self.auth)
         if header.header_bytes != meta.header_bytes or header.length != meta.length:
             raise CorruptEntry("header changed since it was indexed")
-        verify(header, body, expected_key=key)
+        verify(header, body, expected_key=key, auth=self.auth)  # raw only: this tier has no codec
 
     def _drop_corrupt(self, key: Key, meta: _Meta, why: str) -> None:
         log.warning("disk tier %s: removing corrupt entry %s (%s)", self.name, key.hex(), why)
@@ -729,7 +729,9 @@ def _read_meta(dfd: int, name: str, key: Key, max_length: int) -> _Meta | None:
             head = os.pread(fd, MAX_HEADER_BYTES, 0)
         finally:
             os.close(fd)
-        header = decode_header(head, max_length)
+        header = decode_header(head, max_length, check_auth=False)  # checked on every read
+        if header.codec != 0:
+            raise CorruptEntry("coded entry in a disk tier")
     except (OSError, CorruptEntry):
         return None
     if header.key != key or st.st_size != header.header_bytes + header.length:
@@ -748,7 +750,7 @@ def _is_regular_entry(path: str, fanout: bool) -> bool:
 
 
 def _checksum_of(header_bytes: bytes) -> int:
-    return decode_header(header_bytes).checksum
+    return decode_header(header_bytes, check_auth=False).checksum
 
 
 def _key_from_name(name: str) -> Key | None:

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from kvtier import entry
+from kvtier.codecs import CodecName
 from kvtier.config import Size, ranged, validate
 from kvtier.errors import ConfigError, CorruptEntry, TierUnavailable
 from kvtier.fileio import (NotRegularFile, ShortRead, create_exclusive_at, dir_mode_for, make_dir_at, open_dir_at,
@@ -84,7 +85,8 @@ class FsConfig:
     other writers (0: no background thread). ``mode``: permission bits of created files as an
     octal string (``"0600"``: owner only; e.g. ``"0640"`` to let a group read, ``"0660"`` to let
     it write too); directories get the same bits plus search. ``group``: group name or gid
-    given to created files and directories (None: the process's default).
+    given to created files and directories (None: the process's default). ``codec``: ``none``
+    (default) or ``lossless`` (``kvtier.codecs``: entries that shrink are stored coded).
     """
 
     path: str
@@ -96,6 +98,7 @@ class FsConfig:
     usage_refresh_s: float = ranged(10.0, ge=0, le=86400)
     mode: str = "0600"
     group: str | None = None
+    codec: CodecName = "none"
 
     def check(self, where: str) -> None:
         """ConfigError (one line) for a ``mode`` that is not an octal permission string keeping
@@ -304,10 +307,10 @@ class FsTier(Tier):
         """The file's header if it parses, names ``key``, fits the tier and matches the file's
         size; None (corrupt) otherwise. Nothing is allocated from the header's length."""
         try:
-            header = entry.decode_header(os.pread(fd, entry.MAX_HEADER_BYTES, 0), self.max_entry_bytes)
+            header = entry.decode_header(os.pread(fd, entry.MAX_HEADER_BYTES, 0), self.max_entry_bytes, self.auth)
         except CorruptEntry:
             return None
-        if header.key != bytes(key) or st.st_size != header.header_bytes + header.length:
+        if header.key != bytes(key) or st.st_size != header.header_bytes + header.stored:
             return None
         return header
 
@@ -341,8 +344,13 @@ class FsTier(Tier):
             return None
         target = dest[: header.length]
         try:
-            read_exact(fd, [target], header.header_bytes)  # short reads happen on network file systems
-            entry.verify(header, target)
+            if header.codec == 0:
+                read_exact(fd, [target], header.header_bytes)  # short reads happen on network file systems
+                entry.verify(header, target, auth=self.auth)
+            else:  # coded: stored < length <= max_entry_bytes, checked by the header
+                stored = bytearray(header.stored)
+                read_exact(fd, [memoryview(stored)], header.header_bytes)
+                entry.open_into(header, stored, target, auth=self.auth)  # the tag before decoding
         except (ShortRead, CorruptEntry):
             return self._corrupt(dfd, name, st)
         self.stats.add(hits=1, bytes_read=header.length)
@@ -359,10 +367,10 @@ class FsTier(Tier):
 
     def put(self, key: Key, data, dtype: str = "uint8", shape: tuple[int, ...] | None = None) -> bool:
         """Write header + payload to a unique temp file and rename it into place (atomic)."""
-        view = memoryview(data).cast("B")
-        header = self._header(key, view, dtype, shape)
-        if header is None:
+        sealed = self._seal(key, memoryview(data).cast("B"), dtype, shape)
+        if sealed is None:
             return False
+        header, view = sealed  # view: the stored bytes (coded when the tier's codec shrinks them)
         size = view.nbytes
         if size > self.config.capacity:
             self.stats.add(dropped=1)

@@ -42,6 +42,7 @@ from typing import Iterable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 from kvtier import entry
+from kvtier.codecs import CodecName
 from kvtier.config import Size
 from kvtier.errors import ConfigError, CorruptEntry
 from kvtier.tiers.base import Key, Tier
@@ -109,6 +110,8 @@ class RedisConfig:
     ``timeout_s``: deadline of one data operation (get, put, delete, eviction, scan);
     ``connect_timeout_s``: the most a new connection may take (never more than the deadline).
     ``backoff_ms``/``max_backoff_ms``: the circuit breaker's first and longest window.
+    ``codec``: ``none`` (default) or ``lossless`` (``kvtier.codecs``; entries that shrink are
+    stored coded).
     """
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -123,6 +126,7 @@ class RedisConfig:
     backoff_ms: int = 250
     max_backoff_ms: int = 2000
     password: str | None = None
+    codec: CodecName = "none"
 
     def __repr__(self) -> str:  # secrets stay out of repr and logs
         return (
@@ -292,10 +296,10 @@ class RedisTier(Tier):
 
     def put(self, key: Key, data, dtype: str = "uint8", shape: tuple[int, ...] | None = None) -> bool:
         """Store header + a copy of ``data`` (sent straight from the caller's buffer)."""
-        view = memoryview(data).cast("B")
-        header = self._header(key, view, dtype, shape)
-        if header is None:
+        sealed = self._seal(key, memoryview(data).cast("B"), dtype, shape)
+        if sealed is None:
             return False
+        header, view = sealed  # view: the stored bytes (coded when the tier's codec shrinks them)
         if self.config.capacity and view.nbytes > self.config.capacity:
             self.stats.add(dropped=1)
             return False

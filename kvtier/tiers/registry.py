@@ -147,6 +147,10 @@ def parse_tier_spec(spec: Any, where: str = "tier") -> TierSpec:
     _check_policy(spec.get("policy"), f"{where}({kind})")
     config = build(cls.Config, {k: v for k, v in spec.items() if k not in _SPEC_KEYS}, f"{where}({kind})")
     cls.scheduler_view()  # a store-managed tier that declares nothing is refused here
+    if getattr(config, "codec", "none") != "none":  # a missing codec library fails here, in one line
+        from kvtier.codecs import get_codec
+
+        get_codec(config.codec, f"{where}({kind}).codec")
     return TierSpec(kind, cls, config, spec)
 
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from kvtier import entry, s3client
+from kvtier.codecs import CodecName
 from kvtier.config import Size
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import Key, Tier
@@ -63,6 +64,8 @@ class S3Config(s3client.S3Config):
     ``lookup_cache_ttl_s``: size and trust time of the cache of found/absent answers.
     ``list_interval_s``: period of the background budget listing (0: none);
     ``list_timeout_s``: deadline of one listing (``used_bytes``, eviction, ``keys``).
+    ``codec``: ``none`` (default) or ``lossless`` (``kvtier.codecs``; entries that shrink are
+    stored coded).
     """
 
     bucket: str
@@ -83,6 +86,7 @@ class S3Config(s3client.S3Config):
     list_timeout_s: float = 60.0
     backoff_ms: int = 500
     max_backoff_ms: int = 5000
+    codec: CodecName = "none"
 
 
 _ABSENT = object()  # the endpoint said: no such object
@@ -400,10 +404,10 @@ class S3Tier(Tier):
 
     def _upload(self, key: Key, data, dtype: str, shape: tuple[int, ...] | None):
         """(call that uploads, payload size), or None (counted) when the put cannot be made."""
-        view = memoryview(data).cast("B")
-        header = self._header(key, view, dtype, shape)
-        if header is None:
+        sealed = self._seal(key, memoryview(data).cast("B"), dtype, shape)
+        if sealed is None:
             return None
+        header, view = sealed  # view: the stored bytes (coded when the tier's codec shrinks them)
         if view.nbytes > self.config.capacity:
             self.stats.add(dropped=1)
             return None

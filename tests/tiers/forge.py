@@ -14,8 +14,8 @@ from kvtier import entry
 
 def forged_header(key: bytes, length: int) -> bytes:
     """A header for ``key`` announcing ``length`` uint8 payload bytes, CRC included (no payload)."""
-    fixed = struct.pack("<4sHBBI32sQQ", entry.MAGIC, entry.VERSION, entry.DTYPES["uint8"][0], 1, 0,
-                        key, length, 0)
+    fixed = struct.pack("<4sHBBI32sQQQ", entry.MAGIC, entry.VERSION, entry.DTYPES["uint8"][0], 1, 0,
+                        key, length, 0, length)
     dims = struct.pack("<Q", length)
     header = fixed + struct.pack("<II", zlib.crc32(fixed + dims), 0) + dims
     assert entry.decode_header(header).length == length  # it parses: only the length lies
