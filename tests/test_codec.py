@@ -1,0 +1,154 @@
+"""Per-tier ``codec: lossless`` (issue 27): bit-exact round trips through real tiers, entries that
+do not shrink stored raw, the element width from the dtype the store is given, and every forged
+coded entry (declared raw length off, a decompression bomb, an unknown codec, a forged frame
+under auth) a counted miss that never allocates beyond the chunk or reaches the decoder."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+pytest.importorskip("blosc2")
+
+from kvtier import codecs, entry  # noqa: E402
+from kvtier.errors import ConfigError, CorruptEntry  # noqa: E402
+from kvtier.store import TieredStore  # noqa: E402
+from kvtier.tiers.fs import FsConfig, FsTier  # noqa: E402
+from kvtier.tiers.registry import parse_tier_spec  # noqa: E402
+
+KEY = hashlib.sha256(b"codec").digest()
+SECRET = b"codec-test-secret-0123456789abcd"
+
+
+def _kv(n: int = 64 * 1024) -> np.ndarray:
+    """bf16-like KV: values of a narrow normal distribution, truncated to their upper 16 bits
+    (what makes real KV compressible: repeated sign/exponent bits)."""
+    x = np.random.default_rng(3).normal(0, 0.5, n).astype(np.float32)
+    return (x.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _fs(tmp_path, codec: str = "lossless", auth=None) -> FsTier:
+    tier = FsTier(FsConfig(path=str(tmp_path / "fs"), capacity=1 << 26, codec=codec), name="fs")
+    tier.set_auth(auth)
+    return tier
+
+
+def _file(tmp_path) -> str:
+    return os.path.join(str(tmp_path / "fs"), f"{KEY[0]:02x}", KEY.hex())
+
+
+def test_lossless_round_trips_bit_exactly_and_stores_fewer_bytes(tmp_path):
+    kv = _kv()
+    with _fs(tmp_path) as tier:
+        assert tier.put(KEY, kv, "bfloat16")
+        assert tier.size_of(KEY) == kv.nbytes  # readers size their buffer from the raw length
+        out = np.zeros_like(kv)
+        assert tier.get_into(KEY, out) == kv.nbytes and np.array_equal(out, kv)
+    stored = os.path.getsize(_file(tmp_path))
+    assert stored < kv.nbytes / 1.2
+    header = entry.decode_header(open(_file(tmp_path), "rb").read())
+    assert header.codec == codecs.LOSSLESS_ID and header.length == kv.nbytes and header.dtype == "bfloat16"
+
+
+def test_an_entry_that_does_not_shrink_is_stored_raw(tmp_path):
+    noise = np.random.default_rng(1).integers(0, 256, 64 * 1024, dtype=np.uint8)
+    with _fs(tmp_path) as tier:
+        assert tier.put(KEY, noise, "uint8")
+        assert np.array_equal(np.frombuffer(tier.get(KEY), np.uint8), noise)
+    assert entry.decode_header(open(_file(tmp_path), "rb").read()).codec == 0
+
+
+def test_the_element_width_comes_from_the_store_dtype(tmp_path):
+    kv = _kv()
+    ratios = {}
+    for dtype in ("uint8", "bfloat16"):
+        path = str(tmp_path / dtype)
+        config = {"tiers": [{"type": "ram", "capacity": "4MiB"},
+                            {"type": "fs", "path": path, "capacity": "64MiB", "codec": "lossless"}],
+                  "element_dtype": dtype}
+        with TieredStore.from_config(config) as store:
+            assert store.put(KEY, kv) and store.flush()
+        name = os.path.join(path, f"{KEY[0]:02x}", KEY.hex())
+        header = entry.decode_header(open(name, "rb").read())
+        assert header.dtype == dtype
+        ratios[dtype] = kv.nbytes / header.stored
+    assert ratios["bfloat16"] > ratios["uint8"]  # the 2-byte shuffle is what pays
+
+
+def test_a_coded_tier_reads_raw_entries_and_a_raw_tier_reads_coded_ones(tmp_path):
+    kv = _kv()
+    with _fs(tmp_path, "none") as raw:
+        assert raw.put(KEY, kv, "bfloat16")
+    with _fs(tmp_path) as coded:
+        assert np.array_equal(np.frombuffer(coded.get(KEY), np.uint16), kv)
+        assert coded.put(KEY, kv, "bfloat16")
+    with _fs(tmp_path, "none") as raw:  # lossless is the same bytes: readable by every reader
+        assert np.array_equal(np.frombuffer(raw.get(KEY), np.uint16), kv)
+
+
+def _recode(blob: bytes, *, length: int | None = None, codec: int | None = None, body: bytes | None = None) -> bytes:
+    """``blob`` (a v2 entry without a tag) with its raw length / codec id / stored body replaced,
+    the shape and header CRC made consistent, so only the replaced field lies."""
+    header = entry.decode_header(blob)
+    body = bytes(blob[header.header_bytes:]) if body is None else body
+    length = header.length if length is None else length
+    codec = header.codec if codec is None else codec
+    fixed = struct.pack("<4sHBBI32sQQQ", entry.MAGIC, 2, entry.DTYPES["uint8"][0], 1, codec << 8, KEY,
+                        length, header.checksum, len(body))
+    dims = struct.pack("<Q", length)
+    return fixed + struct.pack("<II", zlib.crc32(fixed + dims), 0) + dims + body
+
+
+@pytest.mark.parametrize("kind", ["bomb", "short raw", "unknown codec", "garbage frame"])
+def test_a_forged_coded_entry_is_a_counted_miss(tmp_path, kind):
+    kv = _kv()
+    with _fs(tmp_path) as tier:
+        assert tier.put(KEY, kv, "uint8")
+        blob = open(_file(tmp_path), "rb").read()
+        forged = {
+            # a frame of 64 MiB of zeros (a few KiB coded) under a header claiming the tier's bound
+            "bomb": lambda: _recode(blob, body=codecs.LOSSLESS.encode(memoryview(bytes(64 << 20)), 1),
+                                    length=kv.nbytes),
+            "short raw": lambda: _recode(blob, length=kv.nbytes - 2),
+            "unknown codec": lambda: _recode(blob, codec=7),
+            "garbage frame": lambda: _recode(blob, body=os.urandom(len(blob) // 2)),
+        }[kind]()
+        with open(_file(tmp_path), "wb") as f:
+            f.write(forged)
+        out = bytearray(kv.nbytes)
+        assert tier.get_into(KEY, out) is None
+        assert tier.stats.as_dict()["corrupt"] == 1 and tier.stats.as_dict()["hits"] == 0
+
+
+def test_the_decoder_never_writes_past_the_declared_raw_length():
+    frame = codecs.LOSSLESS.encode(memoryview(bytes(1 << 20)), 2)
+    out = bytearray((1 << 20) + 16)
+    with pytest.raises(CorruptEntry, match="declares"):
+        codecs.decode_into(codecs.LOSSLESS_ID, memoryview(frame), memoryview(out)[: 4096], 2)
+    assert not any(out)
+
+
+def test_under_auth_a_forged_frame_never_reaches_the_decoder(tmp_path, monkeypatch):
+    kv = _kv()
+    auth = entry.EntryAuth(SECRET)
+    with _fs(tmp_path, auth=auth) as tier:
+        assert tier.put(KEY, kv, "bfloat16")
+        blob = bytearray(open(_file(tmp_path), "rb").read())
+        blob[-1] ^= 0x01  # one byte of the coded payload
+        with open(_file(tmp_path), "wb") as f:
+            f.write(blob)
+        calls = []
+        monkeypatch.setattr(codecs, "decode_into", lambda *a: calls.append(a))
+        assert tier.get(KEY) is None
+        assert calls == [] and tier.stats.as_dict()["corrupt"] == 1
+
+
+def test_an_unknown_codec_name_is_one_config_line():
+    with pytest.raises(ConfigError, match="none, lossless") as exc:
+        parse_tier_spec({"type": "fs", "path": "/nonexistent-kvtier", "codec": "zip"}, "store.tiers[1]")
+    assert "\n" not in str(exc.value) and "codec" in str(exc.value)
