@@ -17,12 +17,13 @@ longer. A server at its connection cap answers ``busy`` and closes.
 
 Direct writes (a server whose hello reply has ``direct_writes: true``): ``reserve_arena``
 reserves arena pages under a write lease and answers their extents; the client copies the payload
-into them through its own writable mapping of the arena; the next request on that connection must
-be the lease's ``commit`` (the entry becomes visible, ``stored`` says whether it did: a delete of
-the key meanwhile wins, ``stored: false``) or ``abort``. Anything else (another op, another lease
-id) is refused with ``bad_lease`` and the reservation is aborted; a ``commit`` arriving more than
-``lease_timeout_s`` after the reserve reply is refused with ``lease_expired`` and aborted. A
-commit carries no extents: the server publishes exactly the pages it reserved. Older clients keep
+into them through its own writable mapping of the arena. The next request on that connection
+ends the write: the lease's ``commit`` makes the entry visible (``stored`` says whether it did: a
+delete of the key meanwhile wins, ``stored: false``), unless it arrives more than
+``lease_timeout_s`` after the reserve reply (refused: ``lease_expired``, aborted). Anything else
+(its ``abort``, another op, a commit of another lease id) aborts the write, nothing becomes
+visible, and that request is then served as usual (a commit of an unknown lease is
+``malformed``). A commit carries no extents: the server publishes exactly the pages it reserved. Older clients keep
 using ``reserve`` (staging), which is unchanged.
 
 Every key field (``lookup.keys[i]``, ``get.key``, ``reserve.key``, ``reserve.parent``,
@@ -44,8 +45,8 @@ reserve  key, nbytes:int, parent:bytes|None,      status ("ok"|"exists"|"full"|"
          chunk_index:int                          (offsets in the staging area)
 reserve_ key, nbytes, parent, chunk_index         status ("ok"|"exists"|"full"|"quota"), lease,
 arena    (as reserve)                             extents (offsets in the arena); the next request
-                                                  must be this lease's commit or abort
-commit   lease:int                                stored:bool (errors: bad_lease, lease_expired)
+                                                  ends it (see above)
+commit   lease:int                                stored:bool (error: lease_expired)
 abort    lease:int                                (none)
 delete   key:bytes                                (empty)
 stats    -                                        stats (the store's stats dict + server counters)
@@ -99,7 +100,6 @@ BAD_VERSION = "version_mismatch"
 MALFORMED = "malformed"
 HELLO_FIRST = "hello_first"
 BUSY = "busy"  # the server is at its connection cap: try again later
-BAD_LEASE = "bad_lease"  # a direct write's lease is open: only its commit or abort may follow
 LEASE_EXPIRED = "lease_expired"  # a direct write committed after its lease ran out (aborted)
 
 # fields that carry a chunk key (a list of keys for lookup); ``None`` allowed where listed

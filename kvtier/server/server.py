@@ -10,9 +10,9 @@ copies entries straight out of it. The socket carries only control messages
   connection. The client copies the payload into the pages through its own writable mapping;
   its ``commit`` ends the ``fill`` and the store publishes the entry and queues its lower-tier
   copies (a delete of the key that came meanwhile wins: nothing is published, ``stored: false``).
-  Its ``abort``, any other request (``bad_lease``), a ``commit`` later than ``lease_timeout_s``
-  after the reserve reply (``lease_expired``) or the connection's end raise out of ``fill``: the
-  store frees the pages and nothing becomes visible. The entry's checksum, where a lower tier
+  Its ``abort``, a ``commit`` later than ``lease_timeout_s`` after the reserve reply
+  (``lease_expired``), any other request (served as usual afterwards) or the connection's end
+  raise out of ``fill``: the store frees the pages and nothing becomes visible. The entry's checksum, where a lower tier
   stores one, is computed by the server from the arena pages when it writes the entry down,
   after the commit, so it always matches the bytes the arena serves; the client sends none (a
   check of it would cost a pass over the payload, more than the copy this path removes).
@@ -201,7 +201,7 @@ class _ServerCounters:
     direct_puts: int = 0  # reserve_arena requests (also counted in puts)
     direct_aborted: int = 0  # direct writes aborted (abort, connection end, refused commit)
     write_leases_expired: int = 0  # direct-write commits refused: past lease_timeout_s
-    write_leases_refused: int = 0  # direct writes ended by a request other than their commit/abort
+    direct_abandoned: int = 0  # direct writes ended by a request other than their commit/abort
 
 
 class CacheServer:
@@ -493,27 +493,29 @@ class CacheServer:
         extents = [[self.staging.offset_of(v), int(v.size)] for v in views]
         return {"ok": True, "status": "ok", "lease": lease, "extents": extents}
 
-    def reserve_arena(self, conn: "_Connection", msg: dict) -> dict[str, Any] | None:
+    def reserve_arena(self, conn: "_Connection", msg: dict) -> tuple[dict[str, Any] | None, tuple | None]:
         """A direct write (see the module notes): reserve arena pages through ``store.write``,
-        answer their extents from its ``fill`` and wait there for the client's commit or abort.
+        answer their extents from its ``fill`` and wait there for the client's next request.
 
-        Returns the reply to the request that ended the write: the reserve's own reply when no
-        pages were reserved (``exists``, ``full``, ``quota``), the commit's (``stored``), an error
-        (``bad_lease``, ``lease_expired``, ``malformed``), or None after an abort. The connection's
-        end propagates (ConnectionError/OSError) after the store has freed the pages.
+        Returns (reply, follow). ``reply`` answers the request that ended the write: the reserve
+        itself when no pages were reserved (``exists``, ``full``, ``quota``), the commit
+        (``stored``, or ``lease_expired``), a malformed request's error, or None (an abort, or a
+        request to serve as usual). ``follow`` is that other request as (op, message), for the
+        caller to serve next, or None. The connection's end propagates (ConnectionError/OSError)
+        after the store has freed the pages.
         """
         self.count(puts=1, direct_puts=1)
         key, nbytes = msg["key"], msg["nbytes"]
         if self.arena.contains(key):
-            return {"ok": True, "status": "exists"}
+            return {"ok": True, "status": "exists"}, None
         if not self._hold_direct(nbytes):
-            return {"ok": True, "status": "quota"}
+            return {"ok": True, "status": "quota"}, None
         write = _DirectWrite(self, conn, next(self._lease_ids))
         try:
             stored = self.store.write(key, nbytes, write.fill, msg["parent"], msg["chunk_index"])
         except _WriteEnded as ended:
             self.count(direct_aborted=1)
-            return ended.reply
+            return ended.reply, ended.follow
         except BaseException:
             self.count(direct_aborted=1)
             raise
@@ -523,10 +525,10 @@ class CacheServer:
         if not write.reserved:  # the store answered without reserving: held already, or no room
             if not stored:
                 self.count(put_full=1)
-            return {"ok": True, "status": "exists" if stored else "full"}
+            return {"ok": True, "status": "exists" if stored else "full"}, None
         if stored:
             self.count(put_stored=1)
-        return {"ok": True, "stored": bool(stored)}
+        return {"ok": True, "stored": bool(stored)}, None
 
     def _hold_direct(self, nbytes: int) -> bool:
         """Count ``nbytes`` against the direct-write bounds (one client's share, all clients'
@@ -672,11 +674,13 @@ def _ignore(segments) -> None:
 
 class _WriteEnded(Exception):
     """Raised out of a direct write's ``fill`` so the store frees its pages; ``reply`` answers
-    the request that ended it (None: an abort, which has no reply)."""
+    the request that ended it (None: an abort, which has no reply), or ``follow`` = (op, message)
+    is that request, to be served as usual once the write is unwound."""
 
-    def __init__(self, reply: dict[str, Any] | None):
+    def __init__(self, reply: dict[str, Any] | None, follow: tuple | None = None):
         super().__init__("direct write ended without a commit")
         self.reply = reply
+        self.follow = follow
 
 
 class _DirectWrite:
@@ -695,7 +699,8 @@ class _DirectWrite:
     def fill(self, segments: list) -> None:
         """Send the reserve reply with the segments' arena extents, then read the client's next
         request: this lease's commit in time returns; anything else raises ``_WriteEnded`` (or
-        the connection's error). The wait has no timeout: the pages must stay reserved while the
+        the connection's error), carrying a request that is neither this lease's commit nor its
+        abort as ``follow``. The wait has no timeout: the pages must stay reserved while the
         client may still write into them (see the module notes)."""
         self.reserved = True
         server, sock = self.server, self.conn.sock
@@ -709,7 +714,7 @@ class _DirectWrite:
             op = P.validate(msg)
         except P.ProtocolError as exc:
             server.count(malformed=1)
-            raise _WriteEnded(P.error(exc.code, f"{exc}; direct write {self.lease} aborted")) from None
+            raise _WriteEnded(P.error(exc.code, str(exc))) from None
         server.count(requests=1)
         if op in ("commit", "abort") and msg["lease"] == self.lease:
             if op == "abort":
@@ -719,9 +724,8 @@ class _DirectWrite:
                 raise _WriteEnded(P.error(P.LEASE_EXPIRED, f"commit: write lease {self.lease} expired (more than "
                                           f"{server.config.lease_timeout_s:g} s after its reserve); aborted"))
             return
-        server.count(write_leases_refused=1)
-        raise _WriteEnded(P.error(P.BAD_LEASE, f"{op}: direct write {self.lease} is open on this connection; only "
-                                  f"its commit or abort may follow; aborted"))
+        server.count(direct_abandoned=1)
+        raise _WriteEnded(None, (op, msg))
 
 
 def _parse_hostport(value: str, what: str) -> tuple[str, int]:
@@ -827,19 +831,23 @@ class _Connection:
             server._authenticated()
             self.sock.settimeout(None)  # an engine may stay idle between requests for hours
             server.count(connections=1)
+            follow = None  # a request that ended a direct write, to serve next
             while True:
-                msg = P.recv(self.sock)
-                if msg is None:
-                    return
-                try:
-                    op = P.validate(msg)
-                except P.ProtocolError as exc:
-                    server.count(malformed=1)
-                    P.send(self.sock, P.error(exc.code, str(exc)))
-                    continue
-                server.count(requests=1)
+                if follow is not None:
+                    (op, msg), follow = follow, None
+                else:
+                    msg = P.recv(self.sock)
+                    if msg is None:
+                        return
+                    try:
+                        op = P.validate(msg)
+                    except P.ProtocolError as exc:
+                        server.count(malformed=1)
+                        P.send(self.sock, P.error(exc.code, str(exc)))
+                        continue
+                    server.count(requests=1)
                 if op == "reserve_arena":  # waits for the client: never under the lease lock
-                    reply = server.reserve_arena(self, msg)
+                    reply, follow = server.reserve_arena(self, msg)
                 else:
                     with self.lock:
                         reply = self._dispatch(op, msg)

@@ -72,6 +72,8 @@ typed = st.one_of(
               st.lists(st.binary(min_size=KEY_BYTES, max_size=KEY_BYTES), max_size=8)),
     st.builds(lambda k, n, i: {"op": "reserve", "key": k, "nbytes": n, "parent": None, "chunk_index": i},
               st.binary(min_size=KEY_BYTES, max_size=KEY_BYTES), st.integers(0, 3 << 20), st.integers(0, 2**63)),
+    st.builds(lambda k, n, i: {"op": "reserve_arena", "key": k, "nbytes": n, "parent": None, "chunk_index": i},
+              st.binary(min_size=KEY_BYTES, max_size=KEY_BYTES), st.integers(0, 3 << 20), st.integers(0, 2**63)),
     st.builds(lambda op, lease: {"op": op, "lease": lease}, st.sampled_from(["commit", "abort", "release"]),
               st.integers(-(2**63), 2**64 - 1)),
     st.builds(lambda k: {"op": "delete", "key": k}, st.binary(min_size=KEY_BYTES, max_size=KEY_BYTES)),
