@@ -378,6 +378,9 @@ names) a config may hold: real configs have under 1,000, and composing 20,000 co
 under a second."""
 MAX_CONFIG_DEPTH = 64
 """The deepest nesting of mappings and lists a config may have."""
+MAX_INT_CHARS = 1000
+"""The longest integer a config may write (YAML 1.1's base-60 ``1:59:59`` form costs time
+quadratic in its length: 1 MiB of it ran for minutes)."""
 
 
 def load_mapping(path: str, where: str | None = None) -> dict:
@@ -470,6 +473,13 @@ def _bounded_loader_class() -> Any:
                 finally:
                     self._depth -= 1
 
+            def construct_yaml_int(self, node):  # noqa: D102 (yaml's hook)
+                if len(node.value) > MAX_INT_CHARS:
+                    raise ConfigError(f"{self.where}: an integer written with {len(node.value):,} characters (at "
+                                      f"most {MAX_INT_CHARS}); refused")
+                return super().construct_yaml_int(node)
+
+        BoundedLoader.add_constructor("tag:yaml.org,2002:int", BoundedLoader.construct_yaml_int)
         _LOADER = BoundedLoader
     return _LOADER
 

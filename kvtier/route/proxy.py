@@ -29,7 +29,8 @@ Contracts
   body (not a JSON object, nested too deeply, a prompt of the wrong type or token ids outside
   [0, 2**32)) is a 400 with one line, never a 500. Tokenizing and keying run in worker threads;
   only the first ``max_route_tokens`` tokens of a prompt are keyed (and a text prompt is cut at
-  8 characters per such token before tokenizing).
+  8 characters per such token before tokenizing, a chat's messages at as many characters
+  of JSON).
 * Headers: hop-by-hop headers (``Connection`` and every header it names, ``Keep-Alive``,
   ``Proxy-Authenticate``, ``Proxy-Authorization``, ``TE``, ``Trailer``, ``Transfer-Encoding``,
   ``Upgrade``; RFC 9110 7.6.1) are dropped in both directions, with ``Host``,
@@ -55,6 +56,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import aiohttp
+import msgspec
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -363,12 +365,17 @@ class Router:
         the prompt's token count, estimated when a text prompt was cut); ([], 0) when unknown.
         Synchronous and CPU-bound: ``prompt_keys`` runs it in a worker thread."""
         limit = self.config.max_route_tokens
-        cut = False
+        budget = _TEXT_CHARS_PER_TOKEN * limit
+        cut, scale = False, 1.0
         prompt = body.get("prompt")
         if not chat and isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             prompt = prompt[0]
-        if not chat and isinstance(prompt, str) and len(prompt) > _TEXT_CHARS_PER_TOKEN * limit:
-            body, cut = dict(body, prompt=prompt[:_TEXT_CHARS_PER_TOKEN * limit]), True
+        if not chat and isinstance(prompt, str) and len(prompt) > budget:
+            body, cut, scale = dict(body, prompt=prompt[:budget]), True, len(prompt) / budget
+        if chat and isinstance(body.get("messages"), list):
+            messages, kept, total = _cut_messages(body["messages"], budget)
+            if kept < total:
+                body, cut, scale = dict(body, messages=messages), True, total / max(kept, 1)
         try:
             if chat or isinstance(prompt, str):
                 with self._tokenizer_lock:
@@ -382,7 +389,7 @@ class Router:
         keys = chunk_keys(ids[:limit], self.index.block_size or self.config.block_size)
         if cut:  # the cut may split the last word: its block may differ from the whole prompt's
             keys = keys[:-1]
-            n_tokens = int(n_tokens * len(prompt) / (_TEXT_CHARS_PER_TOKEN * limit))
+            n_tokens = int(n_tokens * scale)
         return keys, n_tokens
 
     async def prompt_keys(self, body: dict[str, Any], chat: bool) -> tuple[list[bytes], int]:
@@ -596,6 +603,29 @@ class Router:
         if event is None:
             event = self._out[engine] = asyncio.Event()
         return event
+
+
+def _cut_messages(messages: list, budget: int) -> tuple[list, int, int]:
+    """(the chat ``messages`` cut to about ``budget`` characters of JSON, the characters kept,
+    the characters in all): whole messages in order while they fit, then the first one that does
+    not with its string content cut to the rest of the budget (one with other content is left
+    out), and none after it. Tokenizing is then bounded like a text prompt's."""
+    sizes = [len(msgspec.json.encode(m)) for m in messages]
+    total = sum(sizes)
+    if total <= budget:
+        return messages, total, total
+    kept: list = []
+    used = 0
+    for message, size in zip(messages, sizes):
+        if used + size > budget:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str) and used < budget:
+                kept.append(dict(message, content=content[:budget - used]))
+                used = budget
+            break
+        kept.append(message)
+        used += size
+    return kept, used, total
 
 
 def _cut(request: web.Request) -> None:
