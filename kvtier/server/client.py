@@ -7,7 +7,8 @@ server's shared arena (valid during the call only; the pages are leased meanwhil
 ``write`` hands ``fill`` writable views of the arena pages the server reserved for the entry
 (a direct write: one copy; see ``kvtier.server.server``), or of the shared staging area when
 direct writes do not apply (a server without them, ``direct_writes=False``, an arena page size
-that is not a multiple of the OS page, or a mapping that cannot be write-protected).
+that is not a multiple of the OS page, an arena this process cannot map writable, or, with
+``write_protect``, no ``mprotect``).
 
 The arena is mapped once, shared. Without direct writes it is mapped read-only: a stray write
 of this process cannot corrupt what another engine reads. With them it is mapped writable, and
@@ -225,8 +226,8 @@ class ServerStore(KVStore):
         self._sock = sock
 
     def _map_arena(self, reply: dict, owners) -> "tuple[np.ndarray, _ArenaWriter | None]":
-        """The arena as read-only views and, where direct writes apply, its write-protected
-        writer; else (logged once per mapping) a read-only mapping and no writer."""
+        """The arena as read-only views and, where direct writes apply, its writer; else (logged
+        once per mapping) a read-only mapping and no writer."""
         path, size = reply["arena"]["path"], reply["arena"]["size"]
         page = reply.get("page_size")
         if self._direct and reply.get("direct_writes") is True and isinstance(page, int) and page > 0:
@@ -238,7 +239,7 @@ class ServerStore(KVStore):
                     writable = _map_file(path, size, owners, writable=True)
                     return _readonly(writable), _ArenaWriter(writable, self._write_protect)
                 except (OSError, AttributeError) as exc:  # no write access, no mprotect
-                    why = f"the arena cannot be mapped write-protected ({exc})"
+                    why = f"the arena cannot be mapped for writing ({exc})"
             log.info("kvtier: cache server %s: writes go through the staging area: %s", self.address, why)
         return _map_file(path, size, owners, writable=False), None
 
@@ -421,7 +422,10 @@ class ServerStore(KVStore):
             self._counters.write_failures += 1
             if status == "ok":  # extents outside the arena: a server this client cannot trust
                 self._counters.errors += 1
-                self._call({"op": "abort", "lease": answer.get("lease")}, deadline, reply=False)
+                if isinstance(answer.get("lease"), int):
+                    self._call({"op": "abort", "lease": answer["lease"]}, deadline, reply=False)
+                else:
+                    self._drop()  # no lease to abort: the connection's end aborts the write
             return False
         lease = answer["lease"]
         try:
