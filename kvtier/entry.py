@@ -7,7 +7,8 @@ Version 2 (written; little-endian)::
     dtype      u8   code from DTYPES
     ndim       u8   0..8
     flags      u32  bit 0: authenticated (a tag follows the shape); bits 8..15: codec id
-                    (0 none, 1 lossless: ``kvtier.codecs``); every other bit 0
+                    (0 none, 1 lossless: ``kvtier.codecs``); bits 16..23: the tag's algorithm
+                    (1 keyed BLAKE3, 2 HMAC-SHA256; 0 without a tag); every other bit 0
     key        32s  the chunk key
     length     u64  raw payload bytes (what a reader gets: shape x itemsize)
     checksum   u64  xxh3-64 of the raw payload
@@ -15,8 +16,9 @@ Version 2 (written; little-endian)::
     hdr_crc    u32  crc32 of everything above and the shape
     pad        u32  0
     shape      ndim x u64
-    tag        32s  only when authenticated: keyed BLAKE2b-256 (``EntryAuth``) over every header
-                    byte before it and the stored payload
+    tag        32s  only when authenticated: a MAC (``EntryAuth``: keyed BLAKE3, or HMAC-SHA256
+                    where the blake3 package is missing) over every header byte before it and
+                    the stored payload
 
 Version 1 (read only) is the same without ``stored``, ``flags`` always 0 and no tag. A v1 entry
 is read as it always was when no auth key is configured, and is a miss (CorruptEntry) when one
@@ -53,7 +55,9 @@ MAX_NDIM = 8
 TAG_BYTES = 32
 FLAG_AUTH = 0x1
 _CODEC_SHIFT = 8
-_KNOWN_FLAGS = FLAG_AUTH | (0xFF << _CODEC_SHIFT)
+_ALGO_SHIFT = 16
+TAG_BLAKE3, TAG_HMAC_SHA256 = 1, 2  # tag algorithm ids: part of the format, never renumber
+_KNOWN_FLAGS = FLAG_AUTH | (0xFF << _CODEC_SHIFT) | (0xFF << _ALGO_SHIFT)
 _FIXED_V1 = struct.Struct("<4sHBBI32sQQ")  # up to and including the checksum
 _FIXED = struct.Struct("<4sHBBI32sQQQ")  # v2: ... checksum, stored
 _TAIL = struct.Struct("<II")  # hdr_crc, pad
@@ -85,28 +89,49 @@ _BY_CODE = {code: name for name, (code, _) in DTYPES.items()}
 class EntryAuth:
     """The entry-authentication key of one trust domain (derived from its ``auth_key``).
 
-    ``tag(parts)`` is keyed BLAKE2b-256 over the concatenation of ``parts``; ``check`` compares
-    in constant time. The key never appears in ``repr``/``str`` or in any message.
+    ``tag(parts)`` is a 32-byte MAC over the concatenation of ``parts`` with ``algo``: keyed
+    BLAKE3 (``TAG_BLAKE3``, ~2 GB/s on one core here) when the ``blake3`` package is installed,
+    else HMAC-SHA256 (``TAG_HMAC_SHA256``, ~0.5 GB/s); keyed BLAKE2b was measured at ~0.2 GB/s
+    (``kvtier bench auth``). Readers check an entry with the algorithm its header names (each
+    with its own key derived from the secret); a BLAKE3 entry where blake3 is missing is a miss.
+    ``check`` compares in constant time. The key never appears in ``repr``/``str`` or a message.
     """
 
-    __slots__ = ("_key",)
+    __slots__ = ("_keys", "algo")
 
     def __init__(self, secret: bytes):
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
             raise ValueError("an auth key must be at least 16 bytes")
-        # domain-separated from the chunk-key derivation (kvtier.keys.keyed_namespace)
-        self._key = hashlib.blake2b(bytes(secret), digest_size=32, person=b"kvtier-entry-v2").digest()
+        # domain-separated from each other and from the chunk keys (kvtier.keys.keyed_namespace)
+        self._keys = {algo: hmac.new(bytes(secret), b"kvtier-entry-tag-v2\x00%d" % algo, hashlib.sha256).digest()
+                      for algo in (TAG_BLAKE3, TAG_HMAC_SHA256)}
+        self.algo = TAG_BLAKE3 if _blake3() is not None else TAG_HMAC_SHA256
 
-    def tag(self, *parts) -> bytes:
-        """The 32-byte tag of ``parts`` (bytes-like), in order."""
-        h = hashlib.blake2b(key=self._key, digest_size=TAG_BYTES)
+    def tag(self, *parts, algo: int | None = None) -> bytes:
+        """The 32-byte tag of ``parts`` (bytes-like), in order, with ``algo`` (default: this
+        process's choice). ValueError for an algorithm not available here."""
+        algo = self.algo if algo is None else algo
+        key = self._keys.get(algo)
+        if key is None:
+            raise ValueError(f"unknown tag algorithm {algo}")
+        if algo == TAG_BLAKE3:
+            lib = _blake3()
+            if lib is None:
+                raise ValueError("keyed BLAKE3 tag, but the blake3 package is not installed here")
+            h = lib.blake3(key=key)
+        else:
+            h = hmac.new(key, digestmod=hashlib.sha256)
         for part in parts:
             h.update(part)
         return h.digest()
 
-    def check(self, tag: bytes, *parts) -> bool:
-        """Whether ``tag`` is the tag of ``parts`` (constant-time comparison)."""
-        return hmac.compare_digest(tag, self.tag(*parts))
+    def check(self, tag: bytes, *parts, algo: int | None = None) -> bool:
+        """Whether ``tag`` is the tag of ``parts`` (constant-time; False for an algorithm that
+        is unknown or unavailable here)."""
+        try:
+            return hmac.compare_digest(tag, self.tag(*parts, algo=algo))
+        except ValueError:
+            return False
 
     def __repr__(self) -> str:
         return "EntryAuth(<hidden>)"
@@ -115,6 +140,22 @@ class EntryAuth:
 
     def __reduce__(self):  # never serialized (pickle, copy across processes)
         raise TypeError("EntryAuth is not serializable")
+
+
+_BLAKE3 = None
+
+
+def _blake3():
+    """The blake3 module, or None when it is not installed (imported once)."""
+    global _BLAKE3
+    if _BLAKE3 is None:
+        try:
+            import blake3
+        except ImportError:
+            _BLAKE3 = False
+        else:
+            _BLAKE3 = blake3
+    return _BLAKE3 or None
 
 
 @dataclass(frozen=True)
@@ -132,6 +173,7 @@ class EntryHeader:
     codec: int = 0
     tag: bytes | None = None
     version: int = VERSION
+    tag_algo: int = 0
     signed: bytes = field(default=b"", repr=False)
 
     def __post_init__(self):
@@ -199,7 +241,7 @@ def encode_header(key: bytes, payload, dtype: str = "uint8", shape: tuple[int, .
     stored_view = view if body is None else memoryview(body).cast("B")
     if not 0 <= codec <= 0xFF or (codec == 0) != (body is None):
         raise ValueError("a coded body needs a codec id in 1..255, a raw one codec 0")
-    flags = (codec << _CODEC_SHIFT) | (FLAG_AUTH if auth is not None else 0)
+    flags = (codec << _CODEC_SHIFT) | ((FLAG_AUTH | auth.algo << _ALGO_SHIFT) if auth is not None else 0)
     fixed = _FIXED.pack(MAGIC, VERSION, code, len(shape), flags, key, length, checksum(view), stored_view.nbytes)
     dims = struct.pack(f"<{len(shape)}Q", *shape)
     crc = zlib.crc32(fixed + dims)
@@ -249,6 +291,9 @@ def decode_header(buf, max_length: int | None = None, auth: EntryAuth | None = N
         raise CorruptEntry("bad ndim or flags")
     dims_end = fixed_bytes + 8 * ndim
     tagged = bool(flags & FLAG_AUTH)
+    tag_algo = (flags >> _ALGO_SHIFT) & 0xFF
+    if tag_algo not in ((TAG_BLAKE3, TAG_HMAC_SHA256) if tagged else (0,)):
+        raise CorruptEntry("bad tag algorithm")
     end = dims_end + (TAG_BYTES if tagged else 0)
     if view.nbytes < end:
         raise CorruptEntry("short header")
@@ -264,14 +309,15 @@ def decode_header(buf, max_length: int | None = None, auth: EntryAuth | None = N
     dtype = _BY_CODE[code]
     if _prod(shape) * DTYPES[dtype][1] != length:
         raise CorruptEntry("shape does not match length")
-    codec = flags >> _CODEC_SHIFT
+    codec = (flags >> _CODEC_SHIFT) & 0xFF
     if (codec == 0 and stored != length) or (codec != 0 and not 0 < stored < length):
         raise CorruptEntry("stored length does not fit the codec")
     if max_length is not None and length > max_length:
         raise CorruptEntry(f"length {length} exceeds the {max_length} bytes an entry may have here")
     tag = bytes(view[dims_end:end]) if tagged else None
     signed = bytes(view[:dims_end]) if tagged else b""
-    return EntryHeader(bytes(key), dtype, tuple(shape), length, csum, stored, codec, tag, version, signed)
+    return EntryHeader(bytes(key), dtype, tuple(shape), length, csum, stored=stored, codec=codec, tag=tag,
+                       version=version, signed=signed, tag_algo=tag_algo)
 
 
 def verify(header: EntryHeader, payload, expected_key: bytes | None = None, auth: EntryAuth | None = None) -> None:
@@ -297,7 +343,7 @@ def check_stored(header: EntryHeader, stored, expected_key: bytes | None = None,
         raise CorruptEntry(f"payload is {view.nbytes} bytes, header says {header.stored}")
     if (header.tag is None) != (auth is None):
         raise CorruptEntry("entry authentication does not match this reader's auth key")
-    if auth is not None and not auth.check(header.tag, header.signed, view):
+    if auth is not None and not auth.check(header.tag, header.signed, view, algo=header.tag_algo):
         raise CorruptEntry("entry tag mismatch (written without this auth key, or altered)")
 
 

@@ -213,3 +213,20 @@ def test_the_secret_is_never_in_a_repr_a_log_or_an_error(tmp_path, caplog, monke
         import pickle
 
         pickle.dumps(auth)
+
+
+def test_without_blake3_entries_are_tagged_with_hmac_sha256_and_both_are_read(tmp_path, monkeypatch):
+    shared = str(tmp_path / "shared")
+    other_key = hashlib.sha256(b"hmac entry").digest()
+    with _fs(shared, entry.EntryAuth(SECRET)) as tier:
+        assert tier.put(KEY, KV, "bfloat16")  # blake3 where installed
+    monkeypatch.setattr(entry, "_BLAKE3", False)  # as on a node without the blake3 package
+    hmac_auth = entry.EntryAuth(SECRET)
+    assert hmac_auth.algo == entry.TAG_HMAC_SHA256
+    with _fs(shared, hmac_auth) as tier:
+        assert tier.put(other_key, KV, "bfloat16")
+        assert np.array_equal(np.frombuffer(tier.get(other_key), np.uint16), KV)
+    monkeypatch.undo()
+    with _fs(shared, entry.EntryAuth(SECRET)) as tier:
+        assert np.array_equal(np.frombuffer(tier.get(other_key), np.uint16), KV)
+        assert np.array_equal(np.frombuffer(tier.get(KEY), np.uint16), KV)
