@@ -30,6 +30,15 @@ Keys (all optional)::
                        (false). The step then never copies a load, but each such request waits
                        at least one step longer for its first token (measured by kvtier bench
                        serve's "kvtier-async-ram" setting). Refused in "sync" mode
+    auth_key_file      a file (mode 600/640) holding this trust domain's secret; or
+    auth_key_env       the environment variable holding it (at most one of the two). With it the
+                       chunk keys are keyed by the secret (tenants without it cannot compute,
+                       probe or overwrite them) and every lower-tier entry carries a tag checked
+                       before a byte is loaded (an untagged or wrongly tagged entry is a counted
+                       miss). The secret is never logged or shown. Every engine of the domain
+                       (scheduler and workers) needs the same secret
+    element_dtype      the KV's element type (e.g. "bfloat16"; default "uint8"): a tier's
+                       ``codec: lossless`` shuffles by its width
     require_recompute  refuse to start unless vLLM's kv_load_failure_policy is "recompute"
                        (false: start with a one-line warning). vLLM's default, "fail", fails a
                        request whenever a chunk cannot be loaded (a tier down, a corrupt entry);

@@ -95,6 +95,7 @@ class KVTierScheduler:
                  publish_events: bool = False, groups: Sequence[GroupSpec] = ()):
         self.config = config
         self.geometry = geometry
+        self._auth_key = config.store.auth_secret("kv_connector_extra_config")  # keys the chunk keys
         # vLLM's KV cache groups; none given: one full-attention group (a dense model)
         self.groups = list(groups) or [GroupSpec(0, FULL, (), geometry.block_size)]
         self._hybrid = len(self.groups) > 1
@@ -261,7 +262,8 @@ class KVTierScheduler:
             prompt = list(request.prompt_token_ids) if keyed else []
             mm = tuple(mm or ())
             ns = self.namespace.with_lora(self._lora_identity(request)).with_salt(request.cache_salt).digest()
-            state = RequestState(chunk_keys(prompt, ns, self.geometry.chunk_tokens, mm=mm), len(prompt), tokens,
+            state = RequestState(chunk_keys(prompt, ns, self.geometry.chunk_tokens, mm=mm,
+                                            auth_key=self._auth_key), len(prompt), tokens,
                                  ns, mm, request)
             self._requests[request.request_id] = state
         return state
@@ -313,7 +315,7 @@ class KVTierScheduler:
         if full > len(state.keys):
             prev = state.keys[-1] if state.keys else ROOT
             state.keys += chunk_keys(state.token_ids[: full * chunk], state.namespace, chunk,
-                                     start=len(state.keys), prev=prev, mm=state.mm)
+                                     start=len(state.keys), prev=prev, mm=state.mm, auth_key=self._auth_key)
         bpc = self.geometry.blocks_per_chunk
         for c in range(state.saved_chunks, full):
             tables = [self.geometry.chunk_blocks(self._blocks(state, g.index), c) for g in self.groups]
