@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from dataclasses import dataclass
 from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -42,7 +43,10 @@ class HostileS3:
     - ``honor_if_match``: False serves whatever is stored now, whatever If-Match says;
     - ``on_get``: ``fn(server, key, n)`` called before the n-th GET (1-based) is answered;
     - ``fail_gets_after``: GETs after this many are answered 403 (a pull killed half-way);
-    - ``send_etag``: False sends no ETag header at all (nothing to pin a version by).
+    - ``send_etag``: False sends no ETag header at all (nothing to pin a version by);
+    - ``drip_s``: object GET bodies are sent one byte every ``drip_s`` seconds (a slowloris
+      endpoint: each byte comes well within any read timeout, the whole never does);
+    - ``drip_listing_s``: the same for listing bodies.
     """
 
     def __init__(self, bucket: str = "b"):
@@ -56,6 +60,8 @@ class HostileS3:
         self.on_get: Callable[["HostileS3", str, int], None] | None = None
         self.fail_gets_after: int | None = None
         self.send_etag = True
+        self.drip_s: float | None = None
+        self.drip_listing_s: float | None = None
         self.gets: list[tuple[str, str | None, str | None, int]] = []  # key, Range, If-Match, status
         self.lock = threading.Lock()
         self._httpd = _QuietServer(("127.0.0.1", 0), _handler(self))
@@ -97,13 +103,19 @@ def _handler(s3: HostileS3):
             bucket, _, key = unquote(parts.path).lstrip("/").partition("/")
             return bucket, key, parse_qs(parts.query, keep_blank_values=True)
 
-        def _send(self, status: int, body: bytes = b"", headers: dict | None = None) -> None:
+        def _send(self, status: int, body: bytes = b"", headers: dict | None = None,
+                  drip: float | None = None) -> None:
             self.send_response(status)
             for k, v in (headers or {}).items():
                 self.send_header(k, v)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            if self.command != "HEAD" and body:
+            if self.command != "HEAD" and body and drip is not None:
+                for i in range(len(body)):
+                    self.wfile.write(body[i:i + 1])
+                    self.wfile.flush()
+                    time.sleep(drip)
+            elif self.command != "HEAD" and body:
                 self.wfile.write(body)
 
         def _error(self, status: int, code: str) -> None:
@@ -145,7 +157,7 @@ def _handler(s3: HostileS3):
                        "Content-Type": "application/octet-stream"}
             whole = s3.ignore_range_after is not None and count > s3.ignore_range_after
             if rng is None or whole:
-                self._send(200, obj.data, headers)
+                self._send(200, obj.data, headers, s3.drip_s)
                 return 200
             start_s, _, end_s = rng.removeprefix("bytes=").partition("-")
             start, end = int(start_s), min(int(end_s), obj.size - 1)
@@ -153,7 +165,7 @@ def _handler(s3: HostileS3):
                 self._error(416, "InvalidRange")
                 return 416
             headers["Content-Range"] = (s3.content_range or _true_range)(start, end, obj.size)
-            self._send(206, obj.data[start:end + 1], headers)
+            self._send(206, obj.data[start:end + 1], headers, s3.drip_s)
             return 206
 
         def do_HEAD(self) -> None:
@@ -185,7 +197,7 @@ def _handler(s3: HostileS3):
                     f"<Name>{s3.bucket}</Name><Prefix>{enc(prefix)}</Prefix><KeyCount>{len(entries)}</KeyCount>"
                     "<MaxKeys>1000</MaxKeys><Delimiter>/</Delimiter><IsTruncated>false</IsTruncated>"
                     + ("<EncodingType>url</EncodingType>" if url else "") + contents + "</ListBucketResult>")
-            self._send(200, body.encode(), {"Content-Type": "application/xml"})
+            self._send(200, body.encode(), {"Content-Type": "application/xml"}, s3.drip_listing_s)
 
     return Handler
 

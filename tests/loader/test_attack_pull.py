@@ -98,3 +98,68 @@ def test_a_huge_journal_is_not_read_whole(s3, tmp_path):
     assert rss_kib * 1024 < 200 * 2**20 and secs < 20, (rss_kib, secs)
     with open(os.path.join(dest, "w.bin"), "rb") as f:
         assert f.read() == data
+
+
+def test_a_dripping_endpoint_is_cut_at_the_get_deadline(s3, tmp_path):
+    """A server that sends one byte every 0.2 s (each within the read timeout) held a 64 KiB
+    GET for 3.6 hours; now a GET's body must arrive within ``get_timeout_s``. Bound: the pull
+    (2 s deadline, one retry) fails in one line within 15 s."""
+    from kvtier.errors import LoaderError
+    from kvtier.loader.cache import pull
+    from kvtier.loader.sources.s3 import S3Config
+
+    s3.put(PREFIX + "w.bin", os.urandom(65536))
+    s3.drip_s = 0.2
+    config = S3Config(endpoint_url=s3.endpoint_url, access_key="AK", secret_key="SK", region="us-east-1",
+                      read_timeout_s=5.0, get_timeout_s=2.0, retries=1, backoff_s=0.1)
+    error = _within(15, lambda: pull(URI, str(tmp_path / "c"), concurrency=1, block_size=65536,
+                                     source_kwargs={"config": config}))
+    assert isinstance(error, LoaderError) and "short read" in str(error) and "get_timeout_s" in str(error), error
+    assert "\n" not in str(error)
+    assert len([g for g in s3.gets if g[0].endswith("w.bin")]) <= 2
+
+
+def test_a_dripping_listing_is_cut_at_the_deadline(s3, tmp_path):
+    """A listing page sent one byte every 0.2 s (botocore reads a page whole, each read within
+    the read timeout) held the pull for minutes. Bound: one line within 15 s (2 s deadline)."""
+    from kvtier.errors import LoaderError
+    from kvtier.loader.cache import pull
+    from kvtier.loader.sources.s3 import S3Config
+
+    s3.put(PREFIX + "w.bin", os.urandom(1000))
+    s3.drip_listing_s = 0.2
+    config = S3Config(endpoint_url=s3.endpoint_url, access_key="AK", secret_key="SK", region="us-east-1",
+                      read_timeout_s=5.0, get_timeout_s=2.0, retries=0)
+    error = _within(15, lambda: pull(URI, str(tmp_path / "c"), source_kwargs={"config": config}))
+    assert isinstance(error, LoaderError) and "listing page" in str(error) and "\n" not in str(error), error
+
+
+def _within(seconds: float, fn) -> BaseException | None:
+    """Run ``fn`` on a daemon thread; what it raised (None if nothing), failing the test if it
+    is still running after ``seconds`` (a hang)."""
+    import threading
+
+    box: list = []
+
+    def run() -> None:
+        try:
+            fn()
+            box.append(None)
+        except BaseException as exc:  # noqa: BLE001  (returned to the test)
+            box.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    t.join(seconds)
+    assert box, f"still running after {time.monotonic() - t0:.0f} s (a hang)"
+    return box[0]
+
+
+def test_the_get_deadline_is_range_checked():
+    from kvtier.errors import ConfigError
+    from kvtier.loader.sources.s3 import S3Config
+
+    for bad in (0, -1.0, "5"):
+        with pytest.raises(ConfigError, match="get_timeout_s"):
+            S3Config(get_timeout_s=bad)

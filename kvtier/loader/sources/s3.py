@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import re
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -40,7 +41,11 @@ class S3Config(s3client.S3Config):
     """``kvtier.s3client.S3Config`` plus the source's own options. ``max_pool_connections``
     should be >= the reader's concurrency. Each attempt is bounded by ``connect_timeout_s`` /
     ``read_timeout_s``; a transient failure is retried ``retries`` times after ``backoff_s``,
-    doubling (jittered). ``max_object_size``: larger objects are refused at the HEAD."""
+    doubling (jittered). ``max_object_size``: larger objects are refused at the HEAD.
+    ``get_timeout_s``: the most one ranged GET's body may take however slowly its bytes come
+    (``read_timeout_s`` bounds each socket read only); then its connection is closed and the
+    GET retried like a timeout. A listing page must arrive within it too, else the listing is
+    refused."""
 
     addressing: Literal["auto", "path", "virtual"] = "path"
     max_pool_connections: int = 64
@@ -49,12 +54,15 @@ class S3Config(s3client.S3Config):
     retries: int = 5
     backoff_s: float = 0.1
     max_object_size: Size = Size(DEFAULT_MAX_OBJECT_SIZE)
+    get_timeout_s: float = 300.0
 
     def __post_init__(self):
         if not isinstance(self.max_object_size, int):
             object.__setattr__(self, "max_object_size", parse_size(self.max_object_size, "max_object_size"))
         if self.max_object_size < 1:
             raise ConfigError(f"max_object_size must be at least 1 byte, got {self.max_object_size}")
+        if not (isinstance(self.get_timeout_s, (int, float)) and self.get_timeout_s > 0):
+            raise ConfigError(f"get_timeout_s must be a number of seconds > 0, got {str(self.get_timeout_s)[:40]}")
 
 
 def split_uri(uri: str) -> tuple[str, str]:
@@ -101,6 +109,41 @@ def _bounded(value, what: str, uri: str) -> str | None:
         raise LoaderError(f"{uri}: the server's {what} is {len(value):,} characters long "
                           f"(more than {MAX_VERSION_CHARS}); refusing it")
     return value
+
+
+def _next_page(pages, seconds: float, uri: str):
+    """The next page of a listing (None at its end), waited for at most ``seconds``: botocore
+    reads a page whole with a timeout per socket read only, so a page that drips would hold the
+    pull forever. LoaderError past the deadline (the reading thread is a daemon, left behind)."""
+    box: list = []
+
+    def fetch() -> None:
+        try:
+            box.append((True, next(pages, None)))
+        except BaseException as exc:  # handed to the waiting thread
+            box.append((False, exc))
+
+    reader = threading.Thread(target=fetch, name="kvtier-s3-list", daemon=True)
+    reader.start()
+    reader.join(seconds)
+    if not box:
+        raise LoaderError(f"{uri}: a listing page did not arrive within {seconds:g} s (get_timeout_s); "
+                          "refusing the listing")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _hang_up(body, late: threading.Event) -> None:
+    """A GET's deadline passed: shut its socket down so the read blocked on it returns now."""
+    late.set()
+    sock = getattr(getattr(getattr(body, "_raw_stream", None), "connection", None), "sock", None)
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 class S3Source(Source):
@@ -205,21 +248,34 @@ class S3Source(Source):
             # with no intermediate copy. Identity encoding only; otherwise the public read().
             raw = getattr(raw, "_fp", raw)
         got = 0
+        late = threading.Event()
+        watchdog = threading.Timer(self.config.get_timeout_s, _hang_up, (body, late))
+        watchdog.daemon = True
+        watchdog.start()
         try:
             for v in views:
                 filled = 0
                 while filled < len(v):
-                    if raw is not None and hasattr(raw, "readinto"):
-                        n = raw.readinto(v[filled:])
-                    else:
-                        chunk = body.read(len(v) - filled)
-                        n = len(chunk)
-                        v[filled:filled + n] = chunk
-                    if not n:
-                        raise _ShortBody(f"{got} of {wanted} bytes")
+                    try:
+                        if raw is not None and hasattr(raw, "readinto"):
+                            n = raw.readinto(v[filled:])
+                        else:
+                            chunk = body.read(len(v) - filled)
+                            n = len(chunk)
+                            v[filled:filled + n] = chunk
+                    except Exception:
+                        if late.is_set():
+                            n = 0
+                        else:
+                            raise
+                    if not n or late.is_set():
+                        why = (f" in {self.config.get_timeout_s:g} s, the most one ranged GET may take "
+                               "(get_timeout_s)") if late.is_set() else ""
+                        raise _ShortBody(f"{got} of {wanted} bytes{why}")
                     filled += n
                     got += n
         finally:
+            watchdog.cancel()
             body.close()
 
     def _call(self, fn):
@@ -253,11 +309,13 @@ class S3Source(Source):
         bucket, prefix = split_uri(uri)
         if prefix and not prefix.endswith("/"):
             prefix += "/"
-        client = client or make_client(config or S3Config())
+        config = config or S3Config()
+        client = client or make_client(config)
         out: list[tuple[str, int]] = []
         pages = 0
         try:
-            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter="/"):
+            it = iter(client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter="/"))
+            while (page := _next_page(it, config.get_timeout_s, uri)) is not None:
                 pages += 1
                 if pages > MAX_LISTED // 100:
                     raise LoaderError(f"{uri}: the listing runs past {MAX_LISTED // 100:,} pages; refusing it")
