@@ -230,3 +230,17 @@ def test_without_blake3_entries_are_tagged_with_hmac_sha256_and_both_are_read(tm
     with _fs(shared, entry.EntryAuth(SECRET)) as tier:
         assert np.array_equal(np.frombuffer(tier.get(other_key), np.uint16), KV)
         assert np.array_equal(np.frombuffer(tier.get(KEY), np.uint16), KV)
+
+
+def test_a_disk_tier_keeps_tagged_entries_across_a_restart_and_checks_them_on_read(tmp_path):
+    from kvtier.tiers.disk import DiskConfig, DiskTier
+
+    config = DiskConfig(path=str(tmp_path / "disk"), capacity=1 << 24, drop_cache=False)
+    with DiskTier(config, name="disk") as tier:
+        tier.set_auth(entry.EntryAuth(SECRET))
+        assert tier.put(KEY, KV, "bfloat16")
+    with DiskTier(config, name="disk") as tier:  # the index is rebuilt before the key is set
+        tier.set_auth(entry.EntryAuth(SECRET))
+        assert np.array_equal(np.frombuffer(tier.get(KEY), np.uint16), KV)
+    with DiskTier(config, name="disk") as tier:  # without the key: a counted miss
+        assert tier.get(KEY) is None and tier.stats.as_dict()["corrupt"] == 1
