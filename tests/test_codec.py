@@ -152,3 +152,17 @@ def test_an_unknown_codec_name_is_one_config_line():
     with pytest.raises(ConfigError, match="none, lossless") as exc:
         parse_tier_spec({"type": "fs", "path": "/nonexistent-kvtier", "codec": "zip"}, "store.tiers[1]")
     assert "\n" not in str(exc.value) and "codec" in str(exc.value)
+
+
+def test_lossless_through_a_real_redis_with_auth(redis_url, key_prefix):
+    from kvtier.tiers.redis import RedisConfig, RedisTier
+
+    kv = _kv()
+    config = RedisConfig(url=redis_url, prefix=key_prefix, capacity=1 << 26, codec="lossless")
+    with RedisTier(config, name="redis") as tier:
+        tier.set_auth(entry.EntryAuth(SECRET))
+        assert tier.put(KEY, kv, "bfloat16")
+        assert tier.size_of(KEY) == kv.nbytes
+        out = np.zeros_like(kv)
+        assert tier.get_into(KEY, out) == kv.nbytes and np.array_equal(out, kv)
+        assert tier.stats.as_dict()["bytes_written"] < kv.nbytes / 1.2  # what the tier stored
