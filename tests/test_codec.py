@@ -166,3 +166,17 @@ def test_lossless_through_a_real_redis_with_auth(redis_url, key_prefix):
         out = np.zeros_like(kv)
         assert tier.get_into(KEY, out) == kv.nbytes and np.array_equal(out, kv)
         assert tier.stats.as_dict()["bytes_written"] < kv.nbytes / 1.2  # what the tier stored
+
+
+def test_the_connector_takes_the_element_width_from_the_engine_kv_dtype():
+    from kvtier.integrations.vllm.config import ConnectorConfig, kv_element_dtype
+
+    assert kv_element_dtype("auto", "torch.bfloat16") == "bfloat16"
+    assert kv_element_dtype("fp8_e5m2", "torch.bfloat16") == "float8_e5m2"
+    assert kv_element_dtype("auto", None) == "uint8"  # unknown: opaque bytes, still lossless
+    config = ConnectorConfig.from_extra_config({"tiers": [{"type": "ram", "capacity": "1MiB"}]})
+    assert config.with_kv_dtype("auto", "torch.float16").store.element_dtype == "float16"
+    given = ConnectorConfig.from_extra_config({"element_dtype": "bfloat16"})
+    assert given.with_kv_dtype("auto", "torch.float16").store.element_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="element_dtype"):
+        ConnectorConfig.from_extra_config({"element_dtype": "bf17"})

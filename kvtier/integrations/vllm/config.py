@@ -128,6 +128,15 @@ class ConnectorConfig:
         tiers = [spec.for_engine_pages(page_bytes) for spec in self.store.tiers]  # each tier fits itself
         return dataclasses.replace(self, store=dataclasses.replace(self.store, tiers=tiers))
 
+    def with_kv_dtype(self, cache_dtype: Any, model_dtype: Any) -> "ConnectorConfig":
+        """The same config with the store's ``element_dtype`` set from the engine's KV dtype
+        (vLLM's ``cache_dtype``; ``auto``: the model's dtype), so a tier codec shuffles by the
+        right width; an ``element_dtype`` the user gave (other than the default) is kept."""
+        if self.store.element_dtype != "uint8":
+            return self
+        dtype = kv_element_dtype(cache_dtype, model_dtype)
+        return dataclasses.replace(self, store=dataclasses.replace(self.store, element_dtype=dtype))
+
     def for_rank(self, rank: int, world: int, stage: int = 0, stages: int = 1) -> "ConnectorConfig":
         """The config of tensor-parallel rank ``rank`` of ``world`` in pipeline stage ``stage``
         of ``stages`` (itself when there is one worker).
@@ -146,6 +155,21 @@ class ConnectorConfig:
         share = RankShare(rank, world, stage, stages)
         tiers = [spec.for_rank(share) for spec in self.store.tiers]  # each tier splits itself
         return dataclasses.replace(self, store=dataclasses.replace(self.store, tiers=tiers))
+
+
+_KV_DTYPE_ALIASES = {"bf16": "bfloat16", "half": "float16", "fp16": "float16", "float": "float32",
+                     "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def kv_element_dtype(cache_dtype: Any, model_dtype: Any) -> str:
+    """The ``kvtier.entry.DTYPES`` name of the engine's KV elements: ``cache_dtype`` unless it is
+    ``auto``/empty, then ``model_dtype`` (a torch dtype or its name); ``uint8`` when unknown."""
+    from kvtier.entry import DTYPES
+
+    source = model_dtype if str(cache_dtype or "auto") == "auto" else cache_dtype
+    name = str(source or "").removeprefix("torch.")
+    name = _KV_DTYPE_ALIASES.get(name, name)
+    return name if name in DTYPES else "uint8"
 
 
 def check_load_failure_policy(policy: str, require_recompute: bool) -> str | None:

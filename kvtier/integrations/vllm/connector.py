@@ -124,6 +124,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         route_logs_to_vllm()  # kvtier's log lines under vLLM's logging configuration
         transfer = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        self.config = self.config.with_kv_dtype(  # a tier codec's element width
+            getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"),
+            getattr(getattr(vllm_config, "model_config", None), "dtype", ""))
         warning = check_load_failure_policy(transfer.kv_load_failure_policy, self.config.require_recompute)
         if warning and role == KVConnectorRole.SCHEDULER:  # once per engine
             log.warning("%s", warning)
