@@ -244,3 +244,36 @@ def test_a_disk_tier_keeps_tagged_entries_across_a_restart_and_checks_them_on_re
         assert np.array_equal(np.frombuffer(tier.get(KEY), np.uint16), KV)
     with DiskTier(config, name="disk") as tier:  # without the key: a counted miss
         assert tier.get(KEY) is None and tier.stats.as_dict()["corrupt"] == 1
+
+
+def test_a_valid_entry_moved_under_another_key_is_a_miss(tmp_path):
+    """Replay: a tenant copies one of the victim's own tagged entries to the name of another of
+    the victim's keys. The tag covers the header, which names the key: a miss."""
+    shared = str(tmp_path / "shared")
+    other_key = hashlib.sha256(b"victim chunk 2").digest()
+    with _fs(shared, entry.EntryAuth(SECRET)) as victim:
+        assert victim.put(KEY, FORGED, "bfloat16")
+        src = os.path.join(shared, f"{KEY[0]:02x}", KEY.hex())
+        dst_dir = os.path.join(shared, f"{other_key[0]:02x}")
+        os.makedirs(dst_dir, mode=0o700, exist_ok=True)
+        with open(src, "rb") as f, open(os.path.join(dst_dir, other_key.hex()), "wb") as g:
+            g.write(f.read())
+        os.chmod(os.path.join(dst_dir, other_key.hex()), 0o600)
+        assert victim.get(other_key) is None
+        assert victim.stats.as_dict()["corrupt"] == 1
+
+
+def test_a_planted_object_in_a_real_s3_store_is_a_counted_miss(s3_server, s3_bucket):
+    from kvtier.tiers.s3 import S3Config, S3Tier
+
+    config = S3Config(bucket=s3_bucket, endpoint_url=s3_server.endpoint_url, access_key=s3_server.access_key,
+                      secret_key=s3_server.secret_key, capacity=1 << 26, codec="lossless")
+    with S3Tier(config, name="attacker") as attacker:
+        assert attacker.put(KEY, FORGED, "bfloat16")
+    with S3Tier(config, name="victim") as victim:
+        victim.set_auth(entry.EntryAuth(SECRET))
+        out = np.zeros_like(KV)
+        assert victim.get_into(KEY, out) is None and not out.any()
+        assert victim.stats.as_dict()["corrupt"] == 1
+        assert victim.put(KEY, KV, "bfloat16") and victim.get_into(KEY, out) == KV.nbytes
+        assert np.array_equal(out, KV)
