@@ -34,6 +34,20 @@ from kvtier.bench import targets
 from kvtier.errors import ConfigError, KVTierError
 
 MAIN_SETTINGS = ("vllm", "kvtier-ram", "kvtier-ram+disk")
+# --variant: the random models the demo makes (kvtier.bench.models); what each is, and why one is refused
+VARIANTS = {
+    "small": "Qwen2, 8 layers, 2 KV heads x 64 (4,096 KV bytes per token)",
+    "kv-heavy": "Qwen2, 16 layers, 16 KV heads x 64 (65,536 KV bytes per token)",
+    "swa": "Gemma-3 shape: 6 layers, 5 sliding-window (1,024 tokens) : 1 full attention",
+    "mla": "DeepSeek-V2 shape: 4 MLA layers, kv_lora_rank 512 + qk_rope_head_dim 64",
+    "hybrid": "Qwen3-Next shape: gated delta net layers beside full attention",
+}
+REFUSED_VARIANTS = {
+    "hybrid": ("kvtier's connector refuses recurrent-state models at engine start (it does not save or restore "
+               "gated-delta-net / Mamba state, so a re-read could not resume from a stored prefix)"),
+}
+SWA_SHAPE = dict(num_hidden_layers=6, sliding_window=1024, local_per_global=5)  # Gemma 3's 5:1, window 1,024
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 OPTIONAL_SETTINGS = ("example-connector", "lmcache-mp")
 PASSES = ("first", "again", "reverse")
 DEFAULT_FRACTIONS = (0.33, 0.67, 1.0, 1.33)
@@ -57,8 +71,9 @@ class Setting:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvtier demo``."""
     parser.add_argument("--model", help="a local model directory (default: a small random Qwen2 made once)")
-    parser.add_argument("--variant", default="small", choices=("small", "kv-heavy"),
-                        help="which random model to make when --model is not given (default: small)")
+    parser.add_argument("--variant", default="small", choices=tuple(VARIANTS),
+                        help="which random model to make when --model is not given (default: small): "
+                             + "; ".join(f"{k}: {v}" for k, v in VARIANTS.items()))
     parser.add_argument("--docs", type=int, default=10, help="number of documents (default 10)")
     parser.add_argument("--tokens", type=int, default=5000, help="tokens per document (default 5000)")
     parser.add_argument("--pool-tokens", type=int, default=21504,
@@ -67,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma list of {', '.join(MAIN_SETTINGS + OPTIONAL_SETTINGS)} (default: the first three)")
     parser.add_argument("--capacity-fractions", default=",".join(map(str, DEFAULT_FRACTIONS)),
                         help="RAM-tier sizes for the capacity curve, as fractions of the working set; '' to skip")
+    parser.add_argument("--compare-tokens", type=int, default=16,
+                        help="greedy tokens generated per request (1-64), compared with vLLM alone's first pass (default 16; "
+                             "TTFT is still the time to the first one)")
     parser.add_argument("--chunk-tokens", type=int, default=None, help="kvtier chunk size (default: the connector's)")
     parser.add_argument("--max-engines", type=int, default=4,
                         help="engines alive at once, whose requests are interleaved (default 4; lower it to save memory)")
@@ -96,16 +114,25 @@ def run(args: argparse.Namespace) -> int:
     if args.pool_tokens // 128 - 1 < -(-(args.tokens + 64) // 128):  # vLLM keeps one block back
         raise ConfigError(f"--pool-tokens {args.pool_tokens} cannot hold one document of {args.tokens} tokens; "
                           f"use at least {(-(-(args.tokens + 64) // 128) + 1) * 128}")
+    if not 1 <= getattr(args, "compare_tokens", 1) <= 64:  # the engine's max_model_len leaves 64 tokens
+        raise ConfigError(f"--compare-tokens must be 1..64, got {args.compare_tokens}")
     model = _model_dir(args)
-    bytes_per_token = _bytes_per_token(model)
-    docs, warmup, hit_docs = _documents(args.docs, args.tokens)
+    config = _load_config(model)
+    shape = _shape(model, config)
+    _refuse_recurrent(shape, config, settings_names, fractions, model)
+    docs, warmup, hit_docs = _documents(args.docs, args.tokens, _vocab_size(config))
     chunk = args.chunk_tokens or 128
-    working_set = args.docs * ((args.tokens - 1) // chunk) * chunk * bytes_per_token
+    prefix = (args.tokens - 1) // chunk * chunk
+    working_set = args.docs * shape.bytes_for(prefix)  # item 1's formula: full x prefix + window x min(prefix, window)
+    args.pool_blocks = args.pool_tokens // 128 * kv_cache_groups(shape)
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-", dir=args.work_dir) as work:
         settings = _settings(settings_names, fractions, working_set, Path(work), args.chunk_tokens)
         _run_settings(settings, model, docs, warmup, hit_docs, args, Path(work))
     doc_bytes = working_set // args.docs
     report = _report(settings, working_set, doc_bytes, memcpy_gbps(doc_bytes))
+    report["model"] = model_summary(model, config, shape, prefix, getattr(args, "variant", None) if not args.model else None)
+    report["stored_bytes"] = stored_bytes(settings, args.docs, doc_bytes)
+    report["first_tokens"] = first_tokens(settings, getattr(args, "compare_tokens", 1))
     if args.plot:
         _plot(report, args.plot)
     if args.json:
@@ -126,27 +153,101 @@ def _parse_settings(text: str) -> list[str]:
 
 
 def _model_dir(args: argparse.Namespace) -> str:
+    """``--model`` checked (``check_model_dir``), or the ``--variant`` model made once; a refused
+    variant is a ConfigError saying why."""
     if args.model:
-        if not os.path.isfile(os.path.join(args.model, "config.json")):
-            raise ConfigError(f"{args.model}: not a model directory (no config.json)")
-        return args.model
-    from kvtier.bench.models import make_random_model
+        return check_model_dir(args.model)
+    variant = getattr(args, "variant", "small")
+    if variant not in VARIANTS:
+        raise ConfigError(f"unknown --variant {variant!r}; valid: {', '.join(VARIANTS)}")
+    if variant in REFUSED_VARIANTS:
+        raise ConfigError(f"--variant {variant} ({VARIANTS[variant]}): not run: {REFUSED_VARIANTS[variant]}; "
+                          f"runnable: {', '.join(v for v in VARIANTS if v not in REFUSED_VARIANTS)}")
+    from kvtier.bench import models
 
-    return str(make_random_model(args.variant))
+    if variant == "swa":
+        return str(models.make_family_model("gemma3-swa", **SWA_SHAPE))
+    if variant == "mla":
+        return str(models.make_family_model("deepseek-mla"))
+    return str(models.make_random_model(variant))
 
 
-def _bytes_per_token(model: str) -> int:
-    from kvtier.plan import kv_shape, load_model_config
+def check_model_dir(path: str) -> str:
+    """``path`` when it is a local Hugging Face model directory vLLM can load (config.json and
+    ``*.safetensors`` weights); else ConfigError, one line naming what is missing."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"--model {path}: not a directory (give a local Hugging Face model directory)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"--model {path}: not a model directory (no config.json)")
+    if not any(name.endswith(".safetensors") for name in os.listdir(path)):
+        raise ConfigError(f"--model {path}: no *.safetensors weights (save the model with "
+                          "save_pretrained(..., safe_serialization=True))")
+    return path
 
-    return kv_shape(load_model_config(model)).bytes_per_token
+
+def has_tokenizer(path: str) -> bool:
+    """Whether the model directory holds tokenizer files (the demo sends token ids either way)."""
+    return any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES)
 
 
-def _documents(num_docs: int, tokens: int) -> tuple[list[list[int]], list[int], list[list[int]]]:
-    """Deterministic random documents, a warm-up prompt and documents for the engine-hit probe."""
+def _load_config(model: str) -> dict:
+    from kvtier.plan import load_model_config
+
+    return load_model_config(model)
+
+
+def _shape(model: str, config: dict):
+    """The model's KV shape (``kvtier.plan.kv_shape``; a family it cannot size is a ConfigError)."""
+    from kvtier.plan import kv_shape
+
+    return kv_shape(config, where=model)
+
+
+def _vocab_size(config: dict) -> int:
+    """The text model's vocabulary size (32000 when the config does not say)."""
+    from kvtier.plan import text_config
+
+    value = text_config(config).get("vocab_size", 32000)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 32000
+
+
+def _refuse_recurrent(shape, config: dict, names: list[str], fractions: list[float], model: str) -> None:
+    """ConfigError before any engine starts when a setting would put kvtier's connector on a
+    model with recurrent-state layers (the connector refuses it at engine start)."""
+    from kvtier.plan import text_config
+
+    recurrent = [k for k in shape.kinds if k.state_bytes]
+    if not recurrent or (set(names) <= {"vllm"} and not fractions):
+        return
+    model_type = text_config(config).get("model_type", "?")
+    raise ConfigError(f"--model {model}: model type {model_type} has {recurrent[0].layers} recurrent-state layers "
+                      f"({recurrent[0].kind}): not run: {REFUSED_VARIANTS['hybrid']}; "
+                      "run only vLLM alone with --settings vllm --capacity-fractions ''")
+
+
+def kv_cache_groups(shape) -> int:
+    """How many KV cache groups vLLM's hybrid KV cache manager makes for ``shape``'s attention
+    layers (vLLM 0.32's ``_get_kv_cache_groups_uniform_page_size``: each group holds as many
+    layers as the smallest attention kind, or the largest when it has < 1.5 x as many); 1 for a
+    single kind. The demo's ``--pool-tokens`` is then ``pool_tokens / 128`` blocks per group."""
+    counts = [k.layers for k in shape.kinds if not k.state_bytes and k.layers]
+    if len(counts) <= 1:
+        return 1
+    size = min(counts)
+    if max(counts) < 1.5 * size:
+        size = max(counts)
+    return sum(-(-n // size) for n in counts)
+
+
+def _documents(num_docs: int, tokens: int, vocab: int = 32000) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """Deterministic random documents, a warm-up prompt and documents for the engine-hit probe,
+    of token ids inside ``vocab`` (the same ids as before for any vocabulary of 31,000 or more)."""
+    high = min(31000, vocab)
+    low = min(100, high // 4)
     rng = np.random.default_rng(20261007)
-    docs = [rng.integers(100, 31000, tokens).tolist() for _ in range(num_docs)]
-    warmup = rng.integers(100, 31000, 600).tolist()[:tokens]  # never longer than a document (max_model_len)
-    hit_docs = [rng.integers(100, 31000, tokens).tolist() for _ in range(3)]
+    docs = [rng.integers(low, high, tokens).tolist() for _ in range(num_docs)]
+    warmup = rng.integers(low, high, 600).tolist()[:tokens]  # never longer than a document (max_model_len)
+    hit_docs = [rng.integers(low, high, tokens).tolist() for _ in range(3)]
     return docs, warmup, hit_docs
 
 
@@ -215,7 +316,9 @@ def _run_group(group: list[Setting], order: dict, model: str, docs, warmup, hit_
     """Start one engine per setting of ``group``, replay the passes interleaved, stop them."""
     env = _engine_env()
     spec = {"model": model, "docs": docs, "warmup": warmup, "hit_docs": hit_docs,
-            "pool_blocks": args.pool_tokens // 128, "max_model_len": args.tokens + 64}
+            "pool_blocks": getattr(args, "pool_blocks", None) or args.pool_tokens // 128,
+            "max_model_len": args.tokens + 64,
+            "max_tokens": getattr(args, "compare_tokens", 1)}
     with contextlib.ExitStack() as stack:
         engines = {}
         for setting in group:
@@ -237,16 +340,92 @@ def _run_group(group: list[Setting], order: dict, model: str, docs, warmup, hit_
             members = [s for s in group if name in s.passes]
             for setting in members[k % max(1, len(members)):] + members[: k % max(1, len(members))]:
                 bar.set_postfix_str(f"{setting.name}: {name}")
+                counted = name == "first" and _is_kvtier(setting)
+                if counted:  # the connector's counters around the first pass: each document stored once
+                    before = engines[setting.name].ask({"stats": True}, settle)
                 for j, doc in enumerate(order[name]):
                     answer = engines[setting.name].ask({"doc": doc}, settle if j == 0 else 0.0)
                     setting.result["passes"][name].append({**answer, "doc": doc})
                     bar.update(1)
+                if counted:
+                    setting.result["stored"] = _counter_delta(before, engines[setting.name].ask({"stats": True}))
         for setting in group:
             for i in range(setting.engine_hit_docs):
                 first = engines[setting.name].ask({"hit": i}, settle if i == 0 else 0.0)
                 again = engines[setting.name].ask({"hit": i})  # the pool holds one document: a local hit
                 setting.result["engine_hit"].append({"first": first, "again": again})
                 bar.update(2)
+
+
+def _is_kvtier(setting: Setting) -> bool:
+    """Whether ``setting`` runs kvtier's connector (its store's counters mean something)."""
+    return bool(setting.kv_transfer_config) and setting.kv_transfer_config.get("kv_connector") == CONNECTOR["kv_connector"]
+
+
+def _counter_delta(before: dict, after: dict) -> dict:
+    """``engine_run.kvtier_counters`` after minus before (bytes saved and written per tier)."""
+    tiers = {t: b - before.get("tier_written_bytes", {}).get(t, 0) for t, b in after.get("tier_written_bytes", {}).items()}
+    return {"saved_bytes": after.get("saved_bytes", 0) - before.get("saved_bytes", 0),
+            "saved_chunks": after.get("saved_chunks", 0) - before.get("saved_chunks", 0),
+            "tier_written_bytes": tiers}
+
+
+def stored_bytes(settings: list[Setting], num_docs: int, formula_bytes: int) -> dict:
+    """Per kvtier setting, the KV bytes stored per document in its first pass (the connector's
+    saved bytes and each tier's written bytes over ``num_docs``) beside ``formula_bytes`` (item 1's
+    formula for one document's stored prefix) and their ratio; settings without counters are left out."""
+    out = {}
+    for s in settings:
+        counted = s.result.get("stored")
+        if not counted or num_docs < 1:
+            continue
+        per_doc = counted["saved_bytes"] / num_docs
+        out[s.name] = {"per_document_bytes": per_doc, "formula_per_document_bytes": formula_bytes,
+                       "ratio_to_formula": per_doc / formula_bytes if formula_bytes else None,
+                       "saved_chunks": counted["saved_chunks"],
+                       "tier_written_per_document_bytes": {t: b / num_docs for t, b in counted["tier_written_bytes"].items()}}
+    return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def first_tokens(settings: list[Setting], compare_tokens: int) -> dict:
+    """Each setting's and pass's generated tokens per document against vLLM alone's first pass
+    (a cold prefill): ``equal`` ("k/n" documents with every token equal), and per document
+    ``equal`` and ``equal_prefix`` (tokens equal before the first difference). On random
+    weights a near-tie can flip a greedy token (DESIGN.md): reported, never a failure."""
+    base = next((s for s in settings if s.name == "vllm"), None)
+    if base is None:
+        return {"compare_tokens": compare_tokens, "reference": None, "settings": {}}
+    ref = {r["doc"]: r["token_ids"] for r in base.result["passes"].get("first", [])}
+    out = {}
+    for s in settings:
+        for pass_name, reqs in s.result["passes"].items():
+            if s is base and pass_name == "first":
+                continue
+            docs = [{"doc": r["doc"], "equal": ref.get(r["doc"]) == r["token_ids"],
+                     "equal_prefix": _common_prefix(ref.get(r["doc"], []), r["token_ids"]),
+                     "tokens": len(r["token_ids"])} for r in reqs if r["doc"] in ref]
+            out[f"{s.name}/{pass_name}"] = {"equal": f"{sum(d['equal'] for d in docs)}/{len(docs)}", "docs": docs}
+    return {"compare_tokens": compare_tokens, "reference": "vllm/first", "settings": out}
+
+
+def model_summary(model: str, config: dict, shape, prefix: int, variant: str | None) -> dict:
+    """What the demo ran: the directory, variant, model type, tokenizer presence (prompts are
+    token ids either way), KV cache groups, and item 1's formula at the stored prefix length."""
+    from kvtier.plan import kv_size, text_config
+
+    size = kv_size(shape, max(1, prefix))
+    return {"path": model, "variant": variant, "model_type": text_config(config).get("model_type"),
+            "tokenizer": has_tokenizer(model), "prompts": "token ids", "kv_cache_groups": kv_cache_groups(shape),
+            "stored_prefix_tokens": prefix, "formula": size["formula"], "formula_bytes": size["total_bytes"]}
 
 
 class _Engine:
@@ -459,6 +638,7 @@ def _print(report: dict, args: argparse.Namespace, working_set: int) -> None:
                     [[f"{p['capacity_fraction']:g}", p["ttft_p50_ms"], p["ttft_mean_ms"],
                       f"{p['hit_tokens']:,} / {p['query_tokens']:,}"] for p in report["capacity_curve"]])
     print(f"\nvLLM's own prefix-cache hit (same document twice): TTFT p50 {report['engine_hit_ttft_p50_ms']:.1f} ms")
+    _print_model_checks(report)
     if report["breakeven_hit_rate"] is not None:
         be = report["breakeven"]
         print(f"break-even hit rate: {report['breakeven_hit_rate']:.1%} "
@@ -466,6 +646,28 @@ def _print(report: dict, args: argparse.Namespace, working_set: int) -> None:
     if report["targets"]:
         print()
         targets.print_targets(report["targets"])
+
+
+def _print_model_checks(report: dict) -> None:
+    """The stored-bytes and first-tokens lines of the report (when present)."""
+    from kvtier.config import format_bytes
+
+    model = report.get("model") or {}
+    if model:
+        print(f"model {model['path']} ({model['model_type']}, {model['kv_cache_groups']} KV cache group(s), "
+              f"{'tokenizer present, ' if model['tokenizer'] else 'no tokenizer, '}prompts are token ids)")
+        print(f"formula per document ({model['stored_prefix_tokens']:,} stored tokens): "
+              f"{format_bytes(model['formula_bytes'])} = {model['formula']}")
+    for name, row in (report.get("stored_bytes") or {}).items():
+        ratio = row["ratio_to_formula"]
+        print(f"  {name}: stored {format_bytes(int(row['per_document_bytes']))} per document"
+              + (f" ({ratio:.3f} x the formula)" if ratio is not None else ""))
+    first = report.get("first_tokens") or {}
+    if first.get("settings"):
+        print(f"first {first['compare_tokens']} generated tokens equal to vLLM alone's first pass "
+              "(near-ties on random weights can flip one):")
+        for name, row in first["settings"].items():
+            print(f"  {name}: {row['equal']} documents")
 
 
 def _plot(report: dict, path: str) -> None:
