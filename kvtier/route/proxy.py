@@ -2,8 +2,8 @@
 
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (bodies relayed as they
 are; streamed responses passed through chunk by chunk as they arrive), ``GET /v1/models`` (from
-a healthy engine), ``GET /health`` (200 with at least one engine in, else 503; JSON per engine),
-``GET /metrics`` (Prometheus text, a registry per router).
+a healthy engine, at most 8 MiB of it, else 502), ``GET /health`` (200 with at least one engine
+in, else 503; JSON per engine), ``GET /metrics`` (Prometheus text, a registry per router).
 
 Contracts
 ---------
@@ -37,7 +37,8 @@ Contracts
   ``Content-Length`` and ``Content-Encoding`` (this hop recomputes them). An engine URL's
   credentials (``http://user:pass@host``) are sent to that engine as Basic auth, replacing a
   client's ``Authorization``; without them the client's ``Authorization`` is passed on. The
-  credentials never appear in ``/health``, metric labels, logs or error messages.
+  credentials never appear in ``/health``, metric labels, logs or error messages. An engine's
+  redirect (3xx) is relayed to the client as it came, never followed.
 * With ``log_decisions``, one JSON line per decision on the ``kvtier.route.decisions`` logger.
 * An engine's KV event subscriber that stops with an error is logged and restarted (backing off
   up to 10 s), counted in ``kvtier_route_kv_subscriber_restarts``.
@@ -82,6 +83,7 @@ _RECOMPUTED = frozenset({"host", "content-length", "content-encoding", "expect"}
 _FD_RESERVE = 64  # descriptors kept free beside client and upstream connections (+8 per engine)
 _BACKLOG = 128  # also how many connections asyncio accepts in one go, before any excess is closed
 _TEXT_CHARS_PER_TOKEN = 8  # a text prompt is cut at this many characters per routed token
+_MAX_MODELS_BYTES = 8 << 20  # an engine's /v1/models answer (a few KiB in practice)
 
 
 def relay_headers(headers: Mapping[str, str]) -> CIMultiDict:
@@ -294,7 +296,8 @@ class Router:
     async def _probe(self, url: str) -> bool:
         try:
             timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
-            async with self.session.get(url + "/health", timeout=timeout, headers=self._auth_headers(url)) as resp:
+            async with self.session.get(url + "/health", timeout=timeout, headers=self._auth_headers(url),
+                                        allow_redirects=False) as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
@@ -341,8 +344,11 @@ class Router:
         for url in self.healthy():
             try:
                 async with session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10),
-                                       headers=self._auth_headers(url)) as resp:
-                    body = await resp.read()
+                                       headers=self._auth_headers(url), allow_redirects=False) as resp:
+                    body = await _read_at_most(resp, _MAX_MODELS_BYTES)
+                    if body is None:
+                        return _error(502, f"engine {url} answered /v1/models with more than "
+                                           f"{_MAX_MODELS_BYTES >> 20} MiB")
                     return web.Response(body=body, status=resp.status, content_type="application/json")
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 self.eject(url, "no answer to /v1/models")
@@ -547,7 +553,7 @@ class Router:
         None response: failed before the first byte (outcome says how); first None: a status to
         retry elsewhere (502/503/504)."""
         try:
-            upstream = await self.session.post(url, data=raw, headers=headers)
+            upstream = await self.session.post(url, data=raw, headers=headers, allow_redirects=False)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             return f"connect_error: {type(exc).__name__}", None, None
         try:
@@ -603,6 +609,18 @@ class Router:
         if event is None:
             event = self._out[engine] = asyncio.Event()
         return event
+
+
+async def _read_at_most(resp: Any, limit: int) -> bytes | None:
+    """The whole body of an engine's ``resp``, or None once it passes ``limit`` bytes (the rest
+    is never read: the connection is closed with the response)."""
+    buf = bytearray()
+    while chunk := await resp.content.readany():
+        buf += chunk
+        if len(buf) > limit:
+            resp.close()
+            return None
+    return bytes(buf)
 
 
 def _cut_messages(messages: list, budget: int) -> tuple[list, int, int]:

@@ -45,3 +45,48 @@ def test_a_huge_chat_is_tokenized_only_as_far_as_it_is_routed(stub, tmp_path):
         assert "Traceback" not in r.text()
     finally:
         r.stop()
+
+
+@pytest.fixture(scope="module")
+def router(stub, tmp_path_factory):
+    r = Router(tmp_path_factory.mktemp("attack"), "router", {"engines": [stub.url], "health_interval_s": 0.5})
+    yield r
+    r.stop()
+    assert "Traceback" not in r.text(), r.text()[-3000:]
+
+
+def test_an_engines_endless_model_list_is_cut_not_held(router, stub):
+    """An engine answering /v1/models with 512 MiB was read whole into the router's memory;
+    now the answer is at most 8 MiB (a 502 beyond). Bound: the router's RSS grows < 64 MiB."""
+    import psutil
+
+    proc = psutil.Process(router.child.popen.pid)
+    assert requests.get(router.base + "/v1/models", timeout=10).json()["data"][0]["id"] == "stub"
+    before = proc.memory_info().rss
+    stub.models_bytes = 512 * 2**20
+    try:
+        resp = requests.get(router.base + "/v1/models", timeout=60)
+    finally:
+        stub.models_bytes = None
+    grown = proc.memory_info().rss - before
+    assert resp.status_code == 502 and "8 MiB" in resp.json()["error"]["message"], resp.text[:300]
+    assert grown < 64 * 2**20, f"RSS grew {grown / 2**20:.0f} MiB"
+    assert router.health()["healthy"] == [stub.url]  # a long answer is not a dead engine
+
+
+def test_an_engines_redirect_is_relayed_never_followed(router, stub):
+    """An engine answering 307 to another host made the router re-send the client's prompt
+    there (and follow same-origin redirects with the engine's credentials); now the 307 goes
+    to the client as it came and nothing reaches the other host."""
+    elsewhere = StubEngine().start()
+    try:
+        resp = requests.post(router.base + "/v1/completions", data=json.dumps({"prompt": "private words"}),
+                             headers={"Content-Type": "application/json", "X-Stub": "redirect",
+                                      "X-Stub-Location": elsewhere.url + "/v1/completions"},
+                             allow_redirects=False, timeout=10)
+        assert resp.status_code == 307 and resp.headers["Location"] == elsewhere.url + "/v1/completions"
+        time.sleep(0.3)
+        assert elsewhere.seen == [], elsewhere.seen
+    finally:
+        elsewhere.stop()
+    assert router.in_flight() == 0 and router.health()["healthy"] == [stub.url]
