@@ -118,8 +118,12 @@ def pull(uri: str, cache_dir: str, concurrency: int = 16, block_size: int = 16 *
     dest = cache_path(cache_dir, uri)
     if is_complete(dest):
         return PullResult(dest, False, 0, _count(dest))
-    os.makedirs(dest, exist_ok=True)
-    lock_fd = os.open(dest.rstrip("/") + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.makedirs(dest, exist_ok=True)
+        lock_fd = os.open(dest.rstrip("/") + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:  # a cache dir that is a file, not writable, a name too long...
+        raise LoaderError(f"{uri}: cannot create the cache directory {dest[:300]} ({exc.strerror}); "
+                          "choose another --cache-dir") from None
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)  # held by one downloader per node; others wait here
         if is_complete(dest):
@@ -251,13 +255,17 @@ def _nofollow(path: str, flags: int) -> int:
 
 
 def _write_json(dest: str, name: str, value: dict) -> None:
-    """Write ``dest/name`` atomically and durably."""
+    """Write ``dest/name`` atomically and durably; LoaderError (one line) when it cannot be."""
     tmp = os.path.join(dest, f"{name}.tmp.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8", opener=_nofollow) as f:
-        json.dump(value, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(dest, name))
+    try:
+        unlink_quietly(tmp)  # a leftover (or a FIFO planted there) is never opened
+        with open(tmp, "x", encoding="utf-8", opener=_nofollow) as f:
+            json.dump(value, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(dest, name))
+    except OSError as exc:
+        raise LoaderError(f"cannot write {os.path.join(dest, name)} ({exc.strerror})") from None
 
 
 def _read_progress(dest: str) -> dict[str, str | None]:

@@ -33,11 +33,11 @@ def s3():
     server.close()
 
 
-def _pull(s3: HostileS3, cache, *extra: str, timeout: float = 15) -> tuple[int, str, float]:
+def _pull(s3: HostileS3, cache, *extra: str, timeout: float = 15, uri: str = URI) -> tuple[int, str, float]:
     """`kvtier pull URI` as a real process: (exit code, stderr, seconds); -9 when it ran past
     ``timeout`` (killed: a hang)."""
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "AK", "AWS_SECRET_ACCESS_KEY": "SK", "AWS_REGION": "us-east-1"}
-    cmd = [sys.executable, "-m", "kvtier.cli", "pull", URI, "--cache-dir", str(cache), "--endpoint-url",
+    cmd = [sys.executable, "-m", "kvtier.cli", "pull", uri, "--cache-dir", str(cache), "--endpoint-url",
            s3.endpoint_url, "--no-progress", "--block-size", "64KiB", "--concurrency", "1", *extra]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
@@ -163,3 +163,18 @@ def test_the_get_deadline_is_range_checked():
     for bad in (0, -1.0, "5"):
         with pytest.raises(ConfigError, match="get_timeout_s"):
             S3Config(get_timeout_s=bad)
+
+
+@pytest.mark.parametrize("problem", ["cache dir is a file", "a segment too long"])
+def test_a_cache_directory_that_cannot_be_made_is_one_line(s3, tmp_path, problem):
+    """A careless --cache-dir (a regular file) or a URI segment longer than NAME_MAX ended in
+    an OSError traceback; now exit 2 with one line naming the cache directory."""
+    cache = tmp_path / "c"
+    uri = URI
+    if problem == "cache dir is a file":
+        cache.write_text("not a directory")
+    else:
+        uri = "s3://b/" + "a" * 300 + "/"
+    rc, err, _ = _pull(s3, cache, uri=uri)
+    assert rc == 2 and err.startswith("kvtier pull: error: ") and "\n" not in err, err
+    assert "cache directory" in err and "Traceback" not in err, err
