@@ -1,4 +1,4 @@
-"""Lossless KV codecs for the entries of slower tiers (``codec: none | lossless`` per tier).
+"""Lossless KV codecs for the entries of slower tiers (``codec: none | lossless | auto`` per tier).
 
 ``lossless``: Blosc2's bit-shuffle filter at the element width of the KV dtype (2 bytes for
 bf16/fp16: the sign/exponent bits of every element line up, and they repeat), then LZ4, on one
@@ -14,18 +14,26 @@ length (already bounded by the reader's ``max_length`` and equal to shape x item
 own declared size must equal it before a byte is decoded, so a forged entry can neither
 allocate nor write more. Any failure is CorruptEntry (a counted miss upstream).
 
+``auto`` (``AutoChoice``): per tier, a chunk is coded only when ``S/E + S/(r B) + S/D < S/B``
+(encode, move the coded bytes, decode, against moving the raw bytes): the document's break-even
+rule applied to bytes, with ``B`` the moving average of the tier's own puts (stored bytes per
+second, codec time excluded), ``E``/``D``/``r`` measured on this machine at start (one 1 MiB
+bf16-like sample) and refreshed from real chunks (every coded put, and a probe every
+``PROBE_EVERY`` raw puts). Until the tier has been measured, chunks are stored raw.
+
 Imports: ``kvtier.errors`` and, lazily, ``blosc2``.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 from kvtier.errors import ConfigError, CorruptEntry
 
-CodecName = Literal["none", "lossless"]
+CodecName = Literal["none", "lossless", "auto"]
 CODEC_NAMES = get_args(CodecName)
 LOSSLESS_ID = 1  # codec ids are part of the entry format: never renumber
 _MIN_BYTES = 4096  # smaller payloads are stored raw: the frame costs more than it saves
@@ -74,7 +82,7 @@ def get_codec(name: str, where: str = "codec") -> Codec | None:
     the valid choices) for another name or a missing library."""
     if name == "none":
         return None
-    if name == "lossless":
+    if name in ("lossless", "auto"):  # auto codes with lossless when it pays (AutoChoice)
         try:
             _lib()
         except ConfigError as exc:
@@ -102,3 +110,109 @@ def decode_into(codec_id: int, stored: memoryview, out: memoryview, itemsize: in
         lib.decompress2(stored, dst=out, nthreads=1)
     except Exception as exc:  # blosc2 raises ValueError/RuntimeError for bad streams
         raise CorruptEntry(f"codec stream does not decode ({type(exc).__name__})") from None
+
+
+PROBE_EVERY = 16  # raw puts between two probe encodes of an auto tier (refreshes E, D, r)
+_EWMA = 0.2  # weight of the newest observation in the moving averages
+
+
+class AutoChoice:
+    """The break-even rule of one ``auto`` tier (thread-safe). ``observe_put`` feeds the tier's
+    bandwidth; ``encode`` decides per chunk and returns the coded bytes or None (store raw);
+    ``state()`` is the choice and its inputs (for the tier's metrics)."""
+
+    def __init__(self, codec: Codec, itemsize: int = 2):
+        self.codec = codec
+        self._lock = threading.Lock()
+        self.tier_bps: float | None = None
+        self.encode_bps, self.decode_bps, self.ratio = _measure(codec, itemsize)
+        self.coding = False
+        self.coded = 0
+        self.raw = 0
+        self._since_probe = 0
+
+    def pays(self) -> bool:
+        """Whether coding pays at the current inputs (False until the tier is measured)."""
+        with self._lock:
+            b = self.tier_bps
+            if not b or self.ratio <= 1.0:
+                return False
+            return 1.0 / self.encode_bps + 1.0 / self.decode_bps + 1.0 / (self.ratio * b) < 1.0 / b
+
+    def encode(self, raw: memoryview, itemsize: int) -> bytes | None:
+        """The coded bytes when coding pays (or None: store raw); every ``PROBE_EVERY`` raw
+        chunks one is encoded (and decoded) anyway to refresh ``E``, ``D`` and ``r``."""
+        code = self.pays()
+        with self._lock:
+            self.coding = code
+            probe = not code and self._since_probe >= PROBE_EVERY
+            self._since_probe = 0 if (code or probe) else self._since_probe + 1
+        if not (code or probe):
+            with self._lock:
+                self.raw += 1
+            return None
+        start = time.perf_counter()
+        coded = self.codec.encode(raw, itemsize)
+        took = time.perf_counter() - start
+        if coded is None:
+            with self._lock:
+                self.raw += 1
+            return None
+        decode_s = None
+        if probe:
+            start = time.perf_counter()
+            decode_into(self.codec.id, memoryview(coded), memoryview(bytearray(raw.nbytes)), itemsize)
+            decode_s = time.perf_counter() - start
+        with self._lock:
+            self.encode_bps = _avg(self.encode_bps, raw.nbytes / max(took, 1e-9))
+            self.ratio = _avg(self.ratio, raw.nbytes / len(coded))
+            if decode_s is not None:
+                self.decode_bps = _avg(self.decode_bps, raw.nbytes / max(decode_s, 1e-9))
+            if code:
+                self.coded += 1
+            else:
+                self.raw += 1
+        return coded if code else None
+
+    def observe_put(self, stored_bytes: int, seconds: float) -> None:
+        """One put of the tier moved ``stored_bytes`` in ``seconds`` (codec time excluded)."""
+        if stored_bytes <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            self.tier_bps = _avg(self.tier_bps, stored_bytes / seconds)
+
+    def state(self) -> dict:
+        """The current choice and its inputs (bytes per second; counts of coded/raw puts)."""
+        with self._lock:
+            return {"coding": self.coding, "tier_bps": self.tier_bps, "encode_bps": self.encode_bps,
+                    "decode_bps": self.decode_bps, "ratio": self.ratio, "coded_puts": self.coded,
+                    "raw_puts": self.raw}
+
+
+def _avg(old: float | None, new: float) -> float:
+    return new if old is None else (1 - _EWMA) * old + _EWMA * new
+
+
+_MEASURED: dict[tuple[str, int], tuple[float, float, float]] = {}
+
+
+def _measure(codec: Codec, itemsize: int) -> tuple[float, float, float]:
+    """(encode B/s, decode B/s, ratio) of ``codec`` on one thread over a 1 MiB sample of
+    bf16-like values (normal, upper 16 bits of float32); measured once per process."""
+    key = (codec.name, itemsize)
+    if key not in _MEASURED:
+        import numpy as np
+
+        x = np.random.default_rng(0).normal(0, 1, 1 << 19).astype(np.float32)
+        raw = memoryview((x.view(np.uint32) >> 16).astype(np.uint16)).cast("B")
+        codec.encode(raw, itemsize)  # warm up
+        start = time.perf_counter()
+        coded = codec.encode(raw, itemsize) or bytes(raw)
+        enc = time.perf_counter() - start
+        out = memoryview(bytearray(raw.nbytes))
+        start = time.perf_counter()
+        if len(coded) < raw.nbytes:
+            decode_into(codec.id, memoryview(coded), out, itemsize)
+        dec = time.perf_counter() - start
+        _MEASURED[key] = (raw.nbytes / max(enc, 1e-9), raw.nbytes / max(dec, 1e-9), raw.nbytes / len(coded))
+    return _MEASURED[key]

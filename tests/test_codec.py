@@ -180,3 +180,45 @@ def test_the_connector_takes_the_element_width_from_the_engine_kv_dtype():
     assert given.with_kv_dtype("auto", "torch.float16").store.element_dtype == "bfloat16"
     with pytest.raises(ConfigError, match="element_dtype"):
         ConnectorConfig.from_extra_config({"element_dtype": "bf17"})
+
+
+def _auto_redis(url: str, prefix: str):
+    from kvtier.tiers.redis import RedisConfig, RedisTier
+
+    return RedisTier(RedisConfig(url=url, prefix=prefix, capacity=1 << 28, codec="auto", timeout_s=10.0),
+                     name="redis")
+
+
+def _model_like_chunks(n: int, size: int = 1 << 20) -> list[np.ndarray]:
+    rng = np.random.default_rng(5)
+    return [(rng.normal(0, 0.5, size // 2).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+            for _ in range(n)]
+
+
+def test_auto_stores_raw_on_a_fast_tier_and_codes_on_a_slow_one(redis_server, key_prefix):
+    """``codec: auto`` on a real redis-server: direct (loopback, ~GB/s) the break-even rule
+    keeps chunks raw; behind the project's delay proxy (20 ms per request: ~50 MB/s for 1 MiB
+    chunks) it codes them. Every chunk reads back bit-exactly either way."""
+    from kvtier.bench.delay_proxy import DelayProxy
+
+    chunks = _model_like_chunks(12)
+    keys = [hashlib.sha256(b"auto-%d" % i).digest() for i in range(len(chunks))]
+    with _auto_redis(f"redis://127.0.0.1:{redis_server.port}/0", key_prefix + "fast:") as fast:
+        for k, c in zip(keys, chunks):
+            assert fast.put(k, c, "bfloat16")
+        state = fast.codec_state()
+        assert state["codec"] == "auto" and state["tier_bps"] > 2e8
+        assert state["coded_puts"] == 0 and not state["coding"], state
+        assert all(np.array_equal(np.frombuffer(fast.get(k), np.uint16), c) for k, c in zip(keys, chunks))
+        for k in keys:
+            fast.delete(k)
+    with DelayProxy(("127.0.0.1", redis_server.port), 0.02) as proxy:
+        with _auto_redis(f"redis://127.0.0.1:{proxy.port}/0", key_prefix + "slow:") as slow:
+            for k, c in zip(keys, chunks):
+                assert slow.put(k, c, "bfloat16")
+            state = slow.codec_state()
+            assert state["tier_bps"] < 1e8 and state["coding"] and state["coded_puts"] >= len(chunks) - 2, state
+            assert slow.stats.as_dict()["bytes_written"] < sum(c.nbytes for c in chunks) / 1.15
+            assert all(np.array_equal(np.frombuffer(slow.get(k), np.uint16), c) for k, c in zip(keys, chunks))
+            for k in keys:
+                slow.delete(k)

@@ -35,6 +35,7 @@ Imports: ``kvtier.keys``, ``kvtier.entry``, ``kvtier.config``, ``kvtier.errors``
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
 from enum import Enum
@@ -120,6 +121,12 @@ class Tier(ABC):
     medium: ClassVar[str] = "CPU"  # what vLLM KV events call this medium: CPU, DISK, REDIS, S3, FS
     self_managed: ClassVar[bool] = False  # True: the tier enforces its own capacity
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        put = cls.__dict__.get("put")
+        if put is not None and not getattr(put, "__isabstractmethod__", False) and not hasattr(put, "__wrapped__"):
+            cls.put = _timed_put(put)  # an ``auto`` codec learns the tier's bandwidth from its puts
+
     def __init__(self, name: str):
         self.name = name
         self.stats = TierStats()
@@ -139,13 +146,25 @@ class Tier(ABC):
             return self._codec
         except AttributeError:
             name = getattr(getattr(self, "config", None), "codec", "none")
+            self._auto = None
             if name == "none":
                 self._codec = None
             else:
-                from kvtier.codecs import get_codec
+                from kvtier.codecs import AutoChoice, get_codec
 
                 self._codec = get_codec(name, f"tier {self.name}.codec")
+                if name == "auto":
+                    self._auto = AutoChoice(self._codec)
+                    self._codec = _AutoCodec(self._auto)
             return self._codec
+
+    def codec_state(self) -> dict:
+        """The tier's codec setting and, for ``auto``, the current choice and its inputs (tier
+        bandwidth, codec speeds and ratio, counts of coded and raw puts): for metrics."""
+        name = getattr(getattr(self, "config", None), "codec", "none")
+        self.codec  # resolve
+        auto = getattr(self, "_auto", None)
+        return {"codec": name, **(auto.state() if auto is not None else {})}
 
     # Capabilities (class-level: answered from a configuration, before any tier is opened).
 
@@ -298,11 +317,16 @@ class Tier(ABC):
         the caller's thread: for a lower tier, the store's writer thread (never the engine's
         step)."""
         check_key(key)
+        codec = self.codec
         try:
-            return seal(bytes(key), view, dtype, shape, self.auth, self.codec)
+            sealed = seal(bytes(key), view, dtype, shape, self.auth, codec)
         except ValueError:
             self.stats.add(errors=1, dropped=1)
             return None
+        if isinstance(codec, _AutoCodec):  # the transfer that follows is timed (see _timed_put)
+            _PUT_CLOCK.pending = (codec.auto, sealed[1].nbytes)
+            _PUT_CLOCK.sealed_at = time.perf_counter()
+        return sealed
 
     def close(self) -> None:
         """Release resources. Further calls are not allowed."""
@@ -315,3 +339,38 @@ class Tier(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+class _AutoCodec:
+    """The codec an ``auto`` tier hands to ``kvtier.entry.seal``: it codes when ``AutoChoice``
+    says it pays, else returns None (stored raw)."""
+
+    def __init__(self, auto):
+        self.auto = auto
+        self.id = auto.codec.id
+        self.name = "auto"
+
+    def encode(self, raw: memoryview, itemsize: int) -> bytes | None:
+        return self.auto.encode(raw, itemsize)
+
+
+_PUT_CLOCK = threading.local()  # (AutoChoice, stored bytes) of the put in flight on this thread
+
+
+def _timed_put(put):
+    """Wrap a tier's ``put``: when its ``_seal`` ran for an ``auto`` tier, the time from the
+    seal's end to the put's return (the transfer, codec time excluded) feeds the tier's
+    bandwidth. Other tiers pay one thread-local look-up."""
+
+    def timed(self, *args, **kwargs):
+        _PUT_CLOCK.pending = None
+        result = put(self, *args, **kwargs)
+        pending = getattr(_PUT_CLOCK, "pending", None)
+        if pending is not None and result:
+            auto, stored = pending
+            auto.observe_put(stored, time.perf_counter() - _PUT_CLOCK.sealed_at)
+        _PUT_CLOCK.pending = None
+        return result
+
+    timed.__doc__, timed.__name__, timed.__wrapped__ = put.__doc__, put.__name__, put
+    return timed

@@ -86,7 +86,8 @@ class FsConfig:
     octal string (``"0600"``: owner only; e.g. ``"0640"`` to let a group read, ``"0660"`` to let
     it write too); directories get the same bits plus search. ``group``: group name or gid
     given to created files and directories (None: the process's default). ``codec``: ``none``
-    (default) or ``lossless`` (``kvtier.codecs``: entries that shrink are stored coded).
+    (default), ``lossless`` (``kvtier.codecs``: entries that shrink are stored coded)
+    or ``auto`` (coded only when the break-even rule says it pays on this tier).
     """
 
     path: str

@@ -110,8 +110,8 @@ class RedisConfig:
     ``timeout_s``: deadline of one data operation (get, put, delete, eviction, scan);
     ``connect_timeout_s``: the most a new connection may take (never more than the deadline).
     ``backoff_ms``/``max_backoff_ms``: the circuit breaker's first and longest window.
-    ``codec``: ``none`` (default) or ``lossless`` (``kvtier.codecs``; entries that shrink are
-    stored coded).
+    ``codec``: ``none`` (default), ``lossless`` (``kvtier.codecs``; entries that shrink are
+    stored coded) or ``auto`` (coded only when the break-even rule says it pays on this tier).
     """
 
     url: str = "redis://127.0.0.1:6379/0"

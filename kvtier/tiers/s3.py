@@ -64,8 +64,8 @@ class S3Config(s3client.S3Config):
     ``lookup_cache_ttl_s``: size and trust time of the cache of found/absent answers.
     ``list_interval_s``: period of the background budget listing (0: none);
     ``list_timeout_s``: deadline of one listing (``used_bytes``, eviction, ``keys``).
-    ``codec``: ``none`` (default) or ``lossless`` (``kvtier.codecs``; entries that shrink are
-    stored coded).
+    ``codec``: ``none`` (default), ``lossless`` (``kvtier.codecs``; entries that shrink are
+    stored coded) or ``auto`` (coded only when the break-even rule says it pays on this tier).
     """
 
     bucket: str
