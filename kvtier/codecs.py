@@ -16,8 +16,8 @@ allocate nor write more. Any failure is CorruptEntry (a counted miss upstream).
 
 ``auto`` (``AutoChoice``): per tier, a chunk is coded only when ``S/E + S/(r B) + S/D < S/B``
 (encode, move the coded bytes, decode, against moving the raw bytes): the document's break-even
-rule applied to bytes, with ``B`` the moving average of the tier's own puts (stored bytes per
-second, codec time excluded), ``E``/``D``/``r`` measured on this machine at start (one 1 MiB
+rule applied to bytes, with ``B`` the moving average of the tier's own reads (stored bytes per
+second, decode time excluded; before the first read, of its puts, encode time excluded), ``E``/``D``/``r`` measured on this machine at start (one 1 MiB
 bf16-like sample) and refreshed from real chunks (every coded put, and a probe every
 ``PROBE_EVERY`` raw puts). Until the tier has been measured, chunks are stored raw.
 
@@ -106,10 +106,16 @@ def decode_into(codec_id: int, stored: memoryview, out: memoryview, itemsize: in
         raise CorruptEntry(f"codec frame does not parse ({type(exc).__name__})") from None
     if declared != out.nbytes or cbytes != stored.nbytes:
         raise CorruptEntry(f"codec frame declares {declared} bytes, the entry {out.nbytes}")
+    start = time.perf_counter()
     try:
         lib.decompress2(stored, dst=out, nthreads=1)
     except Exception as exc:  # blosc2 raises ValueError/RuntimeError for bad streams
         raise CorruptEntry(f"codec stream does not decode ({type(exc).__name__})") from None
+    finally:
+        CLOCK.decode_s = getattr(CLOCK, "decode_s", 0.0) + time.perf_counter() - start
+
+
+CLOCK = threading.local()  # decode_s: seconds this thread spent decoding (an auto tier's read timing)
 
 
 PROBE_EVERY = 16  # raw puts between two probe encodes of an auto tier (refreshes E, D, r)
@@ -124,7 +130,9 @@ class AutoChoice:
     def __init__(self, codec: Codec, itemsize: int = 2):
         self.codec = codec
         self._lock = threading.Lock()
-        self.tier_bps: float | None = None
+        self.tier_bps: float | None = None  # what the rule uses: the read bandwidth once known
+        self.write_bps: float | None = None
+        self.read_bps: float | None = None
         self.encode_bps, self.decode_bps, self.ratio = _measure(codec, itemsize)
         self.coding = False
         self.coded = 0
@@ -179,12 +187,23 @@ class AutoChoice:
         if stored_bytes <= 0 or seconds <= 0:
             return
         with self._lock:
-            self.tier_bps = _avg(self.tier_bps, stored_bytes / seconds)
+            self.write_bps = _avg(self.write_bps, stored_bytes / seconds)
+            self.tier_bps = self.read_bps or self.write_bps
+
+    def observe_get(self, stored_bytes: int, seconds: float) -> None:
+        """One read of the tier moved ``stored_bytes`` in ``seconds`` (decode time excluded).
+        Once reads are seen, the rule uses their bandwidth: a re-read is what an engine waits on."""
+        if stored_bytes <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            self.read_bps = _avg(self.read_bps, stored_bytes / seconds)
+            self.tier_bps = self.read_bps
 
     def state(self) -> dict:
         """The current choice and its inputs (bytes per second; counts of coded/raw puts)."""
         with self._lock:
-            return {"coding": self.coding, "tier_bps": self.tier_bps, "encode_bps": self.encode_bps,
+            return {"coding": self.coding, "tier_bps": self.tier_bps, "read_bps": self.read_bps,
+                    "write_bps": self.write_bps, "encode_bps": self.encode_bps,
                     "decode_bps": self.decode_bps, "ratio": self.ratio, "coded_puts": self.coded,
                     "raw_puts": self.raw}
 

@@ -13,6 +13,12 @@ Each chunk is written through a ``TieredStore`` (RAM over an ``fs`` tier with ``
 lossless``, ``element_dtype`` bfloat16); the ratio is raw bytes over the bytes the tier stored,
 read back bit-exactly. Beside it, the coders the choice was made among (when installed), on the
 same chunks, one thread: zstd-1 raw, byte planes + zstd-1, Blosc2 byte-shuffle + LZ4.
+
+Re-read from a shared tier (``--rates``, Gb/s): a real ``redis-server`` behind the project's
+delay proxy (``kvtier.bench.delay_proxy``: 2 ms per request, responses paced to the rate), a
+``redis`` tier with each codec (``none``, ``lossless``, ``auto``); per codec the chunks are
+put, read once (``auto`` learns the tier), put again, then re-read ``--repeat`` times: the best
+re-read time and its ratio to ``none``. This is the tier's own time, not an engine's TTFT.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=1024, help="prompt tokens run through the model (1024)")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="tokens per stored chunk (256)")
     parser.add_argument("--repeat", type=int, default=3, help="timed passes; the best is kept (3)")
+    parser.add_argument("--rates", default="1,10", help="shared-tier link rates in Gb/s for the re-read "
+                        "measurement through redis-server behind the delay proxy ('' to skip; 1,10)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -165,8 +173,10 @@ def run(args: argparse.Namespace) -> int:
         results.append({"codec": name, "ratio": round(len(blob) / sum(len(k) for k in coded), 3),
                         "encode_gbps": round(len(blob) / t_enc / 1e9, 3), "decode_gbps": round(len(blob) / t_dec / 1e9, 3)})
     store = through_store(chunks)
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    reread = shared_rereads(chunks, rates, args.repeat) if rates else []
     report = {"kv_source": source, "chunk_bytes": chunks[0].nbytes, "chunks": len(chunks), "threads": 1,
-              "codecs": results, "through_store": store}
+              "codecs": results, "through_store": store, "shared_reread": reread}
     if args.json:
         emit_json(report)
     else:
@@ -174,4 +184,62 @@ def run(args: argparse.Namespace) -> int:
                     [[r["codec"], r["ratio"], r["encode_gbps"], r["decode_gbps"]] for r in results],
                     title=f"KV codecs, one core: {source}, {len(chunks)} chunks of {chunks[0].nbytes} bytes")
         print(f"through the store (fs tier, codec lossless): ratio {store['ratio']:.3f}, bit-exact {store['bit_exact']}")
+        if reread:
+            print_table(["Gb/s", "codec", "re-read s", "x none", "auto coding"],
+                        [[r["gbps"], r["codec"], r["reread_s"], r["vs_none"], r.get("auto", {}).get("coding", "")]
+                         for r in reread], title="re-read from redis behind the delay proxy")
     return 0 if store["bit_exact"] else 1
+
+
+PROXY_DELAY_S = 0.002
+
+
+def shared_rereads(chunks: list[np.ndarray], rates_gbps: list[float], repeat: int) -> list[dict]:
+    """Re-read times of ``chunks`` from a redis tier behind the delay proxy at each rate, per
+    codec (see the module docstring); [] with a note on stderr when redis-server is missing."""
+    import hashlib
+    import sys
+
+    from kvtier.bench.delay_proxy import DelayProxy
+    from kvtier.bench.services import BinaryMissing, redis_server
+    from kvtier.tiers.redis import RedisConfig, RedisTier
+
+    keys = [hashlib.sha256(b"bench-codec-reread-%d" % i).digest() for i in range(len(chunks))]
+    out = np.empty(chunks[0].nbytes, dtype=np.uint8)
+    rows: list[dict] = []
+    try:
+        server_cm = redis_server()
+        server = server_cm.__enter__()
+    except BinaryMissing as exc:
+        print(f"kvtier bench codec: shared-tier re-read skipped: {exc}", file=sys.stderr)
+        return []
+    try:
+        for gbps in rates_gbps:
+            window = max(1, int(gbps * 1e9 / 8 * PROXY_DELAY_S))
+            with DelayProxy(("127.0.0.1", server.port), PROXY_DELAY_S, window=window) as proxy:
+                base = None
+                for codec in ("none", "lossless", "auto"):
+                    config = RedisConfig(url=f"redis://127.0.0.1:{proxy.port}/0", prefix=f"bench-{codec}-{gbps}:",
+                                         capacity=1 << 30, codec=codec, timeout_s=30.0)
+                    with RedisTier(config, name="redis") as tier:
+                        for _ in range(2):  # put, read (auto learns the tier), put again
+                            for k, c in zip(keys, chunks):
+                                tier.put(k, c, "bfloat16")
+                            for k in keys:
+                                tier.get_into(k, out)
+                        for k, c in zip(keys, chunks):
+                            tier.put(k, c, "bfloat16")
+                        seconds = _best(lambda: [tier.get_into(k, out) for k in keys], repeat)
+                        stored = tier.stats.as_dict()["bytes_written"]
+                        row = {"gbps": gbps, "codec": codec, "reread_s": round(seconds, 4)}
+                        if codec == "auto":
+                            row["auto"] = {k: (round(v, 1) if isinstance(v, float) else v)
+                                           for k, v in tier.codec_state().items()}
+                        for k in keys:
+                            tier.delete(k)
+                    base = seconds if base is None else base
+                    row["vs_none"] = round(seconds / base, 3)
+                    rows.append(row)
+    finally:
+        server_cm.__exit__(None, None, None)
+    return rows

@@ -126,6 +126,10 @@ class Tier(ABC):
         put = cls.__dict__.get("put")
         if put is not None and not getattr(put, "__isabstractmethod__", False) and not hasattr(put, "__wrapped__"):
             cls.put = _timed_put(put)  # an ``auto`` codec learns the tier's bandwidth from its puts
+        get_into = cls.__dict__.get("get_into")
+        if (get_into is not None and not getattr(get_into, "__isabstractmethod__", False)
+                and not hasattr(get_into, "__wrapped__")):
+            cls.get_into = _timed_get(get_into)  # ... and from its reads
 
     def __init__(self, name: str):
         self.name = name
@@ -268,13 +272,20 @@ class Tier(ABC):
             self.stats.add(misses=1)
             return None
         try:
-            _header, payload = decode(value, expected_key=bytes(key), max_length=self.max_entry_bytes,
-                                      auth=self.auth)
+            header, payload = decode(value, expected_key=bytes(key), max_length=self.max_entry_bytes,
+                                     auth=self.auth)
         except CorruptEntry:
             self.stats.add(corrupt=1, misses=1)
             self.delete(key)
             return None
+        self._note_read(header.stored)
         return payload
+
+    @staticmethod
+    def _note_read(stored_bytes: int) -> None:
+        """Record the stored bytes of the verified read in flight on this thread (an ``auto``
+        codec's read bandwidth, see ``_timed_get``)."""
+        _GET_CLOCK.stored = stored_bytes
 
     def _length_from_header(self, key: Key, head) -> int | None:
         """Payload length from the first bytes of a stored entry (``size_of`` of a remote tier),
@@ -373,4 +384,30 @@ def _timed_put(put):
         return result
 
     timed.__doc__, timed.__name__, timed.__wrapped__ = put.__doc__, put.__name__, put
+    return timed
+
+
+_GET_CLOCK = threading.local()  # stored: bytes of the verified read in flight on this thread
+
+
+def _timed_get(get_into):
+    """Wrap a tier's ``get_into``: for an ``auto`` tier, a hit's time minus the time spent
+    decoding feeds the tier's read bandwidth (stored bytes, from ``Tier._note_read``). Other
+    tiers pay one attribute look-up."""
+
+    def timed(self, *args, **kwargs):
+        auto = getattr(self, "_auto", None)
+        if auto is None:
+            return get_into(self, *args, **kwargs)
+        from kvtier.codecs import CLOCK
+
+        _GET_CLOCK.stored = 0
+        CLOCK.decode_s = 0.0
+        start = time.perf_counter()
+        result = get_into(self, *args, **kwargs)
+        if result:
+            auto.observe_get(_GET_CLOCK.stored, time.perf_counter() - start - CLOCK.decode_s)
+        return result
+
+    timed.__doc__, timed.__name__, timed.__wrapped__ = get_into.__doc__, get_into.__name__, get_into
     return timed

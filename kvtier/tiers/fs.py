@@ -354,6 +354,7 @@ class FsTier(Tier):
                 entry.open_into(header, stored, target, auth=self.auth)  # the tag before decoding
         except (ShortRead, CorruptEntry):
             return self._corrupt(dfd, name, st)
+        self._note_read(header.stored)
         self.stats.add(hits=1, bytes_read=header.length)
         return header.length
 
