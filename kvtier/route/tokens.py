@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Sequence
 
+from kvtier.errors import ConfigError
+
 
 class _Tokenizer(Protocol):
     chat_template: Any
@@ -29,12 +31,18 @@ class PromptTokenizer:
 
     @classmethod
     def load(cls, path: str | None) -> "PromptTokenizer":
-        """From a tokenizer directory (transformers ``AutoTokenizer``); None: no tokenizer."""
+        """From a tokenizer directory (transformers ``AutoTokenizer``); None: no tokenizer.
+        ConfigError (one line) when nothing loads from ``path``."""
         if not path:
             return cls(None)
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(path))
+        try:
+            return cls(AutoTokenizer.from_pretrained(path))
+        except Exception as exc:  # noqa: BLE001  (transformers raises OSError, ValueError, HF errors...)
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise ConfigError(f"route.tokenizer: cannot load a tokenizer from {path[:200]!r} ({first}); give a "
+                              "directory holding tokenizer files (tokenizer.json / tokenizer_config.json)") from exc
 
     @property
     def available(self) -> bool:

@@ -4,6 +4,9 @@ route`` processes in front of the tests' stub engine."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -90,3 +93,18 @@ def test_an_engines_redirect_is_relayed_never_followed(router, stub):
     finally:
         elsewhere.stop()
     assert router.in_flight() == 0 and router.health()["healthy"] == [stub.url]
+
+
+@pytest.mark.parametrize("where", ["missing", "empty"])
+def test_a_tokenizer_that_does_not_load_is_one_line(stub, tmp_path, where):
+    """``--tokenizer`` naming a missing or empty directory ended in a transformers traceback;
+    now exit 2 with one line naming the path."""
+    path = tmp_path / "tok"
+    if where == "empty":
+        path.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "kvtier", "route", "--engine", stub.url, "--port", "0",
+                           "--tokenizer", str(path)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("kvtier route: error: route.tokenizer:") and str(path) in lines[0], lines[0]
