@@ -277,3 +277,18 @@ def test_a_planted_object_in_a_real_s3_store_is_a_counted_miss(s3_server, s3_buc
         assert victim.stats.as_dict()["corrupt"] == 1
         assert victim.put(KEY, KV, "bfloat16") and victim.get_into(KEY, out) == KV.nbytes
         assert np.array_equal(out, KV)
+
+
+def test_kvtier_bench_auth_json_reports_hash_and_tier_rates():
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "auth", "--size", "256KiB", "--count", "4",
+                           "--repeat", "1", "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    names = [h["what"] for h in report["hashes"]]
+    assert any(n.startswith("entry tag") for n in names) and "xxh3-64 (entry checksum)" in names
+    assert all(h["gbps"] > 0 for h in report["hashes"])
+    assert [t["hits"] for t in report["tiers"]] == [4, 4]  # every read with the key was a hit

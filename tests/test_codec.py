@@ -222,3 +222,37 @@ def test_auto_stores_raw_on_a_fast_tier_and_codes_on_a_slow_one(redis_server, ke
             assert all(np.array_equal(np.frombuffer(slow.get(k), np.uint16), c) for k, c in zip(keys, chunks))
             for k in keys:
                 slow.delete(k)
+
+
+def test_mutated_coded_entries_are_always_the_corruption_error():
+    """500 random mutations (1-3 bytes changed, or cut short) of a coded entry's frame: each is
+    CorruptEntry from ``entry.decode`` (the frame check, the decoder or the raw checksum), never
+    a crash or other bytes."""
+    kv = _kv(1 << 15)
+    header, body = entry.seal(KEY, memoryview(kv).cast("B"), "bfloat16", codec=codecs.LOSSLESS)
+    assert entry.decode_header(header).codec == codecs.LOSSLESS_ID
+    rng = np.random.default_rng(11)
+    for i in range(500):
+        frame = bytearray(body)
+        for _ in range(int(rng.integers(1, 4))):
+            frame[int(rng.integers(0, len(frame)))] ^= int(rng.integers(1, 256))
+        if i % 3 == 0:
+            frame = frame[: int(rng.integers(1, len(frame)))]
+        blob = _recode(header + bytes(body), body=bytes(frame))  # header made consistent with it
+        with pytest.raises(CorruptEntry):
+            entry.decode(blob, KEY, max_length=kv.nbytes)
+
+
+def test_kvtier_bench_codec_json_reports_ratio_speeds_and_a_bit_exact_store_pass():
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "codec", "--kv", "synthetic", "--rates", "",
+                           "--repeat", "1", "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    lossless = next(r for r in report["codecs"] if r["codec"].startswith("lossless"))
+    assert lossless["ratio"] > 1.05 and lossless["encode_gbps"] > 0 and lossless["decode_gbps"] > 0
+    assert report["through_store"]["bit_exact"] and report["through_store"]["ratio"] > 1.05
+    assert report["kv_source"].startswith("synthetic")

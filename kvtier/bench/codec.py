@@ -129,7 +129,8 @@ def through_store(chunks: list[np.ndarray]) -> dict:
     from kvtier.store import TieredStore
 
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-codec-") as tmp:
-        config = {"tiers": [{"type": "ram", "capacity": "1MiB"},
+        ram = max(c.nbytes for c in chunks) * 2  # the top tier takes each chunk, then writes it through
+        config = {"tiers": [{"type": "ram", "capacity": ram},
                             {"type": "fs", "path": os.path.join(tmp, "fs"), "capacity": "4GiB", "codec": "lossless"}],
                   "element_dtype": "bfloat16"}
         raw = stored = 0
@@ -138,7 +139,8 @@ def through_store(chunks: list[np.ndarray]) -> dict:
             fs = store.tiers[-1]
             for i, chunk in enumerate(chunks):
                 key = hashlib.sha256(b"bench-codec-%d" % i).digest()
-                store.put(key, chunk)
+                if not store.put(key, chunk):
+                    raise RuntimeError(f"the store refused chunk {i} ({chunk.nbytes} bytes)")
             store.flush()
             for i, chunk in enumerate(chunks):
                 key = hashlib.sha256(b"bench-codec-%d" % i).digest()
