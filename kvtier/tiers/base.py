@@ -115,10 +115,28 @@ class RankShare:
         return tp if self.stages == 1 else f"pp{self.stages}-stage{self.stage}-{tp}"
 
 
-class Tier(ABC):
-    """Base class of every tier. Subclasses implement the abstract methods; the rest is built on them."""
+LOCAL = "LOCAL"  # a tier's ``locality``: only the engine whose store owns it loads from it
+REMOTE = "REMOTE"  # ... or: shared, every engine that opens it loads from it (vLLM's words)
 
-    medium: ClassVar[str] = "CPU"  # what vLLM KV events call this medium: CPU, DISK, REDIS, S3, FS
+
+class Tier(ABC):
+    """Base class of every tier. Subclasses implement the abstract methods; the rest is built on them.
+
+    What a tier class declares (the registry checks a plugin's declarations when it loads it):
+    - ``Config``: its typed config dataclass; ``kvtier.config.build`` makes it from the tier's
+      options (unknown keys rejected), and the registry opens the tier as ``cls(config, name=...)``.
+    - ``medium``: kvtier's name of its medium, upper case (``CPU``, ``DISK``, ``FS``, ``REDIS``,
+      ``S3``): what store events, metrics and the router's weights name, and the tier in a KV
+      event's ``ownership`` (``kvtier:<medium>``).
+    - ``kv_event_medium``: the medium of its KV events in vLLM's vocabulary (``CPU``, ``STORAGE``).
+    - ``locality``: ``LOCAL`` (only the owning engine loads it) or ``REMOTE`` (shared: every
+      engine loads it; its blocks count for all engines), as vLLM's KV events say it.
+    """
+
+    Config: ClassVar[type]  # the typed config dataclass (declared by every concrete tier)
+    medium: ClassVar[str] = "CPU"  # kvtier's medium name: CPU, DISK, FS, REDIS, S3
+    kv_event_medium: ClassVar[str] = "CPU"  # vLLM's KV event medium: CPU or STORAGE
+    locality: ClassVar[str] = LOCAL  # LOCAL or REMOTE (shared by every engine)
     self_managed: ClassVar[bool] = False  # True: the tier enforces its own capacity
 
     def __init_subclass__(cls, **kwargs):
@@ -131,7 +149,13 @@ class Tier(ABC):
                 and not hasattr(get_into, "__wrapped__")):
             cls.get_into = _timed_get(get_into)  # ... and from its reads
 
-    def __init__(self, name: str):
+    def __init__(self, config: Any, name: str):
+        """Open the tier described by ``config`` (an instance of ``Config``, already built and
+        range-checked by ``kvtier.config.build``) under ``name`` (the spec's ``name``, which
+        counters and errors show). A tier that cannot start now raises ``TierUnavailable``; a
+        configuration mistake it finds raises ``ConfigError`` naming ``name``. Subclasses call
+        ``super().__init__(config, name)`` first."""
+        self.config = config
         self.name = name
         self.stats = TierStats()
         self.auth: EntryAuth | None = None  # set by the store (``set_auth``); None: unauthenticated

@@ -143,10 +143,12 @@ class DiskTier(Tier):
 
     Config = DiskConfig
     medium = "DISK"
+    kv_event_medium = "STORAGE"
+    locality = "LOCAL"
     self_managed = False
 
     def __init__(self, config: DiskConfig, name: str = "disk"):
-        super().__init__(name)
+        super().__init__(config, name)
         validate(config, name)
         self.config = config
         self.path = os.path.abspath(config.path)

@@ -127,10 +127,12 @@ class FsTier(Tier):
 
     Config = FsConfig
     medium = "FS"
+    kv_event_medium = "STORAGE"
+    locality = "REMOTE"
     self_managed = True
 
     def __init__(self, config: FsConfig, name: str = "fs"):
-        super().__init__(name)
+        super().__init__(config, name)
         validate(config, name)
         self.config = config
         self._mode = parse_mode(config.mode)

@@ -147,10 +147,12 @@ class RamTier(ArenaTier):
 
     Config = RamConfig
     medium = "CPU"
+    kv_event_medium = "CPU"
+    locality = "LOCAL"
     self_managed = False
 
     def __init__(self, config: RamConfig | None = None, name: str = "ram"):
-        super().__init__(name)
+        super().__init__(config, name)
         config = config or RamConfig()
         validate(config, name)
         self.config = config

@@ -142,10 +142,12 @@ class RedisTier(Tier):
 
     Config = RedisConfig
     medium = "REDIS"
+    kv_event_medium = "STORAGE"
+    locality = "REMOTE"
     self_managed = True
 
     def __init__(self, config: RedisConfig, name: str = "redis"):
-        super().__init__(name)
+        super().__init__(config, name)
         import redis  # the kvtier[redis] extra; the registry's message says how to install it
 
         self._redis = redis

@@ -135,10 +135,12 @@ class S3Tier(Tier):
 
     Config = S3Config
     medium = "S3"
+    kv_event_medium = "STORAGE"
+    locality = "REMOTE"
     self_managed = True
 
     def __init__(self, config: S3Config, name: str = "s3"):
-        super().__init__(name)
+        super().__init__(config, name)
         import botocore.exceptions  # the kvtier[s3] extra; the registry says how to install it
 
         _validate(config, name)
