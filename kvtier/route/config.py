@@ -71,6 +71,9 @@ class EngineSpec:
             raise ConfigError(f"route: engine URL {redact_url(self.url)!r} does not parse: {exc}") from None
         if not parts.hostname:
             raise ConfigError(f"route: engine URL {redact_url(self.url)!r} has no host")
+        if "@" in parts.path + parts.query + parts.fragment:  # credentials with an unescaped / ? or #
+            raise ConfigError("route: an engine URL has '@' after its host (credentials holding '/', '?' or '#'?); "
+                              "percent-encode them (%2F, %3F, %23); the URL is not shown")
         for ep in (self.kv_events, self.kv_replay):
             if ep is not None and not (isinstance(ep, str) and ep.startswith(_EVENT_SCHEMES)):
                 raise ConfigError(f"route: KV event endpoint must be tcp://, ipc:// or inproc://, got {ep!r}")

@@ -108,3 +108,16 @@ def test_a_tokenizer_that_does_not_load_is_one_line(stub, tmp_path, where):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith("kvtier route: error: route.tokenizer:") and str(path) in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("password", ["1234#word", "99/word", "12?word"])
+def test_credentials_with_an_unescaped_delimiter_are_refused_unshown(stub, password):
+    """``http://alice:1234#word@host`` parses as host ``alice``, port 1234 and a fragment: the
+    whole password was the engine's name in /health, metric labels and logs. Now exit 2 with
+    one line that shows no part of it."""
+    port = stub.url.rsplit(":", 1)[1]
+    proc = subprocess.run([sys.executable, "-m", "kvtier", "route", "--port", "0", "--engine",
+                           f"http://alice:{password}@127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and len(out.strip().splitlines()) == 1, out[-2000:]
+    assert "percent-encode" in out and "word" not in out and password.split("word")[0][:-1] not in out, out
