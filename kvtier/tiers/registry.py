@@ -6,20 +6,35 @@ tier's keys, every value has the right type and range, the tier declares its cap
 a mistake fails at parse time, with one line naming it and the valid choices, before anything
 is opened. ``TierSpec.build`` then makes the tier.
 
+Tiers from outside the project: a distribution declares an entry point in the group
+``kvtier.tiers`` (``mytier = "mypkg.tier:MyTier"``), and ``{"type": "mytier", ...}`` reaches it.
+Entry points are read only when a type is not built in, and a plugin is imported only when its
+type is asked for. A built-in name always means the built-in tier: a plugin under one of those
+names is never loaded (a warning names it). A plugin that fails to import, is not a ``Tier``
+subclass, or declares no ``Config`` dataclass or a bad ``locality`` is one ConfigError line
+naming the plugin and the problem.
+
 Imports: ``kvtier.registry``, ``kvtier.config``, ``kvtier.errors``, ``kvtier.tiers.base``;
-tier backends only lazily, through ``TIERS``.
+tier backends only lazily, through ``TIERS``, plugins through ``importlib.metadata``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
+import logging
 from collections.abc import Mapping
 from typing import Any, Iterator
 
 from kvtier.config import build
 from kvtier.errors import ConfigError
 from kvtier.registry import Registry
-from kvtier.tiers.base import Probe, RankShare, SchedulerView, Tier
+from kvtier.tiers.base import LOCAL, REMOTE, Probe, RankShare, SchedulerView, Tier
+
+log = logging.getLogger(__name__)
+
+#: The entry-point group of tiers from other distributions (``name = "module:Class"``).
+ENTRY_POINT_GROUP = "kvtier.tiers"
 
 TIERS: Registry[Tier] = Registry(
     "tier",
@@ -129,16 +144,11 @@ def parse_tier_spec(spec: Any, where: str = "tier") -> TierSpec:
     if isinstance(spec, TierSpec):
         return spec
     if not isinstance(spec, Mapping):
-        raise ConfigError(f"{where}: expected a mapping with a 'type'; valid types: {', '.join(TIERS.names())}")
+        raise ConfigError(f"{where}: expected a mapping with a 'type'; valid types: {', '.join(tier_types())}")
     kind = spec.get("type")
     if kind is None:
-        raise ConfigError(f"{where}: missing 'type'; valid types: {', '.join(TIERS.names())}")
-    if not isinstance(kind, str) or kind not in TIERS.names():
-        raise ConfigError(f"{where}: unknown tier type {kind!r}; valid types: {', '.join(TIERS.names())}")
-    try:
-        cls = TIERS.get(kind)
-    except ConfigError as exc:  # the tier's package is missing
-        raise ConfigError(f"{where}: {exc}") from None
+        raise ConfigError(f"{where}: missing 'type'; valid types: {', '.join(tier_types())}")
+    cls = tier_class(kind, where)
     keys = {f.name for f in dataclasses.fields(cls.Config) if f.init}
     unknown = sorted(set(spec) - keys - _SPEC_KEYS, key=str)
     if unknown:
@@ -152,6 +162,81 @@ def parse_tier_spec(spec: Any, where: str = "tier") -> TierSpec:
 
         get_codec(config.codec, f"{where}({kind}).codec")
     return TierSpec(kind, cls, config, spec)
+
+
+def tier_types() -> list[str]:
+    """Every tier type a spec may name: the built-in ones, then those of installed plugins."""
+    builtin = TIERS.names()
+    return builtin + sorted(set(_plugin_entry_points()) - set(builtin))
+
+
+def builtin_tier_classes() -> dict[str, type[Tier]]:
+    """The built-in tier classes by type name (their modules import no optional package)."""
+    return {kind: TIERS.get(kind) for kind in TIERS.names()}
+
+
+def tier_class(kind: Any, where: str = "tier") -> type[Tier]:
+    """The class of tier type ``kind``: a built-in one, else the plugin of that name in the
+    ``kvtier.tiers`` entry-point group, imported and checked now. ConfigError, one line naming
+    ``where``: an unknown type (listing the valid ones), a built-in tier's missing package, or a
+    broken plugin (naming it and what is wrong)."""
+    if isinstance(kind, str) and kind in TIERS.names():
+        try:
+            return TIERS.get(kind)
+        except ConfigError as exc:  # the tier's package is missing
+            raise ConfigError(f"{where}: {exc}") from None
+    found = _plugin_entry_points().get(kind) if isinstance(kind, str) else None
+    if not found:
+        raise ConfigError(f"{where}: unknown tier type {kind!r}; valid types: {', '.join(tier_types())}")
+    if len(found) > 1:
+        raise ConfigError(f"{where}: tier type {kind!r} is declared by several plugins "
+                          f"({', '.join(_plugin_label(ep) for ep in found)}); uninstall all but one")
+    return _load_plugin(found[0], f"{where}: tier plugin {_plugin_label(found[0])}")
+
+
+def _plugin_entry_points() -> dict[str, list[importlib.metadata.EntryPoint]]:
+    """The ``kvtier.tiers`` entry points by name, built-in names left out (with a warning).
+    Read from the installed distributions on each call (a configuration is parsed rarely)."""
+    out: dict[str, list[importlib.metadata.EntryPoint]] = {}
+    builtin = set(TIERS.names())
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in builtin:
+            log.warning("tier plugin %s ignored: %r is a built-in tier type, which a plugin cannot replace",
+                        _plugin_label(ep), ep.name)
+            continue
+        if not any(ep.value == seen.value for seen in out.get(ep.name, ())):  # one dist seen twice on sys.path
+            out.setdefault(ep.name, []).append(ep)
+    return out
+
+
+def _plugin_label(ep: importlib.metadata.EntryPoint) -> str:
+    """``'name' (module:Class, from dist 1.0)`` for messages."""
+    dist = getattr(ep, "dist", None)
+    origin = f", from {dist.name} {dist.version}" if dist is not None else ""
+    return f"{ep.name!r} ({ep.value}{origin})"
+
+
+def _load_plugin(ep: importlib.metadata.EntryPoint, where: str) -> type[Tier]:
+    """Import a plugin's class and check what it declares; ConfigError naming ``where``."""
+    try:
+        cls = ep.load()
+    except Exception as exc:  # a plugin's import runs foreign code: any failure is its own
+        raise ConfigError(f"{where} failed to import: {type(exc).__name__}: {exc}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Tier)):
+        raise ConfigError(f"{where} is not a kvtier.tiers.base.Tier subclass (got {cls!r})")
+    config = getattr(cls, "Config", None)
+    if not (isinstance(config, type) and dataclasses.is_dataclass(config)):
+        raise ConfigError(f"{where} declares no Config dataclass (class attribute 'Config', got {config!r})")
+    if cls.locality not in (LOCAL, REMOTE):
+        raise ConfigError(f"{where}: locality must be {LOCAL!r} or {REMOTE!r}, got {cls.locality!r}")
+    for attr in ("medium", "kv_event_medium"):
+        value = getattr(cls, attr)
+        if not (isinstance(value, str) and value and value == value.upper()):
+            raise ConfigError(f"{where}: {attr} must be a non-empty upper-case name, got {value!r}")
+    if getattr(cls, "__abstractmethods__", None):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise ConfigError(f"{where} does not implement the abstract methods: {missing}")
+    return cls
 
 
 def _check_policy(policy: Any, where: str) -> None:
