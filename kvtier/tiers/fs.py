@@ -587,8 +587,8 @@ class FsTier(Tier):
             os.close(root)
 
     def _walk_fanout(self, dfd: int, sub: str, now: float | None):
-        with os.scandir(dfd) as it:
-            names = [e.name for e in it]
+        with os.scandir(dfd) as it:  # only names that can be ours are kept (junk costs no memory)
+            names = [e.name for e in it if e.name.endswith(_TMP) or (_ENTRY.match(e.name) and e.name.startswith(sub))]
         for name in names:
             if name.endswith(_TMP):
                 if now is not None:

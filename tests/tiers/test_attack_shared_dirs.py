@@ -1,0 +1,51 @@
+"""fs tier on a directory tenants write, attacked once more (issue 24 follow-up)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+JUNK = 200_000
+_SCAN = """
+import resource, sys
+from kvtier.tiers.fs import FsConfig, FsTier
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+before = rss()
+tier = FsTier(FsConfig(path=sys.argv[1], usage_refresh_s=0), name="fs")
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(tier.used_bytes(), max(0, peak - before))
+"""
+
+
+def test_a_fanout_directory_of_junk_names_is_walked_in_bounded_memory(tmp_path):
+    """A fan-out directory holding 200,000 names that are no entry (230 characters each) was
+    listed whole into memory at every scan (~60 MiB here; millions of names, gigabytes). Now
+    only names that can be entries or temps are kept. Bound: the scan's peak RSS grows < 20 MiB,
+    and the real entry beside the junk is still counted."""
+    root = tmp_path / "fs"
+    root.mkdir(mode=0o700)
+    from kvtier.tiers.fs import FsConfig, FsTier
+
+    tier = FsTier(FsConfig(path=str(root), usage_refresh_s=0), name="fs")
+    assert tier.put(bytes([0xAB]) + bytes(31), b"x" * 1000)
+    tier.close()
+    fan = root / "ab"
+    pad = "j" * 220
+    try:
+        dfd = os.open(fan, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for i in range(JUNK):
+                os.close(os.open(f"{pad}{i:08d}", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=dfd))
+        finally:
+            os.close(dfd)
+        out = subprocess.run([sys.executable, "-c", _SCAN, str(root)], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        used, grown = map(int, out.stdout.split())
+        assert used == 1000, used
+        assert grown < 20 * 2**20, f"the scan's peak RSS grew {grown / 2**20:.0f} MiB"
+    finally:
+        shutil.rmtree(fan, ignore_errors=True)
