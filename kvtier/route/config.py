@@ -22,6 +22,8 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from kvtier.config import Size, build, load_mapping, ranged, validate
 from kvtier.errors import ConfigError
+from kvtier.tiers.base import REMOTE
+from kvtier.tiers.registry import builtin_tier_classes
 
 #: Where a block lives -> how much a prefix block there is worth (engine pool > kvtier RAM > disk
 #: > a shared tier every engine loads). A medium not listed gets the lowest weight listed.
@@ -29,8 +31,13 @@ DEFAULT_TIER_WEIGHTS: tuple[tuple[str, float], ...] = (
     ("GPU", 1.0), ("CPU", 0.8), ("DISK", 0.5), ("STORAGE", 0.5),
     ("SERVER", 0.4), ("FS", 0.3), ("REDIS", 0.3), ("STORAGE_REMOTE", 0.3), ("S3", 0.25),
 )
-#: Media that every engine can load from: a block held there counts for all engines.
-DEFAULT_SHARED_MEDIA: tuple[str, ...] = ("REDIS", "S3", "FS", "SERVER", "STORAGE_REMOTE")
+#: Media that every engine can load from: a block held there counts for all engines. The tiers
+#: that say so (``Tier.locality`` REMOTE: fs, redis, s3), a per-node cache server, and any other
+#: remote STORAGE (``kvtier.route.index.normalize_medium``).
+DEFAULT_SHARED_MEDIA: tuple[str, ...] = (
+    *sorted(cls.medium for cls in builtin_tier_classes().values() if cls.locality == REMOTE),
+    "SERVER", "STORAGE_REMOTE",
+)
 _EVENT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 

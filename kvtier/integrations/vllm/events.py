@@ -28,9 +28,11 @@ a bounded LRU; an event for a chunk no longer remembered is not published (count
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -43,8 +45,18 @@ if TYPE_CHECKING:
 #: chunks whose event fields are remembered (LRU); ~0.6 KB each for 128-token chunks
 MAX_CHUNKS = 32768
 
-#: kvtier tier medium -> (vLLM medium, locality) of its events
-_LOCAL_MEDIA = {"CPU": ("CPU", "LOCAL"), "DISK": ("STORAGE", "LOCAL")}
+
+@functools.cache
+def _builtin_media() -> dict[str, tuple[str, str]]:
+    """kvtier medium -> (vLLM medium, locality), as each built-in tier class declares them."""
+    from kvtier.tiers.registry import builtin_tier_classes
+
+    return _declared(builtin_tier_classes().values())
+
+
+def _declared(classes: Iterable[type]) -> dict[str, tuple[str, str]]:
+    """kvtier medium -> (``kv_event_medium``, ``locality``) of each of the tier classes."""
+    return {cls.medium.upper(): (cls.kv_event_medium, cls.locality) for cls in classes}
 
 
 @dataclass(frozen=True)
@@ -59,15 +71,21 @@ class ChunkInfo:
     lora_id: int | None
 
 
-def event_medium(medium: str, server: bool = False) -> tuple[str, str, str | None]:
+def event_medium(medium: str, server: bool = False,
+                 media: Mapping[str, tuple[str, str]] | None = None) -> tuple[str, str, str | None]:
     """(medium, locality, ownership) of a kvtier tier's events, in vLLM's vocabulary (see the
-    module docstring)."""
+    module docstring), from what the tier class of kvtier medium ``medium`` declares
+    (``Tier.kv_event_medium``, ``Tier.locality``): ``media`` (kvtier medium -> those two, as
+    ``ChunkEvents`` gathers them), by default the built-in tiers'. A medium no class declares is
+    a shared ``STORAGE`` pool."""
     medium = medium.upper()
+    declared = _builtin_media() if media is None else media
+    vllm_medium, locality = declared.get(medium, ("STORAGE", "REMOTE"))
     if server:
-        return _LOCAL_MEDIA.get(medium, ("STORAGE",))[0], "REMOTE", f"kvtier:server/{medium.lower()}"
-    if medium in _LOCAL_MEDIA:
-        return (*_LOCAL_MEDIA[medium], None)
-    return "STORAGE", "REMOTE", f"kvtier:{medium.lower()}"
+        return vllm_medium, "REMOTE", f"kvtier:server/{medium.lower()}"
+    if locality == "LOCAL":
+        return vllm_medium, "LOCAL", None
+    return vllm_medium, "REMOTE", f"kvtier:{medium.lower()}"
 
 
 def derived_block_hashes(key: bytes, blocks: int) -> list:
@@ -83,10 +101,14 @@ class ChunkEvents:
     Not thread-safe: the scheduler calls it from its loop only.
     """
 
-    def __init__(self, block_size: int, blocks_per_chunk: int, server: bool = False, max_chunks: int = MAX_CHUNKS):
+    def __init__(self, block_size: int, blocks_per_chunk: int, server: bool = False, max_chunks: int = MAX_CHUNKS,
+                 tiers: Iterable[type] = ()):
+        """``tiers``: the store's tier classes (a plugin tier's medium and locality are read
+        from its class; the built-in ones are known without)."""
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
         self.server = server
+        self._media = {**_builtin_media(), **_declared(tiers)}
         self.max_chunks = max_chunks
         self._info: OrderedDict[bytes, ChunkInfo] = OrderedDict()
         self.dropped = 0  # store events of chunks no longer remembered (not published)
@@ -130,7 +152,7 @@ class ChunkEvents:
             if info is None:
                 self.dropped += 1
                 continue
-            med, locality, ownership = event_medium(medium, self.server)
+            med, locality, ownership = event_medium(medium, self.server, self._media)
             if kind == "stored":
                 out.append(BlockStored(block_hashes=list(info.block_hashes), parent_block_hash=info.parent,
                                        token_ids=info.token_ids.tolist(), block_size=self.block_size,

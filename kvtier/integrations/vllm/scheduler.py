@@ -105,7 +105,8 @@ class KVTierScheduler:
         self._requests: dict[str, RequestState] = {}
         self._present: dict[bytes, set[str]] = {}  # chunk key -> media holding it (from events)
         # fields of published events, remembered per chunk (None: vLLM publishes no KV events)
-        self.chunk_events = (ChunkEvents(geometry.block_size, geometry.blocks_per_chunk, server=bool(config.server))
+        self.chunk_events = (ChunkEvents(geometry.block_size, geometry.blocks_per_chunk, server=bool(config.server),
+                                         tiers=[spec.tier_class for spec in config.store.tiers])
                              if publish_events else None)
         self._events: list = []
         self._background = config.transfer_mode == "async"
