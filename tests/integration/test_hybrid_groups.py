@@ -1,0 +1,416 @@
+"""Every KV cache group (issue 26): sliding-window and chunked-local groups beside full attention,
+MLA, recurrent state refused, group specs in the namespace.
+
+The KV cache configs are built by vLLM's own code (``get_kv_cache_configs``) from a random
+Gemma-3-like model's config; the connector's scheduler side plans and its worker side copies on
+CPU tensors of that layout into a real RAM tier, as vLLM would drive them (per-group block
+tables, null blocks before a window group's window). The engine run is in
+``test_hybrid_engine.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+from tests.integration._vllm_config import CHUNK, vllm_config  # noqa: E402
+
+BLOCK = 16
+HEADS, HEAD = 1, 16
+NUM_BLOCKS = 96
+NULL = 0  # vLLM's null block: block 0 of the pool
+
+
+def gemma_like(tmp: Path, layers: int = 8, ratio: int = 3, window: int = 48) -> Path:
+    from kvtier.bench.models import make_family_model
+
+    return make_family_model("gemma3-swa", out_dir=tmp / f"g{layers}-{ratio}-{window}", num_hidden_layers=layers,
+                             hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                             num_key_value_heads=HEADS, head_dim=HEAD, sliding_window=window, local_per_global=ratio)
+
+
+def kv_cache_config(cfg, chunked: int = 0):
+    """vLLM's KV cache config for the model of ``cfg`` (layer specs from its layer types; with
+    ``chunked`` the sliding layers are chunked-local attention of that chunk size instead)."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+
+    hf = cfg.model_config.hf_config
+    common = dict(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+    specs = {}
+    for i, kind in enumerate(hf.layer_types):
+        name = f"model.layers.{i}.self_attn.attn"
+        if kind == "full_attention":
+            specs[name] = FullAttentionSpec(**common)
+        elif chunked:
+            specs[name] = ChunkedLocalAttentionSpec(attention_chunk_size=chunked, **common)
+        else:
+            specs[name] = SlidingWindowSpec(sliding_window=hf.sliding_window, **common)
+    cfg.cache_config.kv_cache_layout = "LBHNC"  # the engine core resolves it; the CPU layout
+    page = BLOCK * HEADS * HEAD * 2 * 2
+    return get_kv_cache_configs(cfg, [specs], [NUM_BLOCKS * page * len(specs)])[0]
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    return gemma_like(tmp_path_factory.mktemp("hybrid"))
+
+
+class Blocks:
+    """What vLLM's ``KVCacheBlocks.get_block_ids`` hands the connector: one table per group."""
+
+    def __init__(self, tables):
+        self.tables = tables
+
+    def get_block_ids(self):
+        return tuple(self.tables)
+
+
+_ids = iter(range(10**6))
+
+
+def request(tokens):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(request_id=f"h{next(_ids)}", prompt_token_ids=list(tokens), sampling_params=SamplingParams(max_tokens=1),
+                   pooling_params=None)
+
+
+class Engine:
+    """The connector's two sides over CPU KV tensors, wired as vLLM wires them."""
+
+    def __init__(self, cfg, kcc):
+        from kvtier.integrations.vllm.connector import KVConnectorRole, KVTierConnector
+
+        self.kcc = kcc
+        self.sched = KVTierConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
+        self.work = KVTierConnector(cfg, KVConnectorRole.WORKER, kcc)
+        torch.manual_seed(0)
+        self.kv = {name: torch.randn(kcc.num_blocks, HEADS, BLOCK, 2 * HEAD).to(torch.bfloat16)
+                   for g in kcc.kv_cache_groups for name in g.layer_names}
+        for t in self.kv.values():
+            t[NULL].zero_()
+        self.work.register_kv_caches(self.kv)
+        self.groups = self.sched.groups
+        self._next = 1
+
+    def close(self):
+        self.sched.shutdown()
+        self.work.shutdown()
+
+    def fresh(self, n):
+        ids = list(range(self._next, self._next + n))
+        self._next += n
+        assert self._next <= self.kcc.num_blocks
+        return ids
+
+    def sync_events(self):
+        from vllm.v1.outputs import KVConnectorOutput
+
+        meta = self.work.build_connector_worker_meta()
+        self.sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
+
+    def prefill(self, req):
+        """A one-step prefill of the whole prompt: every group holds a block per token; then
+        the step's saves run on the worker side."""
+        from kvtier.integrations.vllm.connector import KVTierMetadata
+
+        n = -(-len(req.prompt_token_ids) // BLOCK)
+        tables = [self.fresh(n) for _ in self.groups]
+        state = self.sched._request_state(req)
+        self.sched.scheduler._set_blocks(state, tables)
+        meta = KVTierMetadata()
+        self.sched._plan(meta, req.request_id, state, len(req.prompt_token_ids))
+        self.work.bind_connector_metadata(meta)
+        self.work.wait_for_save()
+        self.work.clear_connector_metadata()
+        self.sync_events()
+        return tables, meta
+
+    def load(self, req, hit):
+        """Allocate as vLLM does for ``hit`` external tokens (a window group's blocks before its
+        window are null), plan and run the background load; the tables and the load specs."""
+        from kvtier.integrations.vllm.connector import KVTierMetadata
+
+        n = -(-len(req.prompt_token_ids) // BLOCK)
+        tables = []
+        for g in self.groups:
+            nulls = g.first_block(hit)
+            tables.append([NULL] * nulls + self.fresh(n - nulls))
+        self.sched.update_state_after_alloc(req, Blocks(tables), hit)
+        meta = KVTierMetadata()
+        meta.loads, self.sched.scheduler._async_loads = self.sched.scheduler._async_loads, []
+        self.work.bind_connector_metadata(meta)
+        self.work.start_load_kv(None)
+        self.work.clear_connector_metadata()
+        for _ in range(2000):
+            results = self.work.get_transfer_results(set())
+            if req.request_id in results.finished_recving:
+                return tables, meta.loads, results
+            import time
+
+            time.sleep(0.005)
+        raise AssertionError("the load was never reported")
+
+    def page(self, group, block):
+        return [self.kv[name][block].clone() for name in self.kcc.kv_cache_groups[group].layer_names]
+
+
+def _prompt(n, seed=0):
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(5, 900, n).tolist()
+
+
+# --------------------------------------------------------------------------- the groups
+
+
+@pytest.mark.parametrize("layers, ratio, window", [(8, 3, 48), (6, 1, 100), (12, 5, 33), (4, 3, 200)])
+def test_groups_follow_vllms_own_grouping_for_any_ratio_and_window(tmp_path, layers, ratio, window):
+    from kvtier.integrations.vllm.groups import FULL, WINDOW, groups_of, namespace_groups
+
+    cfg = vllm_config(gemma_like(tmp_path, layers, ratio, window))
+    kcc = kv_cache_config(cfg)
+    groups = groups_of(kcc, "gemma3_text")
+    assert len(groups) == len(kcc.kv_cache_groups) > 1
+    for g, spec in zip(groups, kcc.kv_cache_groups):
+        assert g.layer_names == tuple(spec.layer_names)
+        assert g.kind == (WINDOW if type(spec.kv_cache_spec).__name__ == "SlidingWindowSpec" else FULL)
+    full_layers = sum(len(g.layer_names) for g in groups if g.kind == FULL)
+    assert full_layers == sum(1 for i in range(layers) if (i + 1) % (ratio + 1) == 0)
+    assert all(g.sliding_window == window for g in groups if g.kind == WINDOW)
+    assert f"sliding_window={window}" in namespace_groups(groups)
+
+
+def test_skipped_tokens_are_vllms_own():
+    """A window group's null blocks are where vLLM's managers put them (their own code)."""
+    from vllm.v1.core.single_type_kv_cache_manager import ChunkedLocalAttentionManager, SlidingWindowManager
+
+    from kvtier.integrations.vllm.groups import WINDOW, GroupSpec
+
+    for window, extra in ((48, 0), (100, 0), (512, 0), (33, 5)):
+        ours = GroupSpec(0, WINDOW, (), BLOCK, sliding_window=window, extra_retained=extra)
+        theirs = SimpleNamespace(sliding_window=window, extra_retained_tokens=extra)
+        for t in range(0, 1200, 7):
+            assert ours.skipped_tokens(t) == SlidingWindowManager.get_num_skipped_tokens(theirs, t)
+    for size in (32, 48, 256):
+        ours = GroupSpec(0, WINDOW, (), BLOCK, attention_chunk=size)
+        theirs = SimpleNamespace(attention_chunk_size=size)
+        for t in range(0, 1200, 7):
+            assert ours.skipped_tokens(t) == ChunkedLocalAttentionManager.get_num_skipped_tokens(theirs, t)
+
+
+# --------------------------------------------------------------------------- saves and loads
+
+
+@pytest.mark.parametrize("chunked", [0, 64])
+def test_a_hybrid_prefix_round_trips_every_group_and_stores_only_the_windows(gemma, chunked):
+    """Saves: full groups every chunk, window groups the chunks in the window before the prompt's
+    last chunk boundary. Re-read: a hit of that boundary (>= 0.95 of the prompt), every group's
+    kept blocks loaded bit-exactly from its own entries, null blocks never written."""
+    from kvtier.integrations.vllm.groups import FULL, window_chunks
+
+    cfg = vllm_config(gemma)
+    kcc = kv_cache_config(cfg, chunked=chunked)
+    eng = Engine(cfg, kcc)
+    try:
+        tokens = _prompt(20 * CHUNK + 9)
+        resume = (len(tokens) - 1) // CHUNK  # chunks a re-read can load
+        src, meta = eng.prefill(request(tokens))
+        bpc = CHUNK // BLOCK
+        for g in eng.groups:
+            saved = sorted(s.chunk_index for s in meta.saves if s.group == g.index)
+            assert saved == list(window_chunks(g, resume, bpc)), g
+        # bytes stored: full layers x prefix + window layers x (window rounded to whole chunks)
+        token_bytes = HEADS * HEAD * 2 * 2
+        stored = sum(len(g.layer_names) * CHUNK * token_bytes for g in eng.groups for s in meta.saves
+                     if s.group == g.index)
+        full = sum(len(g.layer_names) for g in eng.groups if g.kind == FULL)
+        windowed = sum(len(g.layer_names) for g in eng.groups if g.kind != FULL)
+        window = chunked or cfg.model_config.hf_config.sliding_window
+        assert stored <= (full * resume * CHUNK + windowed * (window + CHUNK)) * token_bytes
+        assert stored < (full + windowed) * resume * CHUNK * token_bytes / 2  # not all layers x prefix
+
+        req = request(tokens)
+        hit, background = eng.sched.get_num_new_matched_tokens(req, 0)
+        assert hit == resume * CHUNK and background and hit >= 0.95 * len(tokens)
+        dst, loads, results = eng.load(req, hit)
+        assert not results.failed_recving and not eng.work.get_block_ids_with_load_errors()
+        null_pages = eng.page(0, NULL)
+        for g in eng.groups:
+            first = g.first_block(hit)
+            (load,) = [spec for spec in loads if spec.group == g.index] or [None]
+            if first >= hit // BLOCK:
+                assert load is None  # chunked-local at a local-chunk boundary: nothing kept
+                continue
+            assert load.first_chunk * bpc + load.skip_blocks == first
+            for b in range(first, hit // BLOCK):
+                for a, b_ in zip(eng.page(g.index, dst[g.index][b]), eng.page(g.index, src[g.index][b])):
+                    assert torch.equal(a, b_)
+        for g in eng.groups:  # the null block was never written
+            assert all(torch.equal(a, b) for a, b in zip(eng.page(g.index, NULL), null_pages))
+    finally:
+        eng.close()
+
+
+def test_a_hit_is_a_hit_only_when_every_group_loads_at_the_same_count(gemma):
+    """A longer prompt over a stored one: its hit is the stored prompt's boundary (where the
+    windows are), not its full groups' longer run; a window entry gone: no hit at all."""
+    cfg = vllm_config(gemma)
+    eng = Engine(cfg, kv_cache_config(cfg))
+    try:
+        tokens = _prompt(12 * CHUNK + 3)
+        eng.prefill(request(tokens))
+        stored_resume = (len(tokens) - 1) // CHUNK * CHUNK
+        longer = tokens + _prompt(5 * CHUNK, seed=1)
+        assert eng.sched.get_num_new_matched_tokens(request(longer), 0)[0] == stored_resume
+        # a prompt that ends one chunk earlier: the full groups hold it, the windows do not
+        shorter = tokens[: stored_resume - CHUNK + 1]
+        assert eng.sched.get_num_new_matched_tokens(request(shorter), 0) == (0, False)
+        # drop one window group's last entry: no count is loadable by every group
+        state = eng.sched._request_state(request(tokens))
+        window = next(g for g in eng.groups if g.kind != "full")
+        from kvtier.keys import group_key
+
+        key = group_key(state.keys[stored_resume // CHUNK - 1], window.index)
+        assert eng.work.worker.store.delete(key)
+        eng.sync_events()
+        assert eng.sched.get_num_new_matched_tokens(request(tokens), 0) == (0, False)
+    finally:
+        eng.close()
+
+
+def test_a_failed_load_of_a_hybrid_model_is_reported_per_request_not_per_block(gemma):
+    """vLLM raises on block-level failures of a multi-group model: the worker reports the request
+    in ``failed_recving`` (vLLM recomputes it) and no block ids."""
+    from kvtier.keys import group_key
+
+    cfg = vllm_config(gemma)
+    eng = Engine(cfg, kv_cache_config(cfg))
+    try:
+        tokens = _prompt(8 * CHUNK + 1)
+        eng.prefill(request(tokens))
+        req = request(tokens)
+        hit, _ = eng.sched.get_num_new_matched_tokens(req, 0)
+        assert hit == 8 * CHUNK
+        full = next(g for g in eng.groups if g.kind == "full")
+        state = eng.sched._request_state(req)
+        eng.work.worker.store.delete(group_key(state.keys[3], full.index))  # gone after the lookup
+        _, _, results = eng.load(req, hit)
+        assert req.request_id in results.failed_recving and req.request_id in results.finished_recving
+        assert eng.work.get_block_ids_with_load_errors() == set()
+    finally:
+        eng.close()
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def test_models_differing_only_in_their_window_never_share_an_entry(tmp_path):
+    from kvtier.integrations.vllm.groups import groups_of, namespace_groups
+
+    spaces = []
+    for window in (48, 64):
+        cfg = vllm_config(gemma_like(tmp_path, window=window))
+        kcc = kv_cache_config(cfg)
+        groups = groups_of(kcc)
+        spaces.append(namespace_groups(groups))
+        from kvtier.integrations.vllm.connector import KVConnectorRole, KVTierConnector
+
+        conn = KVTierConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
+        spaces.append(conn.namespace)
+        conn.shutdown()
+    assert spaces[0] != spaces[2]  # the groups' specs alone tell them apart
+    assert spaces[1].kv_groups != spaces[3].kv_groups and spaces[1].digest() != spaces[3].digest()
+    # the same config with its layers' config digest forced equal still differs by its groups
+    from dataclasses import replace
+
+    assert replace(spaces[1], config_digest="x").digest() != replace(spaces[3], config_digest="x").digest()
+
+
+def test_a_dense_models_namespace_digest_is_unchanged():
+    """One plain full-attention group: ``kv_groups`` is empty and left out of the digest."""
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    from kvtier.keys import Namespace
+
+    ns = Namespace(model="m", kv_layout="cpu:FullAttentionSpec:16")
+    old = {k: v for k, v in asdict(ns).items() if k != "kv_groups"}
+    assert ns.digest() == hashlib.sha256(json.dumps(old, sort_keys=True, separators=(",", ":")).encode()).digest()
+    assert Namespace(model="m", kv_groups="0:x").digest() != Namespace(model="m").digest()
+
+
+# --------------------------------------------------------------------------- MLA, recurrent state
+
+
+def _mla_config(tp_kv_replicas=1):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=512 + 64, dtype=torch.bfloat16)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)]), spec
+
+
+def test_mla_latent_pages_and_one_copy_under_tensor_parallelism(tmp_path):
+    """The latent layout ``[num_blocks, block_size, kv_lora_rank + rope_dim]`` is one page per
+    block of the spec's page size; a replicated latent is keyed as rank 0's on every rank, and
+    with a store the ranks share only rank 0 writes it."""
+    from kvtier.integrations.vllm.config import ConnectorConfig
+    from kvtier.integrations.vllm.groups import groups_of, namespace_groups
+    from kvtier.integrations.vllm.metadata import ChunkGeometry
+    from kvtier.integrations.vllm.pages import PageLayout
+    from kvtier.integrations.vllm.worker import KVTierWorker
+    from kvtier.keys import WorkerShare
+
+    kcc, spec = _mla_config()
+    groups = groups_of(kcc, "deepseek_v2")
+    assert groups[0].replicated and "MLAAttentionSpec" in namespace_groups(groups)
+    latent = {n: torch.randn(NUM_BLOCKS, BLOCK, 576).to(torch.bfloat16) for n in groups[0].layer_names}
+    layout = PageLayout(latent, NUM_BLOCKS, CHUNK // BLOCK)
+    assert (layout.pieces, layout.piece_bytes) == (1, spec.page_size_bytes)
+    geometry = ChunkGeometry(BLOCK, CHUNK)
+    ram = ConnectorConfig.from_extra_config({"tiers": [{"type": "ram", "capacity": "4MiB"}]})
+    shared = ConnectorConfig.from_extra_config({"tiers": [{"type": "disk", "path": str(tmp_path / "d"), "capacity": "4MiB"}]})
+    key = b"k" * 32
+    workers = []
+    try:
+        for cfg in (ram, shared):
+            for rank in (0, 1):
+                workers.append((cfg, rank, KVTierWorker(cfg, geometry, WorkerShare(rank, 2), groups=groups,
+                                                        replicated=True)))
+        keys = {w._key(key) for _, _, w in workers}
+        assert len(keys) == 1 and keys == {WorkerShare(0, 2).key(key)}
+        saving = {(cfg is ram, rank): w._saves_on for cfg, rank, w in workers}
+        # private RAM: each rank keeps its own copy to load from; a shared store: rank 0's only
+        assert saving == {(True, 0): True, (True, 1): True, (False, 0): True, (False, 1): False}
+        plain = KVTierWorker(ram, geometry, WorkerShare(1, 2), groups=groups, replicated=False)
+        workers.append((ram, 1, plain))
+        assert plain._key(key) != WorkerShare(0, 2).key(key)
+    finally:
+        for _, _, w in workers:
+            w.close()
+
+
+def test_recurrent_state_is_refused_at_start_in_one_line():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.vllm.groups import groups_of
+
+    attn = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.bfloat16)
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8), (2, 16, 16)), dtypes=(torch.float32, torch.float32))
+    kcc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["a.0"], attn), KVCacheGroupSpec(["m.1"], mamba)])
+    with pytest.raises(ConfigError) as err:
+        groups_of(kcc, "qwen3_next")
+    message = str(err.value)
+    assert "\n" not in message and "qwen3_next" in message and "MambaSpec" in message and "recurrent" in message
