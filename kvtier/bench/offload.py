@@ -85,6 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-tokens", type=int, default=16,
                         help="greedy tokens generated per request (1-64), compared with vLLM alone's first pass (default 16; "
                              "TTFT is still the time to the first one)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="skip vLLM's torch.compile (engines start about a minute sooner on two cores; slower steps)")
     parser.add_argument("--chunk-tokens", type=int, default=None, help="kvtier chunk size (default: the connector's)")
     parser.add_argument("--max-engines", type=int, default=4,
                         help="engines alive at once, whose requests are interleaved (default 4; lower it to save memory)")
@@ -130,8 +132,9 @@ def run(args: argparse.Namespace) -> int:
         _run_settings(settings, model, docs, warmup, hit_docs, args, Path(work))
     doc_bytes = working_set // args.docs
     report = _report(settings, working_set, doc_bytes, memcpy_gbps(doc_bytes))
-    report["model"] = model_summary(model, config, shape, prefix, getattr(args, "variant", None) if not args.model else None)
-    report["stored_bytes"] = stored_bytes(settings, args.docs, doc_bytes)
+    stored = stored_tokens(args.tokens, getattr(args, "compare_tokens", 1), chunk)
+    report["model"] = model_summary(model, config, shape, stored, getattr(args, "variant", None) if not args.model else None)
+    report["stored_bytes"] = stored_bytes(settings, args.docs, report["model"]["formula_bytes"])
     report["first_tokens"] = first_tokens(settings, getattr(args, "compare_tokens", 1))
     if args.plot:
         _plot(report, args.plot)
@@ -318,7 +321,7 @@ def _run_group(group: list[Setting], order: dict, model: str, docs, warmup, hit_
     spec = {"model": model, "docs": docs, "warmup": warmup, "hit_docs": hit_docs,
             "pool_blocks": getattr(args, "pool_blocks", None) or args.pool_tokens // 128,
             "max_model_len": args.tokens + 64,
-            "max_tokens": getattr(args, "compare_tokens", 1)}
+            "max_tokens": getattr(args, "compare_tokens", 1), "enforce_eager": bool(getattr(args, "enforce_eager", False))}
     with contextlib.ExitStack() as stack:
         engines = {}
         for setting in group:
@@ -360,6 +363,12 @@ def _run_group(group: list[Setting], order: dict, model: str, docs, warmup, hit_
 def _is_kvtier(setting: Setting) -> bool:
     """Whether ``setting`` runs kvtier's connector (its store's counters mean something)."""
     return bool(setting.kv_transfer_config) and setting.kv_transfer_config.get("kv_connector") == CONNECTOR["kv_connector"]
+
+
+def stored_tokens(tokens: int, generated: int, chunk: int) -> int:
+    """Tokens of one document whose KV the connector stores for a full-attention layer: the
+    whole chunks of what the engine computed (the prompt and all generated tokens but the last)."""
+    return (tokens + generated - 1) // chunk * chunk
 
 
 def _counter_delta(before: dict, after: dict) -> dict:
