@@ -216,8 +216,9 @@ def check_concurrent_put_get_without_lost_or_mixed_entries(make: Make) -> None:
         for i in range(per_writer):
             k = key(w * 1000 + i)
             assert tier.get(k) == expected(k, versions - 1)
-    assert tier.used_bytes() == writers * per_writer * size
-    assert tier.stats.corrupt == 0
+    held = writers * per_writer * size
+    assert tier.used_bytes() == held, f"used_bytes {tier.used_bytes()}, expected {held}"
+    assert tier.stats.corrupt == 0, f"{tier.stats.corrupt} entries counted corrupt"
 
 
 #: every check of the contract, by name

@@ -201,12 +201,18 @@ def _plugin_entry_points() -> dict[str, list[importlib.metadata.EntryPoint]]:
     builtin = set(TIERS.names())
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         if ep.name in builtin:
+            if (ep.name, ep.value) in _WARNED:
+                continue
+            _WARNED.add((ep.name, ep.value))
             log.warning("tier plugin %s ignored: %r is a built-in tier type, which a plugin cannot replace",
                         _plugin_label(ep), ep.name)
             continue
         if not any(ep.value == seen.value for seen in out.get(ep.name, ())):  # one dist seen twice on sys.path
             out.setdefault(ep.name, []).append(ep)
     return out
+
+
+_WARNED: set[tuple[str, str]] = set()  # plugins under a built-in name, warned about once
 
 
 def _plugin_label(ep: importlib.metadata.EntryPoint) -> str:
