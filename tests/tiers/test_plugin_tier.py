@@ -253,3 +253,14 @@ def test_a_plugin_tiers_kv_events_carry_its_declared_medium_and_locality(plugin)
     assert (stored.medium, stored.locality, stored.ownership) == ("CPU", "LOCAL", None)
     (guessed,) = unknown.events([("stored", key, "MYTIER")])  # a medium no class declares: a shared pool
     assert (guessed.medium, guessed.locality, guessed.ownership) == ("STORAGE", "REMOTE", "kvtier:mytier")
+
+
+def test_two_plugins_under_one_name_are_refused_naming_both(plugin):
+    other = plugin / "kvtier_mytier_fork-0.2.dist-info"
+    other.mkdir()
+    (other / "METADATA").write_text("Metadata-Version: 2.1\nName: kvtier-mytier-fork\nVersion: 0.2\n")
+    (other / "entry_points.txt").write_text("[kvtier.tiers]\nmytier = kvtier_mytier:LyingTier\n")
+    with pytest.raises(ConfigError, match=r"^store\.tiers\[0\]: tier type 'mytier' is declared by several plugins "
+                                          r"\(.*kvtier_mytier:(MyTier|LyingTier).*, .*kvtier_mytier:(MyTier|LyingTier)"
+                                          r".*\); uninstall all but one$"):
+        parse_tier_spec({"type": "mytier"}, "store.tiers[0]")
