@@ -587,21 +587,20 @@ class FsTier(Tier):
             os.close(root)
 
     def _walk_fanout(self, dfd: int, sub: str, now: float | None):
-        with os.scandir(dfd) as it:  # only names that can be ours are kept (junk costs no memory)
-            names = [e.name for e in it if e.name.endswith(_TMP) or (_ENTRY.match(e.name) and e.name.startswith(sub))]
-        for name in names:
-            if name.endswith(_TMP):
-                if now is not None:
-                    self._maybe_drop_tmp(dfd, name, now)
-                continue
-            if not _ENTRY.match(name) or not name.startswith(sub):
-                continue  # not where this tier would keep that key: not ours
-            try:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                yield sub, name, st
+        with os.scandir(dfd) as it:  # streamed, never listed whole: junk names cost no memory
+            for name in (e.name for e in it):
+                if name.endswith(_TMP):
+                    if now is not None:
+                        self._maybe_drop_tmp(dfd, name, now)
+                    continue
+                if not _ENTRY.match(name) or not name.startswith(sub):
+                    continue  # not where this tier would keep that key: not ours
+                try:
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    yield sub, name, st
 
     def _maybe_drop_tmp(self, dfd: int, name: str, now: float) -> None:
         try:
