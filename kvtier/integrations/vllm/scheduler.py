@@ -98,7 +98,8 @@ class KVTierScheduler:
         self._auth_key = config.store.auth_secret("kv_connector_extra_config")  # keys the chunk keys
         # vLLM's KV cache groups; none given: one full-attention group (a dense model)
         self.groups = list(groups) or [GroupSpec(0, FULL, (), geometry.block_size)]
-        self._hybrid = len(self.groups) > 1
+        self._hybrid = len(self.groups) > 1  # failures per request only: every hit loads in the background
+        self._per_group = self._hybrid or any(g.kind != FULL for g in self.groups)  # hits need each group's window
         self.namespace = namespace
         self._share = share.of(0, 0)  # worker rank 0 of stage 0 speaks for all
         self._lora_ids: dict[tuple[str, str], str] = {}  # (name, path) -> identity, read once
@@ -365,7 +366,7 @@ class KVTierScheduler:
         same token count, how many of those the mirror holds: see ``_lookup``). One group: the
         leading keys present. Several: the full groups' common leading run, then the largest
         count at or below it for which every window group holds its window."""
-        if not self._hybrid:
+        if not self._per_group:
             return self._lookup(keys)
         n, mirrored = len(keys), len(keys)
         for group in self.groups:
