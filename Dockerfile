@@ -19,7 +19,7 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE} AS kvtier
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    pip install --no-cache-dir "$(ls /wheels/kvtier-*.whl)[redis,s3,server]" \
+    pip install --no-cache-dir "$(ls /wheels/kvtier-*.whl)[redis,s3,server,codec]" \
     && useradd --system --uid 10001 --user-group --no-create-home kvtier
 USER 10001:10001
 EXPOSE 9400
@@ -28,6 +28,6 @@ CMD ["serve", "--config", "/etc/kvtier/serve.yaml"]
 
 FROM ${VLLM_IMAGE} AS kvtier-vllm
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    pip install --no-cache-dir "$(ls /wheels/kvtier-*.whl)[redis,s3,vllm,route]"
+    pip install --no-cache-dir "$(ls /wheels/kvtier-*.whl)[redis,s3,vllm,route,codec]"
 ENTRYPOINT ["vllm", "serve"]
 CMD ["--help"]

@@ -6,7 +6,7 @@ thread. Chosen by measurement on the KV of the random Qwen2 test model (``kvtier
 4 MiB of bf16 K/V, one core): 1.40 x at ~1.1 GB/s encode and ~2.4 GB/s decode; zstd-1 on the
 raw bytes 1.28 x at 0.64/0.68 GB/s; byte planes + zstd-1 1.47 x but 0.24/0.51 GB/s; Blosc2
 byte-shuffle + LZ4 1.16 x. Decoding must keep up with a tier's load path, so the fast decoder
-with nearly the best ratio wins. The library is optional (``pip install blosc2``): configuring
+with nearly the best ratio wins. The library is optional (``pip install 'kvtier[codec]'``): configuring
 ``lossless`` without it is a ConfigError, and reading a coded entry without it is a miss.
 
 Safety: ``decode_into`` writes into the caller's buffer, whose size is the entry's declared raw
@@ -50,7 +50,7 @@ def _lib():
                 try:
                     import blosc2
                 except ImportError as exc:
-                    raise ConfigError("codec 'lossless' needs the blosc2 package (pip install blosc2); "
+                    raise ConfigError("codec 'lossless' needs the blosc2 package (pip install 'kvtier[codec]'); "
                                       "valid codecs without it: none") from exc
                 _blosc2 = blosc2
     return _blosc2

@@ -22,6 +22,7 @@ OPTIONAL_MODULES = {
     "runai_model_streamer": "pip install 'kvtier[bench]'",
     "vllm": "install vLLM >= 0.32 for your hardware (kvtier's extras never install it)",
     "aiohttp": "pip install 'kvtier[route]'",
+    "blosc2": "pip install 'kvtier[codec]'",
     "zmq": "pip install 'kvtier[route]'",
     "msgspec": "pip install 'kvtier[route]'",
     "transformers": "pip install 'kvtier[route]' (vLLM brings it too)",
