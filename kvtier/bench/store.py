@@ -334,7 +334,13 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvtier bench store: {exc}", file=sys.stderr)
         return 2
-    work = tempfile.mkdtemp(prefix="kvtier-bench-store-", dir=args.work_dir)
+    try:
+        if args.work_dir:
+            os.makedirs(args.work_dir, exist_ok=True)
+        work = tempfile.mkdtemp(prefix="kvtier-bench-store-", dir=args.work_dir)
+    except OSError as exc:
+        print(f"kvtier bench store: --work-dir {args.work_dir}: {exc.strerror}", file=sys.stderr)
+        return 2
     try:
         out = measure(args, entry, work)
     except KVTierError as exc:

@@ -68,6 +68,9 @@ from kvtier.tiers.base import Key, Tier
 log = logging.getLogger(__name__)
 
 _TMP = ".tmp"
+_PACE_EVERY = 256  # entries a usage scan walks between pauses
+_PACE_S = 0.001  # each pause: ~0.4 s more per 100,000 entries
+
 _FANOUT = re.compile(r"^[0-9a-f]{2}$")
 _ENTRY = re.compile(r"^[0-9a-f]{64}$")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -558,7 +561,11 @@ class FsTier(Tier):
     def _walk(self, now: float | None = None, stoppable: bool = False):
         """Yield (fan-out name, key-hex name, lstat) of the regular entry files in real fan-out
         directories, each where its key puts it; remove stale temps when ``now``. When
-        ``stoppable``, stops early once the tier is closed."""
+        ``stoppable`` (a usage scan), stops early once the tier is closed and pauses
+        ``_PACE_S`` every ``_PACE_EVERY`` entries: a scan runs in the engine's process, and an
+        unpaced walk of 100,000 entries raised a RAM hit's p99 from 0.8 to 8.4 ms (``kvtier bench
+        store --lower fs``)."""
+        walked = 0
         try:
             root = os.open(self._root, _DIR_FLAGS)
         except OSError:
@@ -578,7 +585,11 @@ class FsTier(Tier):
                 except OSError:
                     continue  # removed by another node meanwhile
                 try:
-                    yield from self._walk_fanout(dfd, sub, now)
+                    for item in self._walk_fanout(dfd, sub, now):
+                        yield item
+                        walked += 1
+                        if stoppable and walked % _PACE_EVERY == 0:
+                            time.sleep(_PACE_S)  # hand the GIL and the core back to the engine's threads
                 finally:
                     os.close(dfd)
         except OSError:

@@ -78,6 +78,7 @@ def test_fs_used_bytes_is_a_counter_not_a_walk(tmp_path):
 
 def test_fs_used_bytes_reflects_other_writers_after_a_refresh_and_the_thread_stops(tmp_path):
     root = tmp_path / "shared"
+    before = set(threading.enumerate())  # other tests' tiers may still be alive: judge only ours
     tier = FsTier(FsConfig(path=str(root), usage_refresh_s=0.2), name="fs")
     other = FsTier(FsConfig(path=str(root), usage_refresh_s=0), name="other")
     try:
@@ -92,7 +93,7 @@ def test_fs_used_bytes_reflects_other_writers_after_a_refresh_and_the_thread_sto
         tier.close()
         other.close()
     assert tier._thread is not None and not tier._thread.is_alive()
-    assert not [t for t in threading.enumerate() if t.name == "kvtier-fs-usage"]
+    assert not [t for t in set(threading.enumerate()) - before if t.name == "kvtier-fs-usage"]
 
 
 def test_fs_own_changes_during_scans_are_counted_exactly(tmp_path):
