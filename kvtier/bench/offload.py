@@ -124,15 +124,15 @@ def run(args: argparse.Namespace) -> int:
     _refuse_recurrent(shape, config, settings_names, fractions, model)
     docs, warmup, hit_docs = _documents(args.docs, args.tokens, _vocab_size(config))
     chunk = args.chunk_tokens or 128
-    prefix = (args.tokens - 1) // chunk * chunk
-    working_set = args.docs * shape.bytes_for(prefix)  # item 1's formula: full x prefix + window x min(prefix, window)
+    stored = stored_tokens(args.tokens, getattr(args, "compare_tokens", 1), chunk)
+    # item 1's formula (full x tokens + window x min(tokens, window)) at the tokens the connector stores
+    working_set = args.docs * shape.bytes_for(stored)
     args.pool_blocks = args.pool_tokens // 128 * kv_cache_groups(shape)
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-", dir=args.work_dir) as work:
         settings = _settings(settings_names, fractions, working_set, Path(work), args.chunk_tokens)
         _run_settings(settings, model, docs, warmup, hit_docs, args, Path(work))
     doc_bytes = working_set // args.docs
     report = _report(settings, working_set, doc_bytes, memcpy_gbps(doc_bytes))
-    stored = stored_tokens(args.tokens, getattr(args, "compare_tokens", 1), chunk)
     report["model"] = model_summary(model, config, shape, stored, getattr(args, "variant", None) if not args.model else None)
     report["stored_bytes"] = stored_bytes(settings, args.docs, report["model"]["formula_bytes"])
     report["first_tokens"] = first_tokens(settings, getattr(args, "compare_tokens", 1))

@@ -227,7 +227,8 @@ def test_demo_variant_swa_json_on_a_real_engine(tmp_path, capsys):
     with capsys.disabled():
         print(json.dumps({"ttft_p50_ms": {f"{s}/{p}": round(r["ttft_p50_ms"], 1) for (s, p), r in rows.items()},
                           "engine_hit_ms": report["engine_hit_ttft_p50_ms"], "stored": stored,
-                          "hit_tokens": {f"{s}/{p}": f"{r['hit_tokens']}/{r['query_tokens']}" for (s, p), r in rows.items()},
+                          "hit_tokens": {f"{s}/{p}": f"{r['hit_tokens']}+{r['local_hit_tokens']} local/{r['query_tokens']}"
+                                         for (s, p), r in rows.items()},
                           "first_tokens": {k: v["equal"] for k, v in first.items()},
                           "equal_prefix": {k: [d["equal_prefix"] for d in v["docs"]] for k, v in first.items()}}))
     model = report["model"]
@@ -236,6 +237,9 @@ def test_demo_variant_swa_json_on_a_real_engine(tmp_path, capsys):
     assert stored["formula_per_document_bytes"] == model["formula_bytes"]
     assert 0.99 <= stored["ratio_to_formula"] <= 1.1, stored
     again = rows[("kvtier-ram", "again")]
-    assert again["hit_tokens"] == 2 * 1408, again  # (1,536 - 1) // 128 chunks: vLLM computes the last token
+    # (1,536 - 1) // 128 chunks of each document: vLLM computes the last token. What vLLM's own pool
+    # kept (its window groups hold less) is a local hit, the rest comes from kvtier
+    assert again["hit_tokens"] + again["local_hit_tokens"] == 2 * 1408, again
+    assert again["hit_tokens"] >= 1408, again
     assert set(first) >= {"kvtier-ram/first", "kvtier-ram/again", "vllm/again"}
     assert all(d["tokens"] == 16 for row in first.values() for d in row["docs"])
