@@ -28,7 +28,7 @@ def test_entry_point_resolves_the_connector_by_name_without_module_path():
     config = KVTransferConfig(kv_connector="KVTierConnector", kv_role="kv_both")
     assert config.kv_connector_module_path is None
     assert KVConnectorFactory.get_connector_class(config) is KVTierConnector
-    assert KVConnectorFactory.supports_hma_config(config) is False  # the factory's own HMA check runs
+    assert KVConnectorFactory.supports_hma_config(config) is True  # it declares SupportsHMA, by name too
 
 
 def test_entry_point_registers_the_load_format():
