@@ -50,6 +50,13 @@ class NotApplicable(Exception):
     """This rule of the contract does not apply to this kind of tier (the message says why)."""
 
 
+def _expect(condition: object, message: str) -> None:
+    """AssertionError with ``message`` unless ``condition``: the checks' failure, raised
+    explicitly so it holds under ``python -O`` too."""
+    if not condition:
+        raise AssertionError(message)
+
+
 def key(i: int | None = None) -> bytes:
     """A chunk key: random, or derived from ``i`` (the same ``i``, the same key)."""
     return os.urandom(32) if i is None else i.to_bytes(4, "little") * 8
@@ -65,13 +72,14 @@ def check_round_trip_is_bit_exact(make: Make) -> None:
     tier = make()
     for size in SIZES:
         k, data = key(), payload(size, size)
-        assert tier.put(k, data), f"put of {size} bytes refused"
-        assert tier.contains(k), f"{size} bytes: not contained after put"
-        assert tier.size_of(k) == size, f"{size} bytes: size_of says {tier.size_of(k)}"
-        assert tier.get(k) == data, f"{size} bytes: get returned other bytes"
+        _expect(tier.put(k, data), f"put of {size} bytes refused")
+        _expect(tier.contains(k), f"{size} bytes: not contained after put")
+        got = tier.size_of(k)
+        _expect(got == size, f"{size} bytes: size_of says {got}")
+        _expect(tier.get(k) == data, f"{size} bytes: get returned other bytes")
         out = bytearray(size + 10)
-        assert tier.get_into(k, out) == size, f"{size} bytes: get_into did not return the size"
-        assert bytes(out[:size]) == data, f"{size} bytes: get_into filled other bytes"
+        _expect(tier.get_into(k, out) == size, f"{size} bytes: get_into did not return the size")
+        _expect(bytes(out[:size]) == data, f"{size} bytes: get_into filled other bytes")
 
 
 def check_put_accepts_numpy_with_dtype_and_shape(make: Make) -> None:
@@ -79,42 +87,43 @@ def check_put_accepts_numpy_with_dtype_and_shape(make: Make) -> None:
     tier = make()
     k = key()
     arr = np.arange(2 * 3 * 128, dtype=np.float16).reshape(2, 3, 128)
-    assert tier.put(k, arr, dtype="float16", shape=arr.shape)
+    _expect(tier.put(k, arr, dtype="float16", shape=arr.shape), 'expected tier.put(k, arr, dtype="float16", shape=arr.shape)')
     out = np.empty_like(arr)
-    assert tier.get_into(k, out) == arr.nbytes
-    assert np.array_equal(out, arr)
+    _expect(tier.get_into(k, out) == arr.nbytes, 'expected tier.get_into(k, out) == arr.nbytes')
+    _expect(np.array_equal(out, arr), 'expected np.array_equal(out, arr)')
 
 
 def check_miss_is_none(make: Make) -> None:
     """An absent key is a miss: False, None, None, None; nothing raises."""
     tier = make()
     k = key()
-    assert not tier.contains(k)
-    assert tier.size_of(k) is None
-    assert tier.get(k) is None
-    assert tier.get_into(k, bytearray(16)) is None
+    _expect(not tier.contains(k), 'expected not tier.contains(k)')
+    _expect(tier.size_of(k) is None, 'expected tier.size_of(k) is None')
+    _expect(tier.get(k) is None, 'expected tier.get(k) is None')
+    _expect(tier.get_into(k, bytearray(16)) is None, 'expected tier.get_into(k, bytearray(16)) is None')
 
 
 def check_overwrite_leaves_one_complete_entry(make: Make) -> None:
     """Putting a key again leaves one entry, the newer, counted once in ``used_bytes``."""
     tier = make()
     k = key()
-    assert tier.put(k, payload(5000, 1))
-    assert tier.put(k, payload(7000, 2))
-    assert tier.get(k) == payload(7000, 2)
-    assert list(tier.keys()).count(k) == 1
-    assert tier.used_bytes() == 7000, f"used_bytes {tier.used_bytes()} after overwriting 5000 with 7000"
+    _expect(tier.put(k, payload(5000, 1)), 'expected tier.put(k, payload(5000, 1))')
+    _expect(tier.put(k, payload(7000, 2)), 'expected tier.put(k, payload(7000, 2))')
+    _expect(tier.get(k) == payload(7000, 2), 'expected tier.get(k) == payload(7000, 2)')
+    _expect(list(tier.keys()).count(k) == 1, 'expected list(tier.keys()).count(k) == 1')
+    used = tier.used_bytes()
+    _expect(used == 7000, f"used_bytes {used} after overwriting 5000 with 7000")
 
 
 def check_delete(make: Make) -> None:
     """A deleted key is a miss; deleting it again returns False."""
     tier = make()
     k = key()
-    assert tier.put(k, b"x" * 100)
-    assert tier.delete(k)
-    assert not tier.contains(k)
-    assert tier.get(k) is None
-    assert not tier.delete(k)
+    _expect(tier.put(k, b"x" * 100), 'expected tier.put(k, b"x" * 100)')
+    _expect(tier.delete(k), 'expected tier.delete(k)')
+    _expect(not tier.contains(k), 'expected not tier.contains(k)')
+    _expect(tier.get(k) is None, 'expected tier.get(k) is None')
+    _expect(not tier.delete(k), 'expected not tier.delete(k)')
 
 
 def check_keys_and_contains_many(make: Make) -> None:
@@ -122,23 +131,23 @@ def check_keys_and_contains_many(make: Make) -> None:
     tier = make()
     ks = [key() for _ in range(5)]
     for i, k in enumerate(ks[:3]):
-        assert tier.put(k, payload(100 + i, i))
-    assert set(tier.keys()) == set(ks[:3])
-    assert tier.contains_many(ks) == [True, True, True, False, False]
+        _expect(tier.put(k, payload(100 + i, i)), 'expected tier.put(k, payload(100 + i, i))')
+    _expect(set(tier.keys()) == set(ks[:3]), 'expected set(tier.keys()) == set(ks[:3])')
+    _expect(tier.contains_many(ks) == [True, True, True, False, False], 'expected tier.contains_many(ks) == [True, True, True, False, False]')
 
 
 def check_used_bytes_accounting(make: Make) -> None:
     """``used_bytes`` is the sum of the payloads held (0 when empty)."""
     tier = make()
-    assert tier.used_bytes() == 0
+    _expect(tier.used_bytes() == 0, 'expected tier.used_bytes() == 0')
     a, b = key(), key()
     tier.put(a, payload(1000))
     tier.put(b, payload(3000))
-    assert tier.used_bytes() == 4000
+    _expect(tier.used_bytes() == 4000, 'expected tier.used_bytes() == 4000')
     tier.delete(a)
-    assert tier.used_bytes() == 3000
+    _expect(tier.used_bytes() == 3000, 'expected tier.used_bytes() == 3000')
     tier.delete(b)
-    assert tier.used_bytes() == 0
+    _expect(tier.used_bytes() == 0, 'expected tier.used_bytes() == 0')
 
 
 def check_put_beyond_capacity_is_refused_and_counted(make: Make) -> None:
@@ -146,10 +155,10 @@ def check_put_beyond_capacity_is_refused_and_counted(make: Make) -> None:
     tier = make(capacity=64 * 1024)
     if tier.self_managed:
         raise NotApplicable("self-managed tiers evict instead of refusing")
-    assert tier.put(key(), payload(40 * 1024))
-    assert not tier.put(key(), payload(40 * 1024))
-    assert tier.stats.dropped == 1
-    assert tier.used_bytes() <= tier.capacity_bytes
+    _expect(tier.put(key(), payload(40 * 1024)), 'expected tier.put(key(), payload(40 * 1024))')
+    _expect(not tier.put(key(), payload(40 * 1024)), 'expected not tier.put(key(), payload(40 * 1024))')
+    _expect(tier.stats.dropped == 1, 'expected tier.stats.dropped == 1')
+    _expect(tier.used_bytes() <= tier.capacity_bytes, 'expected tier.used_bytes() <= tier.capacity_bytes')
 
 
 def check_too_small_buffer_is_a_counted_miss(make: Make) -> None:
@@ -158,9 +167,9 @@ def check_too_small_buffer_is_a_counted_miss(make: Make) -> None:
     k = key()
     tier.put(k, payload(1000))
     errors = tier.stats.errors
-    assert tier.get_into(k, bytearray(999)) is None
-    assert tier.stats.errors == errors + 1
-    assert tier.get(k) == payload(1000)
+    _expect(tier.get_into(k, bytearray(999)) is None, 'expected tier.get_into(k, bytearray(999)) is None')
+    _expect(tier.stats.errors == errors + 1, 'expected tier.stats.errors == errors + 1')
+    _expect(tier.get(k) == payload(1000), 'expected tier.get(k) == payload(1000)')
 
 
 def check_stats_count_operations(make: Make) -> None:
@@ -172,8 +181,8 @@ def check_stats_count_operations(make: Make) -> None:
     tier.get_into(key(), bytearray(100))
     tier.delete(k)
     stats = tier.stats.as_dict()
-    assert (stats["puts"], stats["hits"], stats["misses"], stats["deletes"]) == (1, 1, 1, 1), stats
-    assert stats["bytes_written"] == 100 and stats["bytes_read"] == 100, stats
+    _expect((stats["puts"], stats["hits"], stats["misses"], stats["deletes"]) == (1, 1, 1, 1), stats)
+    _expect(stats["bytes_written"] == 100 and stats["bytes_read"] == 100, stats)
 
 
 def check_concurrent_put_get_without_lost_or_mixed_entries(make: Make) -> None:
@@ -211,14 +220,15 @@ def check_concurrent_put_get_without_lost_or_mixed_entries(make: Make) -> None:
         t.start()
     for t in threads:
         t.join()
-    assert errors == [], errors[:5]
+    _expect(errors == [], errors[:5])
     for w in range(writers):
         for i in range(per_writer):
             k = key(w * 1000 + i)
-            assert tier.get(k) == expected(k, versions - 1)
+            _expect(tier.get(k) == expected(k, versions - 1), 'expected tier.get(k) == expected(k, versions - 1)')
     held = writers * per_writer * size
-    assert tier.used_bytes() == held, f"used_bytes {tier.used_bytes()}, expected {held}"
-    assert tier.stats.corrupt == 0, f"{tier.stats.corrupt} entries counted corrupt"
+    used = tier.used_bytes()
+    _expect(used == held, f"used_bytes {used}, expected {held}")
+    _expect(tier.stats.corrupt == 0, f"{tier.stats.corrupt} entries counted corrupt")
 
 
 #: every check of the contract, by name
