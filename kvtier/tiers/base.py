@@ -43,6 +43,7 @@ from typing import Any, ClassVar, Iterable, Iterator, Protocol
 
 from kvtier.entry import EntryAuth, check_key, decode, decode_header, seal
 from kvtier.errors import ConfigError, CorruptEntry
+from kvtier.fileio import parse_mode, resolve_group
 from kvtier.keys import Key
 # The entry bound of a tier with no byte budget: Redis's own limit on one value (512 MB).
 UNBOUNDED_ENTRY_BYTES = 512 * 1024**2
@@ -435,3 +436,17 @@ def _timed_get(get_into):
 
     timed.__doc__, timed.__name__, timed.__wrapped__ = get_into.__doc__, get_into.__name__, get_into
     return timed
+
+
+def check_file_modes(config: Any, where: str, no_shared_write: bool = False) -> None:
+    """ConfigError (one line) for a file tier's ``mode`` that is not an octal permission string
+    keeping owner read/write (nor, with ``no_shared_write``, granting group/other write), or a
+    ``group`` unknown here: the shared check of the tiers that create files."""
+    try:
+        parse_mode(config.mode, no_shared_write=no_shared_write)
+    except ValueError as exc:
+        raise ConfigError(f"{where}.mode: {exc}") from None
+    try:
+        resolve_group(config.group)
+    except ValueError as exc:
+        raise ConfigError(f"{where}.group: {exc}") from None

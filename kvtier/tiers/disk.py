@@ -61,7 +61,7 @@ from kvtier.fileio import (NotRegularFile, ShortRead, create_exclusive_at, dir_m
                            open_regular_at, parse_mode, read_exact, read_upto, resolve_group, unlink_quietly,
                            untrusted_dir, write_all)
 from kvtier.keys import Key
-from kvtier.tiers.base import RankShare, SchedulerView, Tier
+from kvtier.tiers.base import RankShare, SchedulerView, Tier, check_file_modes
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +106,7 @@ class DiskConfig:
     def check(self, where: str) -> None:
         """ConfigError (one line) for a ``mode`` that is not an octal permission string keeping
         owner read/write without group/other write, or a ``group`` unknown here."""
-        try:
-            parse_mode(self.mode, no_shared_write=True)
-        except ValueError as exc:
-            raise ConfigError(f"{where}.mode: {exc}") from None
-        try:
-            resolve_group(self.group)
-        except ValueError as exc:
-            raise ConfigError(f"{where}.group: {exc}") from None
+        check_file_modes(self, where, no_shared_write=True)
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ from kvtier.config import Size, ranged, validate
 from kvtier.errors import ConfigError, CorruptEntry, TierUnavailable
 from kvtier.fileio import (NotRegularFile, ShortRead, create_exclusive_at, dir_mode_for, make_dir_at, open_dir_at,
                            open_regular_at, parse_mode, read_exact, resolve_group, unlink_at, write_all)
-from kvtier.tiers.base import Key, Tier
+from kvtier.tiers.base import Key, Tier, check_file_modes
 
 log = logging.getLogger(__name__)
 
@@ -107,14 +107,7 @@ class FsConfig:
     def check(self, where: str) -> None:
         """ConfigError (one line) for a ``mode`` that is not an octal permission string keeping
         owner read/write, or a ``group`` unknown here."""
-        try:
-            parse_mode(self.mode)
-        except ValueError as exc:
-            raise ConfigError(f"{where}.mode: {exc}") from None
-        try:
-            resolve_group(self.group)
-        except ValueError as exc:
-            raise ConfigError(f"{where}.group: {exc}") from None
+        check_file_modes(self, where)
 
 
 class _ForeignDir(Exception):
