@@ -56,7 +56,7 @@ from typing import Iterator
 
 from kvtier.config import Size, ranged, validate
 from kvtier.entry import MAX_HEADER_BYTES, check_key, decode_header, encode_header, verify
-from kvtier.errors import ConfigError, CorruptEntry, TierUnavailable
+from kvtier.errors import CorruptEntry, TierUnavailable
 from kvtier.fileio import (NotRegularFile, ShortRead, create_exclusive_at, dir_mode_for, make_dir_at, open_dir_at,
                            open_regular_at, parse_mode, read_exact, read_upto, resolve_group, unlink_quietly,
                            untrusted_dir, write_all)

@@ -60,7 +60,7 @@ from typing import Iterator
 from kvtier import entry
 from kvtier.codecs import CodecName
 from kvtier.config import Size, ranged, validate
-from kvtier.errors import ConfigError, CorruptEntry, TierUnavailable
+from kvtier.errors import CorruptEntry, TierUnavailable
 from kvtier.fileio import (NotRegularFile, ShortRead, create_exclusive_at, dir_mode_for, make_dir_at, open_dir_at,
                            open_regular_at, parse_mode, read_exact, resolve_group, unlink_at, write_all)
 from kvtier.tiers.base import Key, Tier, check_file_modes
