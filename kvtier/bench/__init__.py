@@ -9,7 +9,8 @@ side in one run, and takes ``--json``.
   threshold of its own).
 - ``procs``: the one helper for child processes (``spawn``, ``wait_ready``, ``Child.stop``,
   ``start_on_ports``); ``services``: redis-server and SeaweedFS on loopback; ``models``: the
-  random test models; ``delay_proxy``, ``cpu_hog``: fault and load injection.
+  random test models; ``delay_proxy``, ``cpu_hog``: fault and load injection; ``timing``: the
+  best-of-N timer the micro-benchmarks share.
 
 Imports: anything below it (``route``, ``integrations``, ``server``, ``store``, ``tiers``,
 ``policies``, ``loader``, ``plan`` and the ground floor, ``kvtier.output`` for printing); never

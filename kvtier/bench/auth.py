@@ -14,11 +14,11 @@ import argparse
 import hashlib
 import hmac
 import tempfile
-import time
 
 import numpy as np
 import xxhash
 
+from kvtier.bench.timing import best_seconds
 from kvtier.config import parse_size
 from kvtier.output import emit_json, print_table
 
@@ -30,15 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--count", type=int, default=16, help="entries per tier pass (16)")
     parser.add_argument("--repeat", type=int, default=5, help="timed passes; the best is kept (5)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-def _best(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _hashes() -> dict:
@@ -69,7 +60,7 @@ def hash_rates(size: int, repeat: int) -> list[dict]:
     rows = []
     for name, fn in _hashes().items():
         run = (lambda: np.copyto(dst, buf)) if fn is None else (lambda: fn(buf))
-        rows.append({"what": name, "gbps": round(size / _best(run, repeat) / 1e9, 3)})
+        rows.append({"what": name, "gbps": round(size / best_seconds(run, repeat) / 1e9, 3)})
     return rows
 
 
@@ -87,8 +78,8 @@ def tier_rates(size: int, count: int, repeat: int) -> list[dict]:
             tier = FsTier(FsConfig(path=tmp, capacity=4 * size * count), name="fs")
             tier.set_auth(auth)
             try:
-                t_put = _best(lambda: [tier.put(k, d) for k, d in zip(keys, data)], repeat)
-                t_get = _best(lambda: [tier.get_into(k, out) for k in keys], repeat)
+                t_put = best_seconds(lambda: [tier.put(k, d) for k, d in zip(keys, data)], repeat)
+                t_get = best_seconds(lambda: [tier.get_into(k, out) for k in keys], repeat)
                 hits = tier.stats.as_dict()["hits"]
             finally:
                 tier.close()

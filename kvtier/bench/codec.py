@@ -26,10 +26,10 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 
 import numpy as np
 
+from kvtier.bench.timing import best_seconds
 from kvtier.output import emit_json, print_table
 
 
@@ -70,15 +70,6 @@ def synthetic_kv(chunks: int = 4, elements: int = 1 << 20) -> list[np.ndarray]:
     rng = np.random.default_rng(0)
     return [(rng.normal(0, 1, elements).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
             for _ in range(chunks)]
-
-
-def _best(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _coders() -> dict:
@@ -168,8 +159,8 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for name, (encode, decode) in _coders().items():
         coded = [encode(c.tobytes()) or c.tobytes() for c in chunks]
-        t_enc = _best(lambda: [encode(c.tobytes()) for c in chunks], args.repeat)
-        t_dec = _best(lambda: [decode(k, c.nbytes) for k, c in zip(coded, chunks)], args.repeat)
+        t_enc = best_seconds(lambda: [encode(c.tobytes()) for c in chunks], args.repeat)
+        t_dec = best_seconds(lambda: [decode(k, c.nbytes) for k, c in zip(coded, chunks)], args.repeat)
         if not all(bytes(decode(k, c.nbytes)) == c.tobytes() for k, c in zip(coded, chunks) if k != c.tobytes()):
             raise RuntimeError(f"codec {name} did not round-trip")
         results.append({"codec": name, "ratio": round(len(blob) / sum(len(k) for k in coded), 3),
@@ -231,7 +222,7 @@ def shared_rereads(chunks: list[np.ndarray], rates_gbps: list[float], repeat: in
                                 tier.get_into(k, out)
                         for k, c in zip(keys, chunks):
                             tier.put(k, c, "bfloat16")
-                        seconds = _best(lambda: [tier.get_into(k, out) for k in keys], repeat)
+                        seconds = best_seconds(lambda: [tier.get_into(k, out) for k in keys], repeat)
                         stored = tier.stats.as_dict()["bytes_written"]
                         row = {"gbps": gbps, "codec": codec, "reread_s": round(seconds, 4)}
                         if codec == "auto":
