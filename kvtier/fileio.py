@@ -143,11 +143,8 @@ def create_exclusive_at(dir_fd: int | None, name: str, mode: int, gid: int = -1,
     ``gid`` when not -1. The caller closes the descriptor."""
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | flags, mode, dir_fd=dir_fd)
     try:
-        if gid != -1:
-            os.fchown(fd, -1, gid)
-        os.fchmod(fd, mode)
+        _set_group_and_mode(fd, mode, gid)
     except OSError:
-        os.close(fd)
         unlink_quietly(name, dir_fd)
         raise
     return fd
@@ -164,14 +161,20 @@ def make_dir_at(dir_fd: int | None, name: str, mode: int, gid: int = -1) -> int:
         created = False
     fd = open_dir_at(dir_fd, name)
     if created:
-        try:
-            if gid != -1:
-                os.fchown(fd, -1, gid)
-            os.fchmod(fd, mode)
-        except OSError:
-            os.close(fd)
-            raise
+        _set_group_and_mode(fd, mode, gid)
     return fd
+
+
+def _set_group_and_mode(fd: int, mode: int, gid: int) -> None:
+    """Give the just-created ``fd`` group ``gid`` (when not -1) and exactly ``mode``; on OSError
+    the descriptor is closed and the error raised."""
+    try:
+        if gid != -1:
+            os.fchown(fd, -1, gid)
+        os.fchmod(fd, mode)
+    except OSError:
+        os.close(fd)
+        raise
 
 
 def parse_mode(text: object, no_shared_write: bool = False) -> int:
