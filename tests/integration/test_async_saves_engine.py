@@ -91,10 +91,16 @@ class Observer:
 
     def _wrap(self, sched_conn, worker_conn) -> None:
         finished, get_finished = sched_conn.request_finished, worker_conn.get_finished
+        finished_all = sched_conn.request_finished_all_groups  # what vLLM calls on a SupportsHMA connector
         wait_for_save, take_stats = self.worker.wait_for_save, self.worker.take_stats
 
         def request_finished(request, block_ids):
             out = finished(request, block_ids)
+            self.held.append(bool(out[0]))
+            return out
+
+        def request_finished_all_groups(request, block_ids):
+            out = finished_all(request, block_ids)
             self.held.append(bool(out[0]))
             return out
 
@@ -127,6 +133,7 @@ class Observer:
 
         self.scheduler._preempt_request = preempt_seen
         sched_conn.request_finished = request_finished
+        sched_conn.request_finished_all_groups = request_finished_all_groups
         worker_conn.get_finished = get_finished_seen
         self.worker.wait_for_save = wait_for_save_seen
         self.worker.take_stats = take_stats_seen
