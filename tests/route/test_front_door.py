@@ -375,7 +375,8 @@ def test_idle_connections_past_the_fd_limit_leave_health_answering(stub, tmp_pat
         evicted = float(re.search(r'kvtier_route_connections_closed_total\{reason="evicted"\} (\S+)', text).group(1))
         assert evicted >= 300 - 256
         assert "max_connections lowered" in r.text()
-        assert "Traceback" not in r.text() and len(r.text().splitlines()) < 20
+        log = r.text()
+        assert "Traceback" not in log and len(log.splitlines()) < 20, log
     finally:
         for s in socks:
             s.close()
