@@ -53,7 +53,7 @@ demo: install
 	$(VENV)/bin/kvtier demo
 
 test: install system router vllm-wheel
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=25
 
 # The edit-test loop: no vLLM engine starts, no fresh-venv installs, nothing marked slow (> 10 s).
 test-fast: install system
