@@ -1,4 +1,4 @@
-"""Lossless KV codecs for the entries of slower tiers (``codec: none | lossless | auto`` per tier).
+"""KV codecs for the entries of slower tiers (``codec: none | lossless | fp8 | auto`` per tier).
 
 ``lossless``: Blosc2's bit-shuffle filter at the element width of the KV dtype (2 bytes for
 bf16/fp16: the sign/exponent bits of every element line up, and they repeat), then LZ4, on one
@@ -14,6 +14,14 @@ length (already bounded by the reader's ``max_length`` and equal to shape x item
 own declared size must equal it before a byte is decoded, so a forged entry can neither
 allocate nor write more. Any failure is CorruptEntry (a counted miss upstream).
 
+``fp8`` (``FP8``, lossy, opt-in): bf16/fp16/float32 KV quantized to E4M3 with one float32
+scale per 128 elements (``kvtier.fp8``): 0.516 x the bytes of 16-bit KV. An fp8 entry is a
+different KV, so a store with an fp8 tier says so in its key namespace
+(``StoreConfig.lossy_codec``; the connector folds it in), and an engine configured without it
+never reads a lossy entry. The entry's checksum covers the dequantized bytes (what a reader
+gets). Other dtypes, non-finite values and payloads under 4 KiB are stored raw. ``auto`` never
+picks ``fp8``.
+
 ``auto`` (``AutoChoice``): per tier, a chunk is coded only when ``S/E + S/(r B) + S/D < S/B``
 (encode, move the coded bytes, decode, against moving the raw bytes): the document's break-even
 rule applied to bytes, with ``B`` the moving average of the tier's own reads (stored bytes per
@@ -21,7 +29,7 @@ second, decode time excluded; before the first read, of its puts, encode time ex
 bf16-like sample) and refreshed from real chunks (every coded put, and a probe every
 ``PROBE_EVERY`` raw puts). Until the tier has been measured, chunks are stored raw.
 
-Imports: ``kvtier.errors`` and, lazily, ``blosc2``.
+Imports: ``kvtier.errors`` and, lazily, ``blosc2`` and ``kvtier.fp8`` (numpy).
 """
 
 from __future__ import annotations
@@ -33,9 +41,11 @@ from typing import Literal, get_args
 
 from kvtier.errors import ConfigError, CorruptEntry
 
-CodecName = Literal["none", "lossless", "auto"]
+CodecName = Literal["none", "lossless", "fp8", "auto"]
 CODEC_NAMES = get_args(CodecName)
+LOSSY_CODECS = ("fp8",)  # codecs whose entries are a different KV (part of the key namespace)
 LOSSLESS_ID = 1  # codec ids are part of the entry format: never renumber
+FP8_ID = 2
 _MIN_BYTES = 4096  # smaller payloads are stored raw: the frame costs more than it saves
 _lock = threading.Lock()
 _blosc2 = None
@@ -62,6 +72,7 @@ class Codec:
 
     name: str
     id: int
+    lossy = False
 
     def encode(self, raw: memoryview, itemsize: int) -> bytes | None:
         """Coded bytes of ``raw`` with elements of ``itemsize`` bytes, or None (store raw) when
@@ -77,11 +88,38 @@ class Codec:
 LOSSLESS = Codec("lossless", LOSSLESS_ID)
 
 
+@dataclass(frozen=True)
+class LossyCodec:
+    """A lossy codec: ``encode_lossy`` returns the coded bytes and the raw bytes a reader will
+    decode them to (the entry's checksum covers those), or None (store raw, exact)."""
+
+    name: str
+    id: int
+    lossy = True
+
+    def encode_lossy(self, raw: memoryview, dtype: str) -> tuple[bytes, bytes] | None:
+        """(coded, dequantized) for ``raw`` of element type ``dtype``; None when ``raw`` is under
+        4 KiB, of a dtype the codec does not take, holds a non-finite value, or does not shrink."""
+        if raw.nbytes < _MIN_BYTES:
+            return None
+        from kvtier import fp8
+
+        coded = fp8.quantize(raw, dtype)
+        if coded is None or len(coded[0]) >= raw.nbytes:
+            return None
+        return coded
+
+
+FP8 = LossyCodec("fp8", FP8_ID)
+
+
 def get_codec(name: str, where: str = "codec") -> Codec | None:
     """The codec a tier's ``codec`` setting names (None for ``none``); ConfigError (one line,
     the valid choices) for another name or a missing library."""
     if name == "none":
         return None
+    if name == "fp8":
+        return FP8
     if name in ("lossless", "auto"):  # auto codes with lossless when it pays (AutoChoice)
         try:
             _lib()
@@ -91,9 +129,14 @@ def get_codec(name: str, where: str = "codec") -> Codec | None:
     raise ConfigError(f"{where}: unknown codec {name!r}; valid: {', '.join(CODEC_NAMES)}")
 
 
-def decode_into(codec_id: int, stored: memoryview, out: memoryview, itemsize: int) -> None:
-    """Decode ``stored`` (codec ``codec_id``) into exactly ``out``; CorruptEntry for an unknown
-    codec, a missing library, a declared size other than ``out.nbytes`` or a bad stream."""
+def decode_into(codec_id: int, stored: memoryview, out: memoryview, itemsize: int,
+                dtype: str | None = None) -> None:
+    """Decode ``stored`` (codec ``codec_id``) into exactly ``out`` (raw elements of ``dtype``,
+    ``itemsize`` bytes each); CorruptEntry for an unknown codec, a missing library, a declared
+    size other than ``out.nbytes`` or a bad stream."""
+    if codec_id == FP8_ID:
+        _decode_fp8(stored, out, dtype)
+        return
     if codec_id != LOSSLESS_ID:
         raise CorruptEntry(f"entry of unknown codec id {codec_id}")
     try:
@@ -111,6 +154,19 @@ def decode_into(codec_id: int, stored: memoryview, out: memoryview, itemsize: in
         lib.decompress2(stored, dst=out, nthreads=1)
     except Exception as exc:  # blosc2 raises ValueError/RuntimeError for bad streams
         raise CorruptEntry(f"codec stream does not decode ({type(exc).__name__})") from None
+    finally:
+        CLOCK.decode_s = getattr(CLOCK, "decode_s", 0.0) + time.perf_counter() - start
+
+
+def _decode_fp8(stored: memoryview, out: memoryview, dtype: str | None) -> None:
+    """``kvtier.fp8.dequantize_into``, its ValueError a CorruptEntry (timed like lossless)."""
+    from kvtier import fp8
+
+    start = time.perf_counter()
+    try:
+        fp8.dequantize_into(stored, out, dtype)
+    except ValueError as exc:
+        raise CorruptEntry(f"fp8 entry does not decode: {exc}") from None
     finally:
         CLOCK.decode_s = getattr(CLOCK, "decode_s", 0.0) + time.perf_counter() - start
 

@@ -7,11 +7,11 @@ Version 2 (written; little-endian)::
     dtype      u8   code from DTYPES
     ndim       u8   0..8
     flags      u32  bit 0: authenticated (a tag follows the shape); bits 8..15: codec id
-                    (0 none, 1 lossless: ``kvtier.codecs``); bits 16..23: the tag's algorithm
+                    (0 none, 1 lossless, 2 fp8: ``kvtier.codecs``); bits 16..23: the tag's algorithm
                     (1 keyed BLAKE3, 2 HMAC-SHA256; 0 without a tag); every other bit 0
     key        32s  the chunk key
     length     u64  raw payload bytes (what a reader gets: shape x itemsize)
-    checksum   u64  xxh3-64 of the raw payload
+    checksum   u64  xxh3-64 of the raw payload (for a lossy codec: of the decoded bytes)
     stored     u64  payload bytes as stored after the header (== length without a codec)
     hdr_crc    u32  crc32 of everything above and the shape
     pad        u32  0
@@ -364,7 +364,7 @@ def open_into(header: EntryHeader, stored, out, expected_key: bytes | None = Non
     else:
         from kvtier.codecs import decode_into  # the codec libraries load only when needed
 
-        decode_into(header.codec, view, target, header.itemsize)
+        decode_into(header.codec, view, target, header.itemsize, header.dtype)
     if checksum(target) != header.checksum:
         raise CorruptEntry("payload checksum mismatch")
     return header.length
@@ -391,6 +391,13 @@ def seal(key: bytes, payload, dtype: str = "uint8", shape: tuple[int, ...] | Non
     ``kvtier.codecs.Codec``; None: raw) when that makes it smaller, else raw; tagged with
     ``auth``. ValueError for a bad dtype/shape; InvalidKey for a bad key."""
     view = memoryview(payload).cast("B")
+    if codec is not None and getattr(codec, "lossy", False):  # the checksum covers what readers get
+        coded = codec.encode_lossy(view, dtype)
+        if coded is not None:
+            body, dequantized = coded
+            return (encode_header(key, dequantized, dtype, shape, auth, body, codec.id),
+                    memoryview(body).cast("B"))
+        return encode_header(key, view, dtype, shape, auth), view
     if codec is not None and dtype in DTYPES:
         body = codec.encode(view, DTYPES[dtype][1])
         if body is not None and len(body) < view.nbytes:

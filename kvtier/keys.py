@@ -58,13 +58,16 @@ class Namespace:
     # each KV cache group's spec (attention type, window, chunk size, MLA sizes, layers) when the
     # engine has more than one plain full-attention group (see integrations.vllm.groups)
     kv_groups: str = ""
+    # a lossy tier codec ("fp8") of the store the engine writes through: its entries are another KV
+    kv_codec: str = ""
 
     def digest(self) -> bytes:
         """A 32-byte digest of all fields (canonical JSON, sorted keys). An empty ``kv_groups``
-        is left out, so a dense model's namespace digest is what it was before the field."""
+        or ``kv_codec`` is left out, so a namespace's digest is what it was before the field."""
         fields = asdict(self)
-        if not fields["kv_groups"]:
-            del fields["kv_groups"]
+        for optional in ("kv_groups", "kv_codec"):
+            if not fields[optional]:
+                del fields[optional]
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).digest()
 

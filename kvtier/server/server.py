@@ -172,6 +172,10 @@ class ServeConfig:
             raise ConfigError(f"{where}.store.tiers[0]: the server's top tier must be 'ram' (the shared arena)")
         if first.tier_class.shared_file(first.config) is not None:
             raise ConfigError(f"{where}.store.tiers[0].shm_path: set by the server; use {where}.shm_dir")
+        if self.store.lossy_codec():
+            raise ConfigError(f"{where}.store.tiers: codec {self.store.lossy_codec()!r} is lossy, and the server's "
+                              "clients cannot fold it into their key namespace; valid codecs here: none, lossless, "
+                              "auto (configure fp8 on an engine's own tiers)")
         if self.metrics is not None:
             _parse_hostport(self.metrics, f"{where}.metrics")
 

@@ -63,6 +63,15 @@ class StoreConfig:
         specs = [parse_tier_spec(spec, f"store.tiers[{i}]") for i, spec in enumerate(self.tiers)]
         object.__setattr__(self, "tiers", specs)
 
+    def lossy_codec(self) -> str:
+        """The lossy codec (``fp8``) some tier codes its entries with, or "" when every tier
+        keeps the KV exact. An engine folds it into its key namespace (``kvtier.keys.Namespace``
+        ``kv_codec``), so that engines configured without it never read a lossy entry."""
+        from kvtier.codecs import LOSSY_CODECS
+
+        used = sorted({getattr(spec.config, "codec", "none") for spec in self.tiers} & set(LOSSY_CODECS))
+        return ",".join(used)
+
     def auth_secret(self, where: str = "store") -> bytes | None:
         """The secret named by ``auth_key_file``/``auth_key_env`` (None: none configured); read
         each time it is asked for, never kept in the config. ConfigError, one line without the

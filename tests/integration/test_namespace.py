@@ -9,6 +9,7 @@ split, or LoRA adapter path must change every key; the same setting must not.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -97,6 +98,20 @@ def test_weights_id_replaces_the_sampled_digest(model):
     named = prompt_keys(vllm_config(model, extra={"weights_id": "release-7"}))
     assert_all_differ(prompt_keys(vllm_config(model)), named)
     assert_all_differ(named, prompt_keys(vllm_config(model, extra={"weights_id": "release-8"})))
+
+
+def test_an_fp8_tier_changes_keys_and_a_lossless_one_does_not(model, tmp_path):
+    """A lossy tier codec makes another KV: its engine keys apart from engines without it; a
+    lossless one stores the same KV, so engines with and without it share entries."""
+    def tiers(codec: str) -> dict:
+        return {"tiers": [{"type": "ram", "capacity": "16MiB"},
+                          {"type": "fs", "path": str(tmp_path / codec), "capacity": "16MiB", "codec": codec}]}
+
+    plain = prompt_keys(vllm_config(model, extra=tiers("none")))
+    assert prompt_keys(vllm_config(model)) == plain  # the lower tier itself is not keyed
+    assert_all_differ(plain, prompt_keys(vllm_config(model, extra=tiers("fp8"))))
+    if importlib.util.find_spec("blosc2") is not None:
+        assert prompt_keys(vllm_config(model, extra=tiers("lossless"))) == plain
 
 
 def test_lora_adapter_path_and_content_change_keys(model, tmp_path):

@@ -146,7 +146,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             all(g.replicated for g in self.groups)
             or getattr(kv_cache_config, "kv_tp_replicas", 1) == self.tp_size)
         self.namespace = _namespace(vllm_config, kv_cache_config, self.geometry.chunk_tokens, self.config.weights_id,
-                                    self.groups)
+                                    self.groups, self.config.store.lossy_codec())
         self.scheduler: KVTierScheduler | None = None
         self.worker: KVTierWorker | None = None
         if role == KVConnectorRole.WORKER:
@@ -311,14 +311,16 @@ def _geometry(config: ConnectorConfig, block_size: int) -> ChunkGeometry:
 
 
 def _namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None", chunk_tokens: int,
-               weights_id: str | None = None, groups: list[GroupSpec] | None = None) -> Namespace:
+               weights_id: str | None = None, groups: list[GroupSpec] | None = None,
+               kv_codec: str = "") -> Namespace:
     """The key namespace: everything about the engine that changes KV bytes.
 
     Model: its name/path, revision, a digest of its (possibly overridden) HF config, its
     weights (``weights_id`` when given, else ``weights_digest`` of a local model directory),
     its quantization method and compute dtype. KV: dtype and layout. Parallelism: TP and PP
     sizes and an explicit PP layer partition (per-worker keys add rank and stage). KV cache
-    groups: each group's spec when there is more than one plain full-attention group. Request
+    groups: each group's spec when there is more than one plain full-attention group. A lossy
+    tier codec of the store (``kv_codec``: its entries are another KV). Request
     parts (LoRA, cache salt, multimodal items) are added per request.
     """
     from vllm import envs
@@ -354,6 +356,7 @@ def _namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None
         pp_world_size=pp,
         pp_partition=str(envs.VLLM_PP_LAYER_PARTITION or "") if pp > 1 else "",
         kv_groups=namespace_groups(groups or []),
+        kv_codec=kv_codec,
     )
 
 

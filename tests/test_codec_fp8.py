@@ -1,0 +1,193 @@
+"""Per-tier ``codec: fp8`` (lossy, opt-in): E4M3 codes equal to torch's own ``float8_e4m3fn``
+cast, stored bytes at most 0.55 x raw for 16-bit KV, the error within E4M3's bound, the entry's
+checksum over the dequantized bytes, the codec in the key namespace (an engine without it never
+reads a lossy entry), exact storage where fp8 cannot apply, and every forged fp8 payload a
+counted miss. The connector's keys: tests/integration/test_namespace.py."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from kvtier import codecs, entry, fp8
+from kvtier.errors import ConfigError, CorruptEntry
+from kvtier.keys import Namespace
+from kvtier.store import StoreConfig, TieredStore
+from kvtier.tiers.fs import FsConfig, FsTier
+
+torch = pytest.importorskip("torch")
+
+KEY = hashlib.sha256(b"fp8").digest()
+
+
+def _bf16(n: int = 64 * 1024, seed: int = 3, scale: float = 0.5) -> np.ndarray:
+    """bf16 KV (uint16 bit patterns) of normal values with a few larger outliers per row."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0, scale, n).astype(np.float32)
+    x[:: 97] *= 40.0  # outliers, as real K has
+    return (x.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _as_float(u16: np.ndarray) -> np.ndarray:
+    return (u16.astype(np.uint32) << 16).view(np.float32)
+
+
+def _fs(tmp_path, codec: str = "fp8") -> FsTier:
+    return FsTier(FsConfig(path=str(tmp_path / "fs"), capacity=1 << 26, codec=codec), name="fs")
+
+
+def _file(tmp_path) -> str:
+    return os.path.join(str(tmp_path / "fs"), f"{KEY[0]:02x}", KEY.hex())
+
+
+def test_codes_equal_torch_float8_e4m3fn_bit_for_bit():
+    rng = np.random.default_rng(0)
+    edge = [0.0, -0.0, 448.0, -448.0, 2.0 ** -6, 2.0 ** -9, 2.0 ** -10, 3 * 2.0 ** -10, 0.0625 * 1.0625,
+            240.0, 232.0, 0.001953125 * 1.5, 17.0, 19.0, 21.0]  # subnormals, ties, the largest value
+    y = np.concatenate([rng.normal(0, 60, 200_000), rng.uniform(-448, 448, 100_000),
+                        rng.normal(0, 0.004, 100_000), edge]).astype(np.float32)
+    ours = fp8._round_to_e4m3(y)
+    theirs = torch.from_numpy(y).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    assert np.array_equal(ours, theirs)
+    finite = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    assert np.array_equal(fp8.TABLE[:0x7F], finite)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_a_round_trip_through_a_real_fs_tier_is_within_e4m3s_bound(tmp_path, dtype):
+    x = _as_float(_bf16(64 * 1024 + 77))  # not a multiple of the group: the last group is short
+    kv = {"bfloat16": (x.view(np.uint32) >> 16).astype(np.uint16), "float16": x.astype(np.float16),
+          "float32": x}[dtype]
+    with _fs(tmp_path) as tier:
+        assert tier.put(KEY, kv, dtype)
+        assert tier.size_of(KEY) == kv.nbytes
+        out = np.zeros_like(kv)
+        assert tier.get_into(KEY, out) == kv.nbytes
+    header = entry.decode_header(open(_file(tmp_path), "rb").read())
+    assert header.codec == codecs.FP8_ID and header.dtype == dtype
+    itemsize = kv.itemsize
+    assert header.stored <= (0.55 if itemsize == 2 else 0.30) * kv.nbytes
+    got = _as_float(out) if dtype == "bfloat16" else out.astype(np.float32)
+    ref = _as_float(kv) if dtype == "bfloat16" else kv.astype(np.float32)
+    blocks = np.pad(ref, (0, -ref.size % fp8.GROUP)).reshape(-1, fp8.GROUP)
+    amax = np.repeat(np.abs(blocks).max(axis=1), fp8.GROUP)[: ref.size]
+    # half an E4M3 step (2^-4 relative), the subnormal floor, and the output dtype's own rounding
+    bound = np.maximum(np.abs(ref) * 2.0 ** -4, amax / 448 * 2.0 ** -10) * (1 + 2.0 ** -6) + np.abs(ref) * 2.0 ** -8
+    assert (np.abs(got - ref) <= bound).all()
+    assert np.abs(got - ref).mean() < 0.02 * np.abs(ref).mean()
+
+
+def test_the_checksum_covers_what_a_reader_gets_and_one_flipped_code_is_a_miss(tmp_path):
+    kv = _bf16()
+    with _fs(tmp_path) as tier:
+        assert tier.put(KEY, kv, "bfloat16")
+        first = tier.get(KEY)
+        assert first is not None and bytes(first) != kv.tobytes()  # lossy
+        assert tier.get(KEY) == first  # deterministic
+        blob = bytearray(open(_file(tmp_path), "rb").read())
+        blob[-5] ^= 0x01  # one E4M3 code
+        with open(_file(tmp_path), "wb") as f:
+            f.write(blob)
+        assert tier.get(KEY) is None and tier.stats.as_dict()["corrupt"] == 1
+
+
+def test_what_fp8_cannot_code_is_stored_exactly(tmp_path):
+    cases = {
+        "opaque bytes": (np.random.default_rng(1).integers(0, 256, 64 * 1024, dtype=np.uint8), "uint8"),
+        "a non-finite value": (np.where(np.arange(32 * 1024) == 5, np.uint16(0x7F80), _bf16(32 * 1024)), "bfloat16"),
+        "under 4 KiB": (_bf16(1024), "bfloat16"),
+        "already fp8": (np.random.default_rng(2).integers(0, 0x7E, 64 * 1024, dtype=np.uint8), "float8_e4m3fn"),
+    }
+    for i, (name, (kv, dtype)) in enumerate(cases.items()):
+        with FsTier(FsConfig(path=str(tmp_path / f"fs{i}"), capacity=1 << 26, codec="fp8"), name="fs") as tier:
+            assert tier.put(KEY, kv, dtype), name
+            assert bytes(tier.get(KEY)) == kv.tobytes(), name
+        blob = open(os.path.join(str(tmp_path / f"fs{i}"), f"{KEY[0]:02x}", KEY.hex()), "rb").read()
+        assert entry.decode_header(blob).codec == 0, name
+
+
+def _payload() -> tuple[bytes, int]:
+    kv = _bf16(8192)
+    payload, _ = fp8.quantize(memoryview(kv).cast("B"), "bfloat16")
+    return payload, kv.nbytes
+
+
+@pytest.mark.parametrize("kind", ["version", "count", "dtype", "truncated", "nan scale", "zero scale", "group"])
+def test_a_forged_fp8_payload_never_decodes(kind):
+    payload, raw = _payload()
+    head = struct.Struct("<BBHI")
+    version, code, group, count = head.unpack_from(payload)
+    body = bytearray(payload)
+    if kind == "version":
+        head.pack_into(body, 0, 9, code, group, count)
+    elif kind == "count":
+        head.pack_into(body, 0, version, code, group, count * 4)  # a "bomb": more elements than the entry
+    elif kind == "dtype":
+        head.pack_into(body, 0, version, 11, group, count)  # float32 source: twice the bytes
+    elif kind == "truncated":
+        body = body[:-1]
+    elif kind == "nan scale":
+        struct.pack_into("<f", body, head.size, float("nan"))
+    elif kind == "zero scale":
+        struct.pack_into("<f", body, head.size, 0.0)
+    elif kind == "group":
+        head.pack_into(body, 0, version, code, 0, count)
+    out = bytearray(raw + 64)
+    with pytest.raises(CorruptEntry):
+        codecs.decode_into(codecs.FP8_ID, memoryview(bytes(body)), memoryview(out)[:raw], 2, "bfloat16")
+    assert not any(out[raw:])  # never written past the entry's raw length
+
+
+def test_a_forged_fp8_entry_in_a_tier_is_a_counted_miss(tmp_path):
+    kv = _bf16()
+    with _fs(tmp_path) as tier:
+        assert tier.put(KEY, kv, "bfloat16")
+        blob = bytearray(open(_file(tmp_path), "rb").read())
+        header = entry.decode_header(bytes(blob))
+        struct.pack_into("<I", blob, header.header_bytes + 4, 7)  # the payload's element count
+        with open(_file(tmp_path), "wb") as f:
+            f.write(blob)
+        assert tier.get_into(KEY, bytearray(kv.nbytes)) is None
+        assert tier.stats.as_dict()["corrupt"] == 1 and tier.stats.as_dict()["hits"] == 0
+
+
+def test_a_store_reads_lossy_entries_from_its_fp8_tier_and_exact_ones_from_ram(tmp_path):
+    kv = _bf16()
+    config = {"tiers": [{"type": "ram", "capacity": "4MiB"},
+                        {"type": "fs", "path": str(tmp_path / "fs"), "capacity": "64MiB", "codec": "fp8"}],
+              "element_dtype": "bfloat16"}
+    with TieredStore.from_config(config) as store:
+        assert store.config.lossy_codec() == "fp8"
+        assert store.put(KEY, kv) and store.flush()
+        assert bytes(store.get(KEY)) == kv.tobytes()  # from RAM: exact
+        lossy = store.tiers[-1].get(KEY)
+        assert lossy is not None and bytes(lossy) != kv.tobytes()
+    with TieredStore.from_config(config) as store:  # a restart: RAM is empty, fs holds fp8
+        assert bytes(store.get(KEY)) == bytes(lossy)
+
+
+def test_the_codec_is_part_of_the_key_namespace():
+    plain = Namespace(model="m", kv_dtype="bfloat16")
+    assert plain.digest() != Namespace(model="m", kv_dtype="bfloat16", kv_codec="fp8").digest()
+    fields = {k: v for k, v in plain.__dict__.items() if k not in ("kv_groups", "kv_codec")}
+    expected = hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).digest()
+    assert plain.digest() == expected  # no codec: the digest engines had before the field
+    assert StoreConfig().lossy_codec() == ""
+    lossless = StoreConfig(tiers=[{"type": "ram", "capacity": "1MiB"},
+                                  {"type": "fs", "path": "/nonexistent-kvtier", "capacity": "1MiB", "codec": "lossless"}])
+    assert lossless.lossy_codec() == ""  # lossless entries are the same KV: shared with every engine
+
+
+def test_kvtier_serve_refuses_an_fp8_tier_in_one_line(tmp_path):
+    from kvtier.server.server import ServeConfig
+
+    with pytest.raises(ConfigError, match="lossy") as exc:
+        ServeConfig.from_mapping({"listen": f"unix://{tmp_path}/s.sock", "store": {"tiers": [
+            {"type": "ram", "capacity": "1MiB"},
+            {"type": "fs", "path": str(tmp_path / "fs"), "capacity": "1MiB", "codec": "fp8"}]}})
+    assert "\n" not in str(exc.value) and "none, lossless, auto" in str(exc.value)
