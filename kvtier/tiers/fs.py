@@ -90,7 +90,9 @@ class FsConfig:
     it write too); directories get the same bits plus search. ``group``: group name or gid
     given to created files and directories (None: the process's default). ``codec``: ``none``
     (default), ``lossless`` (``kvtier.codecs``: entries that shrink are stored coded)
-    or ``auto`` (coded only when the break-even rule says it pays on this tier).
+    or ``auto`` (coded only when the break-even rule says it pays on this tier),
+    or ``fp8`` (lossy, opt-in: 16/32-bit float KV as E4M3 with a scale per 128 elements, 0.52 x
+    the bytes; the engine's key namespace records it).
     """
 
     path: str
