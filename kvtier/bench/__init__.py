@@ -7,12 +7,13 @@ side in one run, and takes ``--json``.
   in ``engine_run`` processes; ``lmcache_mp`` is the LMCache baseline.
 - ``targets``: the issues' targets, one table, checked by ``evaluate`` (no benchmark holds a
   threshold of its own).
-- ``procs``: the one helper for child processes (``spawn``, ``wait_ready``, ``Child.stop``,
-  ``start_on_ports``); ``services``: redis-server and SeaweedFS on loopback; ``models``: the
-  random test models; ``delay_proxy``, ``cpu_hog``: fault and load injection; ``timing``: the
-  best-of-N timer the micro-benchmarks share.
+- ``models``: the random test models; ``delay_proxy``: fault injection; ``timing``: the best-of-N
+  timer the micro-benchmarks share.
 
-Imports: anything below it (``route``, ``integrations``, ``server``, ``store``, ``tiers``,
-``policies``, ``loader``, ``plan`` and the ground floor, ``kvtier.output`` for printing); never
-the CLI (``tests/test_layout.py`` checks).
+Child processes and real servers (redis-server, SeaweedFS, engines) are started through
+``kvtier.harness`` (``procs``, ``services``), which the test suite shares.
+
+Imports: ``kvtier.harness`` and anything below it (``route``, ``integrations``, ``server``,
+``store``, ``tiers``, ``policies``, ``loader``, ``plan`` and the ground floor, ``kvtier.output``
+for printing); never the CLI (``tests/test_layout.py`` checks).
 """

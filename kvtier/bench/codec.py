@@ -14,9 +14,16 @@ lossless``, ``element_dtype`` bfloat16); the ratio is raw bytes over the bytes t
 read back bit-exactly. Beside it, the coders the choice was made among (when installed), on the
 same chunks, one thread: zstd-1 raw, byte planes + zstd-1, Blosc2 byte-shuffle + LZ4.
 
+``fp8`` (lossy) is measured beside them on the same chunks: the stored fraction, one-core
+encode/decode GB/s, the largest and mean absolute error of the dequantized KV; and, with
+``--kv model``, the agreement of ``--greedy-tokens`` greedy tokens continued from the fp8 KV
+with those continued from the exact KV (transformers, the same prompt: random weights have
+near-uniform logits, so one flipped token is likelier than in a trained model; the agreement
+is a floor, not a quality claim).
+
 Re-read from a shared tier (``--rates``, Gb/s): a real ``redis-server`` behind the project's
 delay proxy (``kvtier.bench.delay_proxy``: 2 ms per request, responses paced to the rate), a
-``redis`` tier with each codec (``none``, ``lossless``, ``auto``); per codec the chunks are
+``redis`` tier with each codec (``none``, ``lossless``, ``auto``, ``fp8``); per codec the chunks are
 put, read once (``auto`` learns the tier), put again, then re-read ``--repeat`` times: the best
 re-read time and its ratio to ``none``. This is the tier's own time, not an engine's TTFT.
 """
@@ -41,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timed passes; the best is kept (3)")
     parser.add_argument("--rates", default="1,10", help="shared-tier link rates in Gb/s for the re-read "
                         "measurement through redis-server behind the delay proxy ('' to skip; 1,10)")
+    parser.add_argument("--greedy-tokens", type=int, default=64, help="greedy tokens continued from the fp8 KV "
+                        "and from the exact KV, compared (--kv model; 0 to skip; 64)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -63,6 +72,68 @@ def model_kv(variant: str, tokens: int, chunk_tokens: int) -> list[np.ndarray]:
                  for kv in layers for t in kv]
         chunks.append(np.concatenate(parts))
     return chunks
+
+
+def fp8_error(chunks: list[np.ndarray], repeat: int) -> dict:
+    """fp8 on ``chunks`` (bf16 bit patterns): stored fraction, one-core encode/decode GB/s (the
+    encode includes the dequantized copy a writer checksums), largest and mean absolute error."""
+    from kvtier import fp8
+
+    raw = [memoryview(c).cast("B") for c in chunks]
+    coded = [fp8.quantize(r, "bfloat16") for r in raw]
+    t_enc = best_seconds(lambda: [fp8.quantize(r, "bfloat16") for r in raw], repeat)
+    outs = [bytearray(r.nbytes) for r in raw]
+    t_dec = best_seconds(lambda: [fp8.dequantize_into(memoryview(c[0]), memoryview(o), "bfloat16")
+                                  for c, o in zip(coded, outs)], repeat)
+    exact = np.concatenate([(c.astype(np.uint32) << 16).view(np.float32) for c in chunks])
+    got = np.concatenate([(np.frombuffer(o, np.uint16).astype(np.uint32) << 16).view(np.float32) for o in outs])
+    err = np.abs(got - exact)
+    nbytes = sum(r.nbytes for r in raw)
+    return {"stored_fraction": round(sum(len(c[0]) for c in coded) / nbytes, 4),
+            "encode_gbps": round(nbytes / t_enc / 1e9, 3), "decode_gbps": round(nbytes / t_dec / 1e9, 3),
+            "max_abs_error": float(err.max()), "mean_abs_error": float(err.mean()),
+            "mean_abs_value": float(np.abs(exact).mean())}
+
+
+def fp8_greedy_agreement(variant: str, tokens: int, steps: int) -> dict:
+    """Greedy tokens continued ``steps`` times from the exact KV of a ``tokens``-token random
+    prompt and from the same KV quantized to fp8 and back (per layer, K and V, groups along
+    the head dimension); how many agree, and the first step where they part (None: never)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvtier import fp8
+    from kvtier.bench.models import make_random_model
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(make_random_model(variant), dtype=torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(2))
+
+    def lossy(t: torch.Tensor) -> torch.Tensor:
+        raw = memoryview(t.contiguous().view(torch.uint16).numpy()).cast("B")
+        out = bytearray(raw.nbytes)
+        fp8.dequantize_into(memoryview(fp8.quantize(raw, "bfloat16")[0]), memoryview(out), "bfloat16")
+        return torch.frombuffer(out, dtype=torch.bfloat16).view(t.shape)
+
+    def continue_greedy(quantize: bool) -> list[int]:
+        with torch.no_grad():
+            out = model(ids[:, :-1], use_cache=True)
+            cache = out.past_key_values
+            if quantize:
+                for layer in cache.layers:
+                    layer.keys, layer.values = lossy(layer.keys), lossy(layer.values)
+            nxt, got = ids[:, -1:], []
+            for _ in range(steps):
+                out = model(nxt, past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                nxt = out.logits[:, -1:].argmax(-1)
+                got.append(int(nxt))
+        return got
+
+    exact, quantized = continue_greedy(False), continue_greedy(True)
+    parted = next((i for i, (x, y) in enumerate(zip(exact, quantized)) if x != y), None)
+    return {"steps": steps, "prompt_tokens": tokens, "agree": sum(x == y for x, y in zip(exact, quantized)),
+            "first_divergence": parted}
 
 
 def synthetic_kv(chunks: int = 4, elements: int = 1 << 20) -> list[np.ndarray]:
@@ -165,11 +236,14 @@ def run(args: argparse.Namespace) -> int:
             raise RuntimeError(f"codec {name} did not round-trip")
         results.append({"codec": name, "ratio": round(len(blob) / sum(len(k) for k in coded), 3),
                         "encode_gbps": round(len(blob) / t_enc / 1e9, 3), "decode_gbps": round(len(blob) / t_dec / 1e9, 3)})
+    lossy = fp8_error(chunks, args.repeat)
+    if args.kv == "model" and args.greedy_tokens > 0:
+        lossy["greedy"] = fp8_greedy_agreement(args.variant, args.tokens, args.greedy_tokens)
     store = through_store(chunks)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     reread = shared_rereads(chunks, rates, args.repeat) if rates else []
     report = {"kv_source": source, "chunk_bytes": chunks[0].nbytes, "chunks": len(chunks), "threads": 1,
-              "codecs": results, "through_store": store, "shared_reread": reread}
+              "codecs": results, "fp8": lossy, "through_store": store, "shared_reread": reread}
     if args.json:
         emit_json(report)
     else:
@@ -177,6 +251,11 @@ def run(args: argparse.Namespace) -> int:
                     [[r["codec"], r["ratio"], r["encode_gbps"], r["decode_gbps"]] for r in results],
                     title=f"KV codecs, one core: {source}, {len(chunks)} chunks of {chunks[0].nbytes} bytes")
         print(f"through the store (fs tier, codec lossless): ratio {store['ratio']:.3f}, bit-exact {store['bit_exact']}")
+        greedy = lossy.get("greedy")
+        print(f"fp8 (lossy): {lossy['stored_fraction']:.3f} x the bytes, encode {lossy['encode_gbps']} GB/s, "
+              f"decode {lossy['decode_gbps']} GB/s, abs error max {lossy['max_abs_error']:.4g} mean "
+              f"{lossy['mean_abs_error']:.4g} (mean |KV| {lossy['mean_abs_value']:.4g})"
+              + (f"; greedy {greedy['agree']}/{greedy['steps']} tokens agree" if greedy else ""))
         if reread:
             print_table(["Gb/s", "codec", "re-read s", "x none", "auto coding"],
                         [[r["gbps"], r["codec"], r["reread_s"], r["vs_none"], r.get("auto", {}).get("coding", "")]
@@ -194,7 +273,7 @@ def shared_rereads(chunks: list[np.ndarray], rates_gbps: list[float], repeat: in
     import sys
 
     from kvtier.bench.delay_proxy import DelayProxy
-    from kvtier.bench.services import BinaryMissing, redis_server
+    from kvtier.harness.services import BinaryMissing, redis_server
     from kvtier.tiers.redis import RedisConfig, RedisTier
 
     keys = [hashlib.sha256(b"bench-codec-reread-%d" % i).digest() for i in range(len(chunks))]
@@ -211,7 +290,7 @@ def shared_rereads(chunks: list[np.ndarray], rates_gbps: list[float], repeat: in
             window = max(1, int(gbps * 1e9 / 8 * PROXY_DELAY_S))
             with DelayProxy(("127.0.0.1", server.port), PROXY_DELAY_S, window=window) as proxy:
                 base = None
-                for codec in ("none", "lossless", "auto"):
+                for codec in ("none", "lossless", "auto", "fp8"):
                     config = RedisConfig(url=f"redis://127.0.0.1:{proxy.port}/0", prefix=f"bench-{codec}-{gbps}:",
                                          capacity=1 << 30, codec=codec, timeout_s=30.0)
                     with RedisTier(config, name="redis") as tier:

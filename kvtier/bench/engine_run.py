@@ -5,7 +5,7 @@ time over stdin/stdout (``serve``), so several settings' engines can be alive at
 requests interleaved: noise from a shared machine then falls on every setting alike. The caller
 sets ``VLLM_CPU_OMP_THREADS_BIND`` and ``OMP_NUM_THREADS`` identically for every engine.
 Whoever starts it, this process and the engine processes vLLM spawns end when their parent
-does, even on SIGKILL (``kvtier.bench.procs.die_with_parent``).
+does, even on SIGKILL (``kvtier.harness.procs.die_with_parent``).
 
 The spec (JSON): model, docs and hit_docs (lists of token-id lists), warmup (token ids),
 pool_blocks, max_model_len, kv_transfer_config (or null), logprobs, max_tokens (greedy tokens per
@@ -23,7 +23,7 @@ import time
 if __name__ in ("__main__", "__mp_main__"):
     # This process, and vLLM's engine-core (and worker) processes, which multiprocessing's spawn
     # start method runs with this module re-imported as __mp_main__, each die with their parent.
-    from kvtier.bench.procs import die_with_parent
+    from kvtier.harness.procs import die_with_parent
 
     die_with_parent()
 

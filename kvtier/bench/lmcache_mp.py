@@ -4,7 +4,7 @@ LMCache is not a dependency of kvtier (it pulls CUDA packages): it lives in a se
 virtualenv whose interpreter the caller names (``--lmcache-python``). This module checks that
 interpreter, starts ``lmcache server`` from the same ``bin`` directory on loopback ports with an
 L1 RAM cache of a given size (LRU, engine-driven transfers through a uniquely named shared-memory
-segment) through ``kvtier.bench.procs`` (it dies with this process, even on SIGKILL), waits until
+segment) through ``kvtier.harness.procs`` (it dies with this process, even on SIGKILL), waits until
 its HTTP health check answers and its request port accepts connections, retries on new ports
 when one was taken, and stops its whole process group afterwards. ``kv_transfer_config`` (known
 once started) is the vLLM side: the LMCacheMPConnector pointed at it.
@@ -21,7 +21,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from kvtier.bench.procs import Child, run_child, spawn, start_on_ports, wait_ready
+from kvtier.harness.procs import Child, run_child, spawn, start_on_ports, wait_ready
 from kvtier.errors import ConfigError
 
 HOST = "127.0.0.1"

@@ -118,7 +118,7 @@ def generate(path: str, size: int) -> str:
 
 def _generate_in_child(path: str, size: int) -> str:
     """``generate`` in a child process, so this (parent) process stays small."""
-    from kvtier.bench.procs import run_child
+    from kvtier.harness.procs import run_child
 
     code = f"from kvtier.bench.load import generate; generate({path!r}, {size})"
     proc = run_child([sys.executable, "-c", code], timeout=1800, name="generate")
@@ -131,7 +131,7 @@ def _generate_in_child(path: str, size: int) -> str:
 
 def _child(spec: dict, env: dict | None = None) -> dict:
     """Run one measurement in a fresh interpreter (it dies with this process); its result dict."""
-    from kvtier.bench.procs import run_child
+    from kvtier.harness.procs import run_child
 
     proc = run_child([sys.executable, "-m", "kvtier.bench.load", json.dumps(spec)], timeout=900,
                      env={**os.environ, **(env or {})}, name=f"load {spec['method']}")
@@ -189,7 +189,7 @@ def _s3(path: str, work: str, opts: dict, modes: list[str], latency_ms: float, w
         notes: dict, repeat: int = 1) -> list[dict]:
     """Every S3 mode of ``modes`` against one SeaweedFS: direct, or through a delay proxy."""
     from kvtier.bench.delay_proxy import DelayProxy
-    from kvtier.bench.services import seaweedfs
+    from kvtier.harness.services import seaweedfs
 
     out = []
     with seaweedfs(os.path.join(work, "weed")) as s3:
@@ -353,7 +353,7 @@ def _run_runai(spec: dict) -> int:
 
 
 def _run_dd(spec: dict) -> int:
-    from kvtier.bench.procs import run_child
+    from kvtier.harness.procs import run_child
 
     proc = run_child(["dd", f"if={spec['path']}", "of=/dev/null", "bs=16M", "iflag=direct"], timeout=900, name="dd")
     if proc.returncode != 0:

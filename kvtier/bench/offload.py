@@ -440,7 +440,7 @@ def model_summary(model: str, config: dict, shape, prefix: int, variant: str | N
 class _Engine:
     """One setting's engine process (``kvtier.bench.engine_run``), asked one request at a time.
 
-    Started through ``kvtier.bench.procs.spawn``: it (and vLLM's engine-core process it starts)
+    Started through ``kvtier.harness.procs.spawn``: it (and vLLM's engine-core process it starts)
     dies with this process. Every wait for an answer has a deadline; stderr goes to the log.
     """
 
@@ -448,7 +448,7 @@ class _Engine:
     ANSWER_TIMEOUT_S = 600.0  # one request
 
     def __init__(self, name: str, python: str, env: dict, spec_path: Path, work: Path):
-        from kvtier.bench.procs import spawn
+        from kvtier.harness.procs import spawn
 
         self.name = name
         self.log_path = work / f"{name}.log"

@@ -330,8 +330,8 @@ def start_engines(model: str, tokenizer: Path, pool_blocks: int, work: Path, cor
     events reach the same ZMQ stream as the engine's own (vLLM merges ``take_events``).
     ``--enable-scale-out`` opens ``/v1/completions/render``: vllm-router's ``kv_aware`` gets a
     text prompt's token ids there, and without them (HTTP 403) it routes by load alone."""
-    from kvtier.bench.procs import spawn, wait_ready
-    from kvtier.bench.services import free_port
+    from kvtier.harness.procs import spawn, wait_ready
+    from kvtier.harness.services import free_port
 
     engines = []
     for i, core in enumerate(cores):
@@ -406,8 +406,8 @@ def start_router(policy: str, engines: list[Engine], tokenizer: Path, vllm_route
                  env: dict[str, str] | None = None, log_decisions: bool = False):
     """Start a router child for ``policy`` (``env``: extra environment, e.g. ``RUST_LOG``);
     returns (child, base URL)."""
-    from kvtier.bench.procs import spawn, wait_ready
-    from kvtier.bench.services import free_port
+    from kvtier.harness.procs import spawn, wait_ready
+    from kvtier.harness.services import free_port
 
     port = free_port()
     if policy == "kvtier-route":
@@ -532,7 +532,7 @@ def run_rounds(policies: list[str], rounds: int, zipf: float, run_one) -> list[d
     """Rows of ``policies`` over ``rounds`` (``round_order``); ``run_one(round, policy) ->
     PolicyRun``. A policy whose router would not start (``ServiceUnavailable``) gets an error row
     and is not tried again."""
-    from kvtier.bench.procs import ServiceUnavailable
+    from kvtier.harness.procs import ServiceUnavailable
 
     runs: dict[str, list[PolicyRun]] = {p: [] for p in policies}
     errors: dict[str, str] = {}
@@ -625,7 +625,7 @@ def run_overhead(engine: Engine, request: Request, args, tokenizer: Path, work: 
     alone (every send is the same prefix hit), interleaved by ``overhead_order``. Per path the
     median TTFT (ms); ``*_minus_direct_ms`` is a router's median minus the direct one; a router
     that would not start is left out (its error under ``errors``)."""
-    from kvtier.bench.procs import ServiceUnavailable
+    from kvtier.harness.procs import ServiceUnavailable
 
     reset_caches([engine])
     asyncio.run(drive([engine.url], [request], 1, args.max_tokens))  # warm

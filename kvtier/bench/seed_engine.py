@@ -28,7 +28,7 @@ import time
 
 if __name__ in ("__main__", "__mp_main__"):
     # as in engine_run: this process and vLLM's spawned children die with their parent
-    from kvtier.bench.procs import die_with_parent
+    from kvtier.harness.procs import die_with_parent
 
     die_with_parent()
 

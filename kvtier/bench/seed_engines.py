@@ -1,7 +1,7 @@
 """Engines for ``kvtier bench seed``: start a group of settings' engines, ask them in turn.
 
 Reuses the demo's machinery (``kvtier.bench.offload``): each setting's engine runs in its own
-process (``kvtier.bench.seed_engine``) started through ``kvtier.bench.procs.spawn`` with the same
+process (``kvtier.bench.seed_engine``) started through ``kvtier.harness.procs.spawn`` with the same
 ``VLLM_CPU_OMP_THREADS_BIND``/``OMP_NUM_THREADS`` for every setting (``offload._engine_env``),
 several alive at once so their passes can be interleaved, and each engine's turn starts after a
 quiet period (vLLM's worker busy-polls for ~1 s after its last step).
@@ -52,7 +52,7 @@ class SeedEngine(offload._Engine):
     """
 
     def __init__(self, name: str, env: dict, spec_path: Path, work: Path):
-        from kvtier.bench.procs import spawn
+        from kvtier.harness.procs import spawn
 
         self.name = name
         self.log_path = work / f"{name}.log"

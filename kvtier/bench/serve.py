@@ -57,7 +57,7 @@ from kvtier.bench.offload import _engine_env
 
 if __name__ in ("__main__", "__mp_main__"):
     # the engine processes die with the benchmark (see kvtier.bench.engine_run)
-    from kvtier.bench.procs import die_with_parent
+    from kvtier.harness.procs import die_with_parent
 
     die_with_parent()
 
@@ -254,7 +254,7 @@ def _spec(model: str, load: Workload, levels: list[int]) -> dict:
 
 def _run_setting(spec: dict, work: Path, timeout: float) -> dict:
     """One setting's engine in its own process; its per-level records."""
-    from kvtier.bench.procs import run_child
+    from kvtier.harness.procs import run_child
     from kvtier.errors import KVTierError
 
     path = work / "spec.json"

@@ -7,7 +7,7 @@ copies the payload straight into arena pages the server reserved (a direct write
 figures compare directly with the "memcpy" baseline. The target "server-staging" is the same
 server with the client's writes forced through the staging area (two copies: the path before
 direct writes), to compare the two in one run. The process is started, polled for
-readiness and stopped through ``kvtier.bench.procs`` (it dies with the benchmark).
+readiness and stopped through ``kvtier.harness.procs`` (it dies with the benchmark).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from kvtier.bench.procs import Child, spawn, wait_ready
+from kvtier.harness.procs import Child, spawn, wait_ready
 from kvtier.server.client import ServerStore
 from kvtier.server.protocol import ServerRejected
 

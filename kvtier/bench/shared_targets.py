@@ -1,6 +1,6 @@
 """``kvtier bench tiers`` targets for the shared tiers (redis, s3, fs) and the redis-py baseline.
 
-Servers are started once per benchmark run through ``kvtier.bench.services`` and shared by every
+Servers are started once per benchmark run through ``kvtier.harness.services`` and shared by every
 target and size of that run, so a tier and its baseline hit the same server in the same run.
 ``--redis-url`` / ``AWS_ENDPOINT_URL`` are not needed: a local ``redis-server`` and ``weed mini``
 are started on free loopback ports. A missing binary raises ``ServiceUnavailable`` (a
@@ -31,7 +31,7 @@ def _services(args: argparse.Namespace) -> contextlib.ExitStack:
 
 def _service(args: argparse.Namespace, kind: str):
     """The run's redis or S3 service, started on first use."""
-    from kvtier.bench import services
+    from kvtier.harness import services
 
     stack = _services(args)
     started = args._kvtier_started

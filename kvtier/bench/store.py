@@ -16,7 +16,7 @@ slow runs under the store's lock. Clients pause ``--think-ms`` between operation
 does work between its store calls), so a hit's latency is the store's, not the interpreter's
 thread switching.
 
-Imports: ``kvtier.store``, ``kvtier.bench.procs``/``services``/``delay_proxy`` (the slow tier),
+Imports: ``kvtier.store``, ``kvtier.harness.procs``/``services``, ``delay_proxy`` (the slow tier),
 ``kvtier.config``, ``kvtier.errors``.
 """
 
@@ -206,7 +206,7 @@ def _delay_proxy(port: int, delay_s: float) -> Iterator[int]:
     """The delay proxy in a child process in front of 127.0.0.1:``port``; yields its port."""
     import subprocess
 
-    from kvtier.bench.procs import spawn
+    from kvtier.harness.procs import spawn
 
     code = ("import sys; from kvtier.bench.delay_proxy import DelayProxy; "
             "p = DelayProxy(('127.0.0.1', int(sys.argv[1])), float(sys.argv[2])); "
@@ -226,7 +226,7 @@ def _delay_proxy(port: int, delay_s: float) -> Iterator[int]:
 def slow_tier(args: argparse.Namespace, work: str) -> Iterator[dict]:
     """The slow lower tier's spec (``--lower``), with what it needs running meanwhile."""
     if args.lower == "redis":
-        from kvtier.bench.services import redis_server
+        from kvtier.harness.services import redis_server
 
         with redis_server(work) as redis, _delay_proxy(redis.port, args.delay_ms / 1e3) as port:
             yield {"type": "redis", "url": f"redis://127.0.0.1:{port}/0", "capacity": "1GiB",

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from kvtier.bench import route
-from kvtier.bench.procs import ServiceUnavailable
+from kvtier.harness.procs import ServiceUnavailable
 from kvtier.errors import ConfigError
 
 

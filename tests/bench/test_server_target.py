@@ -1,5 +1,5 @@
 """kvtier.bench.server: the "server" target of ``kvtier bench tiers`` starts a real ``kvtier serve``
-through kvtier.bench.procs, answers through ServerStore, and leaves no process behind."""
+through kvtier.harness.procs, answers through ServerStore, and leaves no process behind."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kvtier.bench.procs import ServiceUnavailable
+from kvtier.harness.procs import ServiceUnavailable
 from kvtier.bench.server import ServerTarget
 
 MiB = 1024 * 1024

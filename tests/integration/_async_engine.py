@@ -21,7 +21,7 @@ import sys
 
 if __name__ in ("__main__", "__mp_main__"):
     # this script and vLLM's engine processes die with their parent (see scenario.py)
-    from kvtier.bench.procs import die_with_parent
+    from kvtier.harness.procs import die_with_parent
 
     die_with_parent()
 

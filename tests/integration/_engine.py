@@ -17,7 +17,7 @@ import time
 if __name__ in ("__main__", "__mp_main__"):
     # this script and vLLM's engine processes (spawned: they re-import it as __mp_main__) die
     # with their parent, so a killed test run leaves no engine behind
-    from kvtier.bench.procs import die_with_parent
+    from kvtier.harness.procs import die_with_parent
 
     die_with_parent()
 

@@ -368,7 +368,7 @@ def test_no_request_holds_blocks_and_none_leak(engines):
 
 if __name__ == "__main__":
     # this script and vLLM's engine processes die with their parent (see scenario.py)
-    from kvtier.bench.procs import die_with_parent
+    from kvtier.harness.procs import die_with_parent
 
     die_with_parent()
     sys.exit(main(*sys.argv[1:]))

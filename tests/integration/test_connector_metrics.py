@@ -198,7 +198,7 @@ def test_metrics_on_vllms_own_endpoint(tmp_path):
            "--enforce-eager", "--dtype", "bfloat16", "--no-enable-prefix-caching"]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
     log = tmp_path / "vllm.log"
-    from kvtier.bench.procs import spawn
+    from kvtier.harness.procs import spawn
 
     # through spawn: the server (and its engine processes) die with this test run, even on SIGKILL
     child = spawn(cmd, name="vLLM OpenAI server", log=log, env=env, cwd=tmp_path)

@@ -17,7 +17,7 @@ import threading
 
 from aiohttp import web
 
-from kvtier.bench.services import free_port
+from kvtier.harness.services import free_port
 
 
 class StubEngine:

@@ -12,8 +12,8 @@ import time
 import urllib.error
 import urllib.request
 
-from kvtier.bench.procs import spawn
-from kvtier.bench.services import free_port
+from kvtier.harness.procs import spawn
+from kvtier.harness.services import free_port
 
 
 def _health(port: int) -> int:

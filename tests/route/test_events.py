@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvtier.bench.services import free_port
+from kvtier.harness.services import free_port
 from kvtier.route.events import EventSubscriber, decode_batch
 from kvtier.route.index import PrefixIndex, chunk_keys
 

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import requests
 
-from kvtier.bench.procs import spawn
+from kvtier.harness.procs import spawn
 from tests.route._stub_engine import StubEngine
 
 _READY = re.compile(r"kvtier route: ready on http://127\.0\.0\.1:(\d+)")
@@ -396,7 +396,7 @@ def test_a_malformed_kv_event_is_counted_and_the_stream_goes_on(stub, tmp_path):
     import msgspec
     import zmq
 
-    from kvtier.bench.services import free_port
+    from kvtier.harness.services import free_port
 
     port = free_port()
     ctx = zmq.Context()

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvtier.bench.services import free_port
+from kvtier.harness.services import free_port
 from kvtier.route.config import EngineSpec, RouteConfig
 from kvtier.route.index import chunk_keys
 from kvtier.route.proxy import Router

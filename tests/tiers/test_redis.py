@@ -12,7 +12,7 @@ import pytest
 
 redis = pytest.importorskip("redis", reason="redis-py not installed (pip install kvtier[redis])")
 
-from kvtier.bench.services import BinaryMissing, redis_server  # noqa: E402
+from kvtier.harness.services import BinaryMissing, redis_server  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.tiers.redis import RedisTier  # noqa: E402
 

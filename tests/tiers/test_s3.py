@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("boto3", reason="boto3 not installed (pip install kvtier[s3])")
 
-from kvtier.bench.services import free_port  # noqa: E402
+from kvtier.harness.services import free_port  # noqa: E402
 from kvtier.errors import ConfigError  # noqa: E402
 from kvtier.tiers.s3 import S3Tier  # noqa: E402
 

@@ -69,11 +69,12 @@ from kvtier.errors import KVTierError
 __all__ = [
     "ServiceUnavailable", "BinaryMissing", "PortInUse", "Child", "Registry", "spawn", "wait_ready",
     "start_on_ports", "pick_ports", "die_with_parent", "default_registry", "reap_stale", "reap_owned",
-    "start_ticks", "run_child", "TAG_ENV",
+    "start_ticks", "run_child", "TAG_ENV", "REGISTRY_ENV", "Record", "boot_id", "libc_prctl",
+    "ephemeral_range",
 ]
 
-TAG_ENV = "KVTIER_PROC_TAG"
-REGISTRY_ENV = "KVTIER_PROC_REGISTRY"
+TAG_ENV = "KVTIER_PROC_TAG"  # the environment variable that carries a child's tag to its descendants
+REGISTRY_ENV = "KVTIER_PROC_REGISTRY"  # overrides ``default_registry``'s directory (tests set it)
 _PR_SET_PDEATHSIG = 1
 T = TypeVar("T")
 
@@ -121,7 +122,10 @@ def _group_members(pgid: int, not_before: int) -> list[int]:
     return found
 
 
-def _boot_id() -> str:
+def boot_id() -> str:
+    """This boot's id (``/proc/sys/kernel/random/boot_id``); "" where there is none.
+
+    A record written under another boot id names processes that cannot exist any more."""
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -175,8 +179,12 @@ def _kill_tagged(tag: str, not_before: int, leader: int | None = None) -> list[i
 # parent-death signal
 
 
-def _libc_prctl() -> Callable[..., int] | None:
-    """libc's ``prctl`` on Linux, else None (resolved in the parent: nothing to look up after fork)."""
+def libc_prctl() -> Callable[..., int] | None:
+    """libc's ``prctl`` on Linux, else None (resolved in the parent: nothing to look up after fork).
+
+    ``die_with_parent`` and ``spawn`` look it up through this module's global on each call, so
+    replacing it with ``lambda: None`` makes this process behave as on a system without the
+    parent-death signal (the process group and the registry remain)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -193,7 +201,7 @@ def die_with_parent(sig: int = signal.SIGKILL, parent_pid: int | None = None) ->
     gone (``getppid() != parent_pid``; ``parent_pid`` defaults to the parent now), the process
     exits at once. False where unsupported (not Linux), True when set.
     """
-    prctl = _libc_prctl()
+    prctl = libc_prctl()
     expected = os.getppid() if parent_pid is None else parent_pid
     if prctl is None or prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         return False
@@ -204,7 +212,7 @@ def die_with_parent(sig: int = signal.SIGKILL, parent_pid: int | None = None) ->
 
 def _preexec(parent_pid: int) -> Callable[[], None]:
     """The ``preexec_fn`` of ``spawn``: arm SIGKILL on parent death; exit if the parent is gone."""
-    prctl = _libc_prctl()
+    prctl = libc_prctl()
 
     def arm() -> None:
         if prctl is not None:
@@ -264,7 +272,14 @@ def _on_forking_thread(fn: Callable[[], T]) -> T:
 
 
 @dataclass(frozen=True)
-class _Record:
+class Record:
+    """One registry entry: the child ``pid`` and its ``start`` (``start_ticks``), its ``tag``
+    (``TAG_ENV`` in its environment), the owner's ``owner_pid`` and ``owner_start``, the
+    ``boot_id`` it was written under, and the child's ``name`` (for leak reports).
+
+    ``reap_stale`` kills what a record names only while the owner is not that same process and
+    the boot id is this boot's; ``to_json``/``from_json`` are the file format."""
+
     pid: int
     start: int
     tag: str
@@ -277,9 +292,9 @@ class _Record:
         return json.dumps(self.__dict__)
 
     @staticmethod
-    def from_json(text: str) -> "_Record":
+    def from_json(text: str) -> "Record":
         d = json.loads(text)
-        return _Record(int(d["pid"]), int(d["start"]), str(d["tag"]), int(d["owner_pid"]),
+        return Record(int(d["pid"]), int(d["start"]), str(d["tag"]), int(d["owner_pid"]),
                        int(d["owner_start"]), str(d["boot_id"]), str(d["name"]))
 
 
@@ -293,7 +308,7 @@ class Registry:
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         return self.path
 
-    def add(self, record: _Record) -> Path:
+    def add(self, record: Record) -> Path:
         """Write ``record`` atomically; its file's path."""
         final = self._dir() / f"{record.pid}-{record.start}.json"
         tmp = final.with_suffix(f".tmp{os.getpid()}")
@@ -301,14 +316,14 @@ class Registry:
         os.replace(tmp, final)
         return final
 
-    def records(self) -> list[tuple[Path, _Record | None]]:
+    def records(self) -> list[tuple[Path, Record | None]]:
         """Every record file with its record (None for a file that does not parse)."""
         if not self.path.is_dir():
             return []
-        out: list[tuple[Path, _Record | None]] = []
+        out: list[tuple[Path, Record | None]] = []
         for f in sorted(self.path.glob("*.json")):
             try:
-                out.append((f, _Record.from_json(f.read_text())))
+                out.append((f, Record.from_json(f.read_text())))
             except (OSError, ValueError, KeyError, TypeError):
                 out.append((f, None))
         return out
@@ -328,7 +343,7 @@ def reap_stale(registry: Registry | None = None) -> list[int]:
     killing (its processes cannot exist). Safe to run from several processes at once.
     """
     registry = registry or default_registry()
-    boot = _boot_id()
+    boot = boot_id()
     killed: list[int] = []
     for path, rec in registry.records():
         if rec is not None and rec.boot_id == boot and _is_same_process(rec.owner_pid, rec.owner_start):
@@ -378,10 +393,12 @@ class Child:
 
     @property
     def pid(self) -> int:
+        """The child's pid (also its process group id)."""
         return self.popen.pid
 
     @property
     def alive(self) -> bool:
+        """True until the child exits (it is reaped by this check once it has)."""
         return self.popen.poll() is None
 
     def tail(self, chars: int = 1500) -> str:
@@ -479,7 +496,7 @@ def spawn(
         raise BinaryMissing(f"{name}: {argv[0]} not found ({exc.strerror})") from None
     child = Child(popen, name, tag, start_ticks(popen.pid) or 0, log_path, offset)
     me = os.getpid()
-    record = _Record(popen.pid, child.start, tag, me, start_ticks(me) or 0, _boot_id(), name)
+    record = Record(popen.pid, child.start, tag, me, start_ticks(me) or 0, boot_id(), name)
     child._record = registry.add(record)
     return child
 
@@ -541,7 +558,9 @@ def _one_line(tail: str, chars: int = 600) -> str:
     return " | ".join(line.strip() for line in tail[-chars:].splitlines() if line.strip()) or "(no output)"
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (``net.ipv4.ip_local_port_range``), ``(low, high)``
+    inclusive; Linux's default (32768, 60999) where it cannot be read. ``pick_ports`` stays below it."""
     try:
         lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
         return int(lo), int(hi)
@@ -557,7 +576,7 @@ def pick_ports(n: int, host: str = "127.0.0.1", rng: random.Random | None = None
     (``start_on_ports``). Falls back to kernel-chosen ports if that range is too small.
     """
     rng = rng or random.Random()
-    lo, hi = 10000, _ephemeral_range()[0] - 1
+    lo, hi = 10000, ephemeral_range()[0] - 1
     held: list[socket.socket] = []
     try:
         tries = 0

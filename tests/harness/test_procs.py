@@ -1,4 +1,4 @@
-"""Child-process lifetime (``kvtier.bench.procs``) with real processes: services die with their
+"""Child-process lifetime (``kvtier.harness.procs``) with real processes: services die with their
 parent even on SIGKILL, stale ones are reaped by the next run (and nothing else is), a port taken
 by someone else is retried, and readiness errors name the service and its log.
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench import procs
-from kvtier.bench.procs import Registry, ServiceUnavailable, spawn, start_ticks, wait_ready
+from kvtier.harness import procs
+from kvtier.harness.procs import Registry, ServiceUnavailable, spawn, start_ticks, wait_ready
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux only")
 
@@ -89,7 +89,7 @@ def test_redis_dies_when_its_parent_is_sigkilled(registry, tmp_path):
     """The issue's case: whoever started redis-server is SIGKILLed; redis must not outlive it."""
     parent = _parent(
         "import time\n"
-        "from kvtier.bench.services import redis_server, BinaryMissing\n"
+        "from kvtier.harness.services import redis_server, BinaryMissing\n"
         "try:\n"
         f"    cm = redis_server({str(tmp_path / 'redis')!r}); r = cm.__enter__()\n"
         "except BinaryMissing:\n"
@@ -111,7 +111,7 @@ def test_redis_dies_when_its_parent_is_sigkilled(registry, tmp_path):
 def test_script_child_that_arms_die_with_parent_dies_with_it():
     """A script started by plain subprocess (as the engine scripts are) that calls
     ``die_with_parent`` itself ends when its parent is SIGKILLed."""
-    child_code = ("from kvtier.bench.procs import die_with_parent; import time; die_with_parent(); "
+    child_code = ("from kvtier.harness.procs import die_with_parent; import time; die_with_parent(); "
                   "print('armed', flush=True); time.sleep(600)")
     parent = _parent(
         "import subprocess, sys, time\n"
@@ -154,7 +154,7 @@ def test_stale_services_of_a_killed_run_are_reaped_and_live_ones_kept(registry, 
     ``reap_stale``; a child whose owner is alive is left alone."""
     parent = _parent(
         "import time\n"
-        "from kvtier.bench.procs import spawn\n"
+        "from kvtier.harness.procs import spawn\n"
         "c = spawn(['sh', '-c', 'setsid sleep 600 & echo $! > grandchild; wait'], name='escaper',"
         f" cwd={str(tmp_path)!r})\n"
         "print(c.pid, flush=True)\n"
@@ -189,9 +189,9 @@ def test_stale_service_without_parent_death_signal_is_reaped_by_its_record(regis
     time (redis overwrites its environment area with its process title, so it carries no tag)."""
     parent = _parent(
         "import time\n"
-        "from kvtier.bench import procs\n"
-        "procs._libc_prctl = lambda: None\n"
-        "from kvtier.bench.services import redis_server, BinaryMissing\n"
+        "from kvtier.harness import procs\n"
+        "procs.libc_prctl = lambda: None\n"
+        "from kvtier.harness.services import redis_server, BinaryMissing\n"
         "try:\n"
         f"    cm = redis_server({str(tmp_path / 'redis')!r}); r = cm.__enter__()\n"
         "except BinaryMissing:\n"
@@ -222,11 +222,11 @@ def test_reap_never_kills_a_process_that_only_reuses_a_recorded_pid(registry):
     ticks = start_ticks(bystander.pid)
     try:
         for tag, start in (("0" * 32, ticks - 1), ("1" * 32, 0)):  # an earlier process had this pid
-            registry.add(procs._Record(bystander.pid, start, tag, dead.pid, 1, procs._boot_id(), "reused"))
+            registry.add(procs.Record(bystander.pid, start, tag, dead.pid, 1, procs.boot_id(), "reused"))
         tagged = spawn(["sleep", "60"], name="tagged", registry=Registry(registry.path / "other"))
         # a record for ``tagged``'s tag but claiming a start time after it began: not the same process
-        registry.add(procs._Record(tagged.pid + 1, tagged.start + 10**9, tagged.tag, dead.pid, 1,
-                                   procs._boot_id(), "later"))
+        registry.add(procs.Record(tagged.pid + 1, tagged.start + 10**9, tagged.tag, dead.pid, 1,
+                                   procs.boot_id(), "later"))
         assert procs.reap_stale(registry) == []
         assert bystander.poll() is None and tagged.alive
         assert registry.records() == []
@@ -243,7 +243,7 @@ def test_reap_never_kills_a_process_that_only_reuses_a_recorded_pid(registry):
 def test_redis_start_retries_when_its_port_is_taken(registry, tmp_path, monkeypatch):
     """The first port handed to redis-server is held by a listening socket: the start is retried
     on a new port and the service answers there."""
-    services = pytest.importorskip("kvtier.bench.services")
+    services = pytest.importorskip("kvtier.harness.services")
     try:
         services.find_binary("redis-server", "")
     except procs.BinaryMissing:
@@ -263,7 +263,7 @@ def test_redis_start_retries_when_its_port_is_taken(registry, tmp_path, monkeypa
         with services.redis_server(tmp_path / "redis") as r:
             assert len(calls) == 2
             assert r.port != blocker.getsockname()[1]
-            assert services._redis_pid(r.port) == r.pid
+            assert services.redis_pid(r.port) == r.pid
     finally:
         blocker.close()
 
@@ -271,7 +271,7 @@ def test_redis_start_retries_when_its_port_is_taken(registry, tmp_path, monkeypa
 def test_redis_start_is_not_fooled_by_another_redis_on_its_port(registry, tmp_path, monkeypatch):
     """Another redis already answers PING on the first port: readiness must check that the answer
     comes from the process just started, retry, and end up with its own server."""
-    services = pytest.importorskip("kvtier.bench.services")
+    services = pytest.importorskip("kvtier.harness.services")
     try:
         other_cm = services.redis_server(tmp_path / "other")
         other = other_cm.__enter__()
@@ -285,7 +285,7 @@ def test_redis_start_is_not_fooled_by_another_redis_on_its_port(registry, tmp_pa
         with services.redis_server(tmp_path / "mine") as mine:
             assert mine.port != other.port
             assert mine.pid is not None and mine.pid != other.pid
-            assert services._redis_pid(mine.port) == mine.pid
+            assert services.redis_pid(mine.port) == mine.pid
     finally:
         other_cm.__exit__(None, None, None)
 
@@ -304,7 +304,7 @@ def test_start_on_ports_gives_up_after_its_attempts():
 
 
 def test_pick_ports_avoids_the_ephemeral_range_and_repeats():
-    lo, _ = procs._ephemeral_range()
+    lo, _ = procs.ephemeral_range()
     ports = procs.pick_ports(15)
     assert len(set(ports)) == 15
     assert all(10000 <= p < lo for p in ports)
@@ -429,7 +429,7 @@ def test_seaweedfs_start_retries_when_its_s3_port_is_taken(registry, tmp_path, m
     """``weed mini`` refuses to start when a port it was given is taken; the start is retried on
     new ports and S3 answers on the endpoint the service reports."""
     pytest.importorskip("boto3")
-    services = pytest.importorskip("kvtier.bench.services")
+    services = pytest.importorskip("kvtier.harness.services")
     try:
         services.find_binary("weed", "")
     except procs.BinaryMissing:
@@ -444,7 +444,7 @@ def test_seaweedfs_start_retries_when_its_s3_port_is_taken(registry, tmp_path, m
         calls.append(n)
         ports = real(n)
         if len(calls) == 1:
-            ports[6] = blocker.getsockname()[1]  # the S3 port (see services._weed_argv)
+            ports[services.WEED_S3_PORT] = blocker.getsockname()[1]
         return ports
 
     monkeypatch.setattr(procs, "pick_ports", s3_port_taken)
@@ -462,7 +462,7 @@ def test_cpu_hog_runs_the_command_under_load_and_leaves_nothing(registry, tmp_pa
     """The race-check wrapper passes the command's exit code through and stops its loops."""
     probe = f"import os; open({str(tmp_path / 'load')!r}, 'w').write(str(os.getloadavg()[0])); raise SystemExit(3)"
     env = dict(os.environ, PYTHONPATH=ROOT)
-    rc = subprocess.call([sys.executable, "-m", "kvtier.bench.cpu_hog", "--procs", "2", "--",
+    rc = subprocess.call([sys.executable, "-m", "kvtier.harness.cpu_hog", "--procs", "2", "--",
                           sys.executable, "-c", "import time; time.sleep(2); " + probe], env=env, timeout=120)
     assert rc == 3
     assert (tmp_path / "load").read_text()

@@ -1,10 +1,10 @@
 """Run a command while every core is kept busy: the race check for the test suite.
 
-    python -m kvtier.bench.cpu_hog [--procs N] -- COMMAND [ARGS...]
+    python -m kvtier.harness.cpu_hog [--procs N] -- COMMAND [ARGS...]
 
 starts N busy-loop processes (default: one per core this process may run on), runs COMMAND,
 stops the loops and exits with COMMAND's exit code. The loops are started through
-``kvtier.bench.procs``, so they end with this process even when it is SIGKILLed. Readiness
+``kvtier.harness.procs``, so they end with this process even when it is SIGKILLed. Readiness
 waits, deadlines and ports that only work on an idle machine fail under this load.
 """
 
@@ -15,7 +15,9 @@ import os
 import subprocess
 import sys
 
-from kvtier.bench.procs import Child, spawn
+from kvtier.harness.procs import Child, spawn
+
+__all__ = ["start_hogs", "main"]
 
 _LOOP = "while True: pass"
 
@@ -30,7 +32,8 @@ def start_hogs(n: int) -> list[Child]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.cpu_hog", description=__doc__.splitlines()[0])
+    """The command line above: COMMAND's exit code; the loops are stopped however it ends."""
+    parser = argparse.ArgumentParser(prog="python -m kvtier.harness.cpu_hog", description=__doc__.splitlines()[0])
     parser.add_argument("--procs", type=int, default=_cores(), help="busy loops to run (default: one per core)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     args = parser.parse_args(argv)

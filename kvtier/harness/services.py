@@ -1,7 +1,7 @@
 """Real servers for tests and benchmarks: redis-server and SeaweedFS (``weed mini``) on loopback.
 
 Each context manager picks loopback ports (below the kernel's ephemeral range), starts the
-server through ``kvtier.bench.procs.spawn`` (its own process group, killed by the kernel if this
+server through ``kvtier.harness.procs.spawn`` (its own process group, killed by the kernel if this
 process dies, reaped by the next run if that failed), waits until it answers on the endpoint
 callers use (a real request, never a fixed sleep), yields a small handle, and stops the server
 on exit, also when the body raised. A port another process took first (the server's log says
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from kvtier.bench.procs import (
+from kvtier.harness.procs import (
     BinaryMissing, Child, PortInUse, ServiceUnavailable, pick_ports, spawn, start_on_ports, wait_ready,
 )
 from kvtier.s3client import S3Config, make_client
@@ -44,6 +44,10 @@ __all__ = [
     "seaweedfs",
     "find_binary",
     "free_port",
+    "redis_pid",
+    "weed_argv",
+    "WEED_PORTS",
+    "WEED_S3_PORT",
 ]
 
 
@@ -142,11 +146,13 @@ class RedisService:
     def _ping(self) -> bool:
         """True when the server on ``port`` answers and is this service's process (INFO's
         ``process_id``), not another redis that holds the port."""
-        return self._child is not None and _redis_pid(self.port) == self._child.pid
+        return self._child is not None and redis_pid(self.port) == self._child.pid
 
 
-def _redis_pid(port: int, timeout: float = 0.5) -> int | None:
-    """``process_id`` from ``INFO server`` of the redis on 127.0.0.1:``port`` (None if not redis)."""
+def redis_pid(port: int, timeout: float = 0.5) -> int | None:
+    """``process_id`` from ``INFO server`` of the redis on 127.0.0.1:``port``: which process
+    answers there (None if what answers is not redis; ``OSError`` if nothing listens). Readiness
+    uses it to tell its own server from another redis that holds the port."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall(b"INFO server\r\n")
         data = b""
@@ -258,7 +264,10 @@ def _ensure_bucket(client, bucket: str) -> bool:
     return True
 
 
-def _weed_argv(binary: str, work: Path, bucket: str, ports: list[int]) -> list[str]:
+def weed_argv(binary: str, work: Path, bucket: str, ports: list[int]) -> list[str]:
+    """The ``weed mini`` command line: data in ``work``, ``bucket`` created, bound to 127.0.0.1,
+    and ``ports`` (``WEED_PORTS`` of them) given in a fixed order, ``ports[WEED_S3_PORT]`` being
+    the S3 gateway's; admin UI and WebDAV off."""
     names = [
         "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
         "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance",
@@ -272,7 +281,8 @@ def _weed_argv(binary: str, work: Path, bucket: str, ports: list[int]) -> list[s
     return argv
 
 
-WEED_PORTS = 15
+WEED_PORTS = 15  # ports ``weed mini`` is given (see ``weed_argv``)
+WEED_S3_PORT = 6  # index of the S3 gateway's port among them
 
 
 @contextlib.contextmanager
@@ -296,12 +306,13 @@ def seaweedfs(
         data.mkdir(exist_ok=True)
 
         def start(ports: list[int]) -> S3Service:
-            child = spawn(_weed_argv(binary, data, bucket, ports), name="weed mini", log=work / "weed.log", cwd=work)
-            service = S3Service(f"http://127.0.0.1:{ports[6]}", bucket, access_key, secret_key, work, child)
+            child = spawn(weed_argv(binary, data, bucket, ports), name="weed mini", log=work / "weed.log", cwd=work)
+            s3_port = ports[WEED_S3_PORT]
+            service = S3Service(f"http://127.0.0.1:{s3_port}", bucket, access_key, secret_key, work, child)
             try:
                 client = service.client(connect_timeout=1, read_timeout=5)
                 wait_ready(child, lambda: _ensure_bucket(client, bucket), ready_timeout,
-                           f"weed mini (S3 on port {ports[6]})")
+                           f"weed mini (S3 on port {s3_port})")
             except BaseException:
                 service.stop()
                 raise
