@@ -64,6 +64,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Sequence, TypeVar
 
+import psutil
+
 from kvtier.errors import KVTierError
 
 __all__ = [
@@ -92,33 +94,49 @@ class PortInUse(ServiceUnavailable):
 
 
 # ---------------------------------------------------------------------------------------------
-# /proc facts
+# process facts (psutil; the start ticks, the boot id and the port range from /proc)
 
 
-def _stat(pid: int) -> list[str] | None:
-    """Fields 3.. of ``/proc/PID/stat`` (state, ppid, pgrp, ...); None if the process is gone."""
+def start_ticks(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22); None if gone.
+
+    Read here rather than through psutil: psutil's ``create_time`` is wall-clock seconds (it moves
+    when the clock is set), these ticks never change, and the registry compares them across
+    processes and runs."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # the command name (field 2) may hold spaces and parentheses: split after its last ')'
-    return stat[stat.rindex(")") + 2:].split()
+    return int(stat[stat.rindex(")") + 2:].split()[19])  # field 22 overall; the split starts at field 3
 
 
-def start_ticks(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22); None if gone."""
-    fields = _stat(pid)
-    return int(fields[19]) if fields else None  # field 22 overall; fields here start at field 3
+_DEAD = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+
+
+def _live_ticks(pid: int) -> int | None:
+    """``start_ticks`` of ``pid`` while it runs; None if it is gone or a zombie (dead, only not
+    yet reaped)."""
+    try:
+        if psutil.Process(pid).status() in _DEAD:
+            return None
+    except psutil.Error:
+        return None
+    return start_ticks(pid)
 
 
 def _group_members(pgid: int, not_before: int) -> list[int]:
     """Live processes of process group ``pgid`` that started at or after ``not_before`` ticks."""
     found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            fields = _stat(int(entry.name))
-            if fields and fields[0] not in "ZX" and int(fields[2]) == pgid and int(fields[19]) >= not_before:
-                found.append(int(entry.name))
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) != pgid:
+                continue
+        except OSError:  # gone meanwhile
+            continue
+        ticks = _live_ticks(pid)
+        if ticks is not None and ticks >= not_before:
+            found.append(pid)
     return found
 
 
@@ -135,27 +153,22 @@ def boot_id() -> str:
 def _is_same_process(pid: int, ticks: int | None) -> bool:
     """True while the process ``pid`` that started at ``ticks`` runs (a reused pid does not, nor a
     zombie: it is dead, only not yet reaped)."""
-    fields = _stat(pid)
-    return ticks is not None and fields is not None and fields[0] not in "ZX" and int(fields[19]) == ticks
+    return ticks is not None and _live_ticks(pid) == ticks
 
 
 def _tagged(tag: str, not_before: int) -> list[int]:
     """Pids of live processes whose environment holds ``TAG_ENV=tag`` and that started at or after
     ``not_before`` ticks (processes of other users are unreadable and skipped)."""
-    needle = f"{TAG_ENV}={tag}".encode()
     found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
+    for proc in psutil.process_iter():
         try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
+            if proc.environ().get(TAG_ENV) != tag:
+                continue
+        except psutil.Error:  # gone meanwhile, or another user's (AccessDenied)
             continue
-        if needle in environ.split(b"\0"):
-            ticks = start_ticks(pid)
-            if ticks is not None and ticks >= not_before:
-                found.append(pid)
+        ticks = start_ticks(proc.pid)
+        if ticks is not None and ticks >= not_before:
+            found.append(proc.pid)
     return found
 
 
