@@ -1,20 +1,23 @@
-"""FP8 (E4M3, ``float8_e4m3fn``) quantization of 16- and 32-bit float KV, with one float32 scale
-per group of ``GROUP`` consecutive elements, in numpy (no torch: ``kvtier serve`` and the tiers
-run without it).
+"""FP8 (E4M3, ``float8_e4m3fn``) quantization of 16- and 32-bit float KV, with one power-of-two
+scale per group of ``GROUP`` consecutive elements (the OCP Microscaling MXFP8 layout: E4M3
+elements, an E8M0 scale per 32), in numpy (no torch: ``kvtier serve`` and the tiers run without it).
 
 E4M3 has 4 exponent bits (bias 7), 3 mantissa bits, no infinity and a largest finite value of
-448; each group is scaled so that its largest magnitude maps to 448, then every element is
-rounded to the nearest E4M3 value (ties to even). The groups run along the innermost
-dimension of the KV (``GROUP`` = 128 elements: one head of a 128-wide head, two of a 64-wide
-one), so a scale never spans more than a few heads of one token. Stored bytes: one per element
-plus 4 per group, 0.516 x bf16/fp16, 0.258 x float32. The error bound per element is half an
-E4M3 step at the element's magnitude (relative 2^-4 for normal values) plus, below the group's
-smallest normal (amax x 2^-6 / 448), an absolute amax x 2^-9 / 448 / 2.
+448. Each group's scale is the smallest power of two ``2^k`` with ``amax / 2^k <= 448``; every
+element divided by it (exact) is rounded to the nearest E4M3 value (ties to even). A power of
+two costs at most one binade at the bottom of a group's range and nothing in relative precision
+(2^-4 for every element above ``2^k x 2^-6``), and it makes decoding to bfloat16 exact and
+cheap: the element's bf16 bits from a 256-entry table plus ``k`` in the exponent field. The
+groups run along the innermost dimension of the KV (a head's dimension), so a scale never spans
+more than one head of one token. Stored bytes: one per element, one per group and 8 per entry:
+0.516 x bf16/fp16, 0.258 x float32. Groups whose largest magnitude is below 2^-118 (far under
+any KV) lose their smallest elements to zero.
 
 Payload (little-endian): ``version u8`` (1), ``dtype u8`` (the source dtype's entry code, see
 ``kvtier.entry.DTYPES``), ``group u16``, ``count u32`` (elements), then ``ceil(count/group)``
-float32 scales, then ``count`` E4M3 codes. ``dequantize_into`` checks every length against the
-output buffer before it reads a byte, and ValueError for anything that does not fit.
+scale bytes (``k + 127``, 0..254), then ``count`` E4M3 codes. ``dequantize_into`` checks every
+length against the output buffer before it reads a byte, and ValueError for anything that does
+not fit.
 
 Imports: numpy only.
 """
@@ -25,13 +28,15 @@ import struct
 
 import numpy as np
 
-GROUP = 128
+GROUP = 32
 E4M3_MAX = 448.0
 VERSION = 1
 _HEAD = struct.Struct("<BBHI")
 SOURCE_DTYPES = {"bfloat16": 10, "float16": 9, "float32": 11}  # name -> entry dtype code
 _ITEMSIZE = {10: 2, 9: 2, 11: 4}
 _MIN_NORMAL = 2.0 ** -6
+_BIAS = 127  # a group's scale byte is k + 127 (E8M0), k in [-127, 127]
+_FAST_K = (-117, 119)  # k for which every nonzero E4M3 value x 2^k is a normal bfloat16
 
 
 def _table() -> np.ndarray:
@@ -61,7 +66,7 @@ def _code_lut() -> np.ndarray:
 
 def stored_bytes(count: int, group: int = GROUP) -> int:
     """Bytes of the payload for ``count`` elements."""
-    return _HEAD.size + 4 * (-(-count // group)) + count
+    return _HEAD.size + (-(-count // group)) + count
 
 
 def _to_float32(raw: memoryview, dtype: str) -> np.ndarray:
@@ -101,7 +106,16 @@ def _round_to_e4m3(y: np.ndarray) -> np.ndarray:
     u = y.view(np.uint32)
     index = (u >> 16).astype(np.uint16)
     index |= (u & np.uint32(0xFFFF)) != 0
-    return _LUT[index]
+    return np.take(_LUT, index)
+
+
+def _row_max(a: np.ndarray) -> np.ndarray:
+    """The largest value of each row of ``a`` (NaN when a row holds one), by halving the rows
+    (faster than ``max(axis=1)`` over short rows); odd widths fall back to it."""
+    while a.shape[1] > 1 and a.shape[1] % 2 == 0:
+        half = a.shape[1] // 2
+        a = np.maximum(a[:, :half], a[:, half:])  # propagates NaN, as the finite check needs
+    return a.max(axis=1)
 
 
 def quantize(raw: memoryview, dtype: str, group: int = GROUP) -> tuple[bytes, bytes] | None:
@@ -120,11 +134,13 @@ def quantize(raw: memoryview, dtype: str, group: int = GROUP) -> tuple[bytes, by
         padded[:count] = x
         x = padded
     blocks = x.reshape(groups, group)
-    amax = np.abs(blocks).max(axis=1)
+    amax = _row_max(np.abs(blocks))
     if not np.isfinite(amax).all():
         return None
-    scales = np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1.0)).astype(np.float32)
-    codes = _round_to_e4m3(blocks / scales[:, None]).reshape(-1)[:count]
+    k = np.clip(np.frexp(amax / np.float32(E4M3_MAX))[1], -_BIAS, _BIAS).astype(np.int32)  # amax / 2^k <= 448
+    inverse = np.ldexp(np.float32(1.0), -k).astype(np.float32)  # exact: 2^-k is a normal float32
+    codes = _round_to_e4m3(blocks * inverse[:, None]).reshape(-1)[:count]
+    scales = (k + _BIAS).astype(np.uint8)
     payload = b"".join((_HEAD.pack(VERSION, code, group, count), scales.tobytes(), codes.tobytes()))
     dequantized = bytearray(raw.nbytes)
     _dequantize(codes, scales, group, code, memoryview(dequantized))
@@ -132,11 +148,19 @@ def quantize(raw: memoryview, dtype: str, group: int = GROUP) -> tuple[bytes, by
 
 
 def _dequantize(codes: np.ndarray, scales: np.ndarray, group: int, code: int, out: memoryview) -> None:
+    """Write ``codes`` x their group's ``2^(scale - 127)`` into ``out`` as the source dtype."""
     count = codes.size
     groups = scales.size
-    values = np.zeros(groups * group, np.float32)
-    values[:count] = TABLE[codes]
-    values = (values.reshape(groups, group) * scales[:, None]).reshape(-1)[:count]
+    k = scales.astype(np.int32) - _BIAS
+    padded = np.zeros(groups * group, np.uint8)
+    padded[:count] = codes
+    blocks = padded.reshape(groups, group)
+    if code == 10 and _FAST_K[0] <= k.min() and k.max() <= _FAST_K[1]:  # exact: the exponent moves by k
+        bits = np.take(_BF16, blocks)
+        shifted = bits + (k << 7).astype(np.uint16)[:, None]  # wraps modulo 2^16 for k < 0: still exact
+        np.frombuffer(out, np.uint16)[:] = np.where((blocks & 0x7F) != 0, shifted, bits).reshape(-1)[:count]
+        return
+    values = (np.take(TABLE, blocks) * np.ldexp(np.float32(1.0), k).astype(np.float32)[:, None]).reshape(-1)[:count]
     _write_from_float32(np.ascontiguousarray(values), code, out)
 
 
@@ -156,11 +180,12 @@ def dequantize_into(payload: memoryview, out: memoryview, dtype: str | None = No
     if payload.nbytes != stored_bytes(count, group):
         raise ValueError(f"fp8 payload of {payload.nbytes} bytes, its header says {stored_bytes(count, group)}")
     groups = -(-count // group)
-    scales = np.frombuffer(payload, np.float32, groups, _HEAD.size)
-    if not (np.isfinite(scales).all() and (scales > 0).all()):
-        raise ValueError("fp8 payload with a non-finite or non-positive scale")
-    codes = np.frombuffer(payload, np.uint8, count, _HEAD.size + 4 * groups)
+    scales = np.frombuffer(payload, np.uint8, groups, _HEAD.size)
+    if groups and scales.max() > 2 * _BIAS:
+        raise ValueError("fp8 payload with a scale byte over 254")
+    codes = np.frombuffer(payload, np.uint8, count, _HEAD.size + groups)
     _dequantize(codes, scales, group, code, out)
 
 
 _LUT = _code_lut()
+_BF16 = (TABLE.view(np.uint32) >> 16).astype(np.uint16)  # exact: E4M3 values are bfloat16 values

@@ -260,3 +260,6 @@ def test_kvtier_bench_codec_json_reports_ratio_speeds_and_a_bit_exact_store_pass
     assert lossless["ratio"] > 1.05 and lossless["encode_gbps"] > 0 and lossless["decode_gbps"] > 0
     assert report["through_store"]["bit_exact"] and report["through_store"]["ratio"] > 1.05
     assert report["kv_source"].startswith("synthetic")
+    lossy = report["fp8"]
+    assert lossy["stored_fraction"] <= 0.55 and 0 < lossy["mean_abs_error"] < 0.05 * lossy["mean_abs_value"]
+    assert lossy["encode_gbps"] > 0 and lossy["decode_gbps"] > 0 and "greedy" not in lossy  # synthetic: no model

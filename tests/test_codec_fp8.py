@@ -1,5 +1,5 @@
 """Per-tier ``codec: fp8`` (lossy, opt-in): E4M3 codes equal to torch's own ``float8_e4m3fn``
-cast, stored bytes at most 0.55 x raw for 16-bit KV, the error within E4M3's bound, the entry's
+cast, a bfloat16 decode exactly the float32 product rounded, stored bytes at most 0.55 x raw for 16-bit KV, the error within E4M3's bound, the entry's
 checksum over the dequantized bytes, the codec in the key namespace (an engine without it never
 reads a lossy entry), exact storage where fp8 cannot apply, and every forged fp8 payload a
 counted miss. The connector's keys: tests/integration/test_namespace.py."""
@@ -76,10 +76,11 @@ def test_a_round_trip_through_a_real_fs_tier_is_within_e4m3s_bound(tmp_path, dty
     ref = _as_float(kv) if dtype == "bfloat16" else kv.astype(np.float32)
     blocks = np.pad(ref, (0, -ref.size % fp8.GROUP)).reshape(-1, fp8.GROUP)
     amax = np.repeat(np.abs(blocks).max(axis=1), fp8.GROUP)[: ref.size]
-    # half an E4M3 step (2^-4 relative), the subnormal floor, and the output dtype's own rounding
-    bound = np.maximum(np.abs(ref) * 2.0 ** -4, amax / 448 * 2.0 ** -10) * (1 + 2.0 ** -6) + np.abs(ref) * 2.0 ** -8
+    # half an E4M3 step (2^-4 relative); below the group's smallest normal (2^k x 2^-6, with
+    # 2^k < amax / 224), half the subnormal step 2^k x 2^-9; and the output dtype's own rounding
+    bound = np.maximum(np.abs(ref) * 2.0 ** -4, amax / 224 * 2.0 ** -10) * (1 + 2.0 ** -6) + np.abs(ref) * 2.0 ** -8
     assert (np.abs(got - ref) <= bound).all()
-    assert np.abs(got - ref).mean() < 0.02 * np.abs(ref).mean()
+    assert np.abs(got - ref).mean() < 0.03 * np.abs(ref).mean()  # E4M3 rounds by ~2% of a value on average
 
 
 def test_the_checksum_covers_what_a_reader_gets_and_one_flipped_code_is_a_miss(tmp_path):
@@ -117,7 +118,22 @@ def _payload() -> tuple[bytes, int]:
     return payload, kv.nbytes
 
 
-@pytest.mark.parametrize("kind", ["version", "count", "dtype", "truncated", "nan scale", "zero scale", "group"])
+def test_the_exponent_shift_decode_equals_the_rounded_float32_product():
+    """bfloat16 is decoded by adding each group's exponent to a table's bits: the same bits as
+    E4M3 value x 2^k in float32 rounded to bfloat16, over groups spread across 60 binades."""
+    rng = np.random.default_rng(4)
+    x = (rng.normal(0, 1, 1 << 16) * np.repeat(2.0 ** rng.integers(-30, 30, (1 << 16) // 32), 32)).astype(np.float32)
+    kv = (x.view(np.uint32) >> 16).astype(np.uint16)
+    payload, dequantized = fp8.quantize(memoryview(kv).cast("B"), "bfloat16")
+    groups = kv.size // fp8.GROUP
+    k = np.frombuffer(payload, np.uint8, groups, 8).astype(np.int32) - 127
+    codes = np.frombuffer(payload, np.uint8, kv.size, 8 + groups).reshape(groups, fp8.GROUP)
+    product = (fp8.TABLE[codes] * np.ldexp(np.float32(1.0), k).astype(np.float32)[:, None]).reshape(-1)
+    assert np.array_equal(np.frombuffer(dequantized, np.uint16), (product.view(np.uint32) >> 16).astype(np.uint16))
+    assert (product.view(np.uint32) & 0xFFFF == 0).all()  # exact: nothing was rounded away
+
+
+@pytest.mark.parametrize("kind", ["version", "count", "dtype", "truncated", "scale byte", "group"])
 def test_a_forged_fp8_payload_never_decodes(kind):
     payload, raw = _payload()
     head = struct.Struct("<BBHI")
@@ -131,10 +147,8 @@ def test_a_forged_fp8_payload_never_decodes(kind):
         head.pack_into(body, 0, version, 11, group, count)  # float32 source: twice the bytes
     elif kind == "truncated":
         body = body[:-1]
-    elif kind == "nan scale":
-        struct.pack_into("<f", body, head.size, float("nan"))
-    elif kind == "zero scale":
-        struct.pack_into("<f", body, head.size, 0.0)
+    elif kind == "scale byte":
+        body[head.size] = 255  # not an exponent (E8M0's NaN)
     elif kind == "group":
         head.pack_into(body, 0, version, code, 0, count)
     out = bytearray(raw + 64)
