@@ -14,9 +14,9 @@ length (already bounded by the reader's ``max_length`` and equal to shape x item
 own declared size must equal it before a byte is decoded, so a forged entry can neither
 allocate nor write more. Any failure is CorruptEntry (a counted miss upstream).
 
-``fp8`` (``FP8``, lossy, opt-in): bf16/fp16/float32 KV quantized to E4M3 with one float32
-scale per 128 elements (``kvtier.fp8``): 0.516 x the bytes of 16-bit KV. An fp8 entry is a
-different KV, so a store with an fp8 tier says so in its key namespace
+``fp8`` (``FP8``, lossy, opt-in): bf16/fp16/float32 KV quantized to E4M3 with one power-of-two
+scale per 32 elements (``kvtier.fp8``, the MXFP8 layout): 0.516 x the bytes of 16-bit KV. An
+fp8 entry is a different KV, so a store with an fp8 tier says so in its key namespace
 (``StoreConfig.lossy_codec``; the connector folds it in), and an engine configured without it
 never reads a lossy entry. The entry's checksum covers the dequantized bytes (what a reader
 gets). Other dtypes, non-finite values and payloads under 4 KiB are stored raw. ``auto`` never

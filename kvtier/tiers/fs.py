@@ -91,8 +91,8 @@ class FsConfig:
     given to created files and directories (None: the process's default). ``codec``: ``none``
     (default), ``lossless`` (``kvtier.codecs``: entries that shrink are stored coded)
     or ``auto`` (coded only when the break-even rule says it pays on this tier),
-    or ``fp8`` (lossy, opt-in: 16/32-bit float KV as E4M3 with a scale per 128 elements, 0.52 x
-    the bytes; the engine's key namespace records it).
+    or ``fp8`` (lossy, opt-in: 16/32-bit float KV as E4M3 with a power-of-two scale per 32
+    elements, 0.52 x the bytes; the engine's key namespace records it).
     """
 
     path: str

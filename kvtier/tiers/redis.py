@@ -112,8 +112,8 @@ class RedisConfig:
     ``backoff_ms``/``max_backoff_ms``: the circuit breaker's first and longest window.
     ``codec``: ``none`` (default), ``lossless`` (``kvtier.codecs``; entries that shrink are
     stored coded) or ``auto`` (coded only when the break-even rule says it pays on this tier),
-    or ``fp8`` (lossy, opt-in: 16/32-bit float KV as E4M3 with a scale per 128 elements, 0.52 x
-    the bytes; the engine's key namespace records it).
+    or ``fp8`` (lossy, opt-in: 16/32-bit float KV as E4M3 with a power-of-two scale per 32
+    elements, 0.52 x the bytes; the engine's key namespace records it).
     """
 
     url: str = "redis://127.0.0.1:6379/0"

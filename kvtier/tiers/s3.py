@@ -66,8 +66,8 @@ class S3Config(s3client.S3Config):
     ``list_timeout_s``: deadline of one listing (``used_bytes``, eviction, ``keys``).
     ``codec``: ``none`` (default), ``lossless`` (``kvtier.codecs``; entries that shrink are
     stored coded) or ``auto`` (coded only when the break-even rule says it pays on this tier),
-    or ``fp8`` (lossy, opt-in: 16/32-bit float KV as E4M3 with a scale per 128 elements, 0.52 x
-    the bytes; the engine's key namespace records it).
+    or ``fp8`` (lossy, opt-in: 16/32-bit float KV as E4M3 with a power-of-two scale per 32
+    elements, 0.52 x the bytes; the engine's key namespace records it).
     """
 
     bucket: str
