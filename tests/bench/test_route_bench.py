@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from kvtier.bench import route
-from kvtier.harness.procs import ServiceUnavailable
+from kvtier.bench import route, route_report, route_workload
 from kvtier.errors import ConfigError
+from kvtier.harness.procs import ServiceUnavailable
 
 
 def _args(**over) -> argparse.Namespace:
@@ -31,10 +31,10 @@ def _counters(hits: float, queries: float, external: float, requests: list[int])
 
 
 def _run(ttfts_ms: list[float], hits: float, queries: float, external: float, per_engine: list[int],
-         wall_s: float = 10.0) -> route.PolicyRun:
-    results = [route.Result(True, t / 1000, 4) for t in ttfts_ms]
+         wall_s: float = 10.0) -> route_report.PolicyRun:
+    results = [route_workload.Result(True, t / 1000, 4) for t in ttfts_ms]
     zero = _counters(0, 0, 0, [0] * len(per_engine))
-    return route.PolicyRun(results, wall_s, zero, _counters(hits, queries, external, per_engine))
+    return route_report.PolicyRun(results, wall_s, zero, _counters(hits, queries, external, per_engine))
 
 
 def test_rounds_interleave_policies_and_reverse_every_other_round():
@@ -54,7 +54,7 @@ def test_overhead_sends_rotate_so_no_path_always_goes_first():
 def test_a_row_pools_its_rounds():
     runs = [_run([100, 200, 300], hits=60, queries=100, external=20, per_engine=[2, 1]),
             _run([400, 500, 600, 700], hits=30, queries=100, external=10, per_engine=[1, 3], wall_s=30.0)]
-    row = route._row("kvtier-route", 1.0, runs)
+    row = route_report.policy_row("kvtier-route", 1.0, runs)
     assert row["ttft_p50_ms"] == 400.0  # the median of all seven requests, not of the rounds' medians
     assert row["ttft_p50_ms_rounds"] == [200.0, 550.0] and row["rounds"] == 2
     assert row["hit_share"] == pytest.approx((90 + 30) / 200)  # pool hits + connector hits
@@ -65,22 +65,22 @@ def test_a_row_pools_its_rounds():
 
 
 def test_one_round_keeps_the_row_as_before():
-    row = route._row("oracle", 1.0, [_run([100, 300], hits=5, queries=10, external=0, per_engine=[1, 1])])
+    row = route_report.policy_row("oracle", 1.0, [_run([100, 300], hits=5, queries=10, external=0, per_engine=[1, 1])])
     assert "rounds" not in row and "ttft_p50_ms_rounds" not in row
     assert row["ttft_p50_ms"] == 200.0 and row["hit_share"] == 0.5
 
 
 def test_failed_requests_count_but_do_not_enter_the_percentiles():
     run = _run([100, 200], hits=0, queries=10, external=0, per_engine=[1, 1])
-    run.results.append(route.Result(False, error="HTTP 503"))
-    row = route._row("round_robin", 1.0, [run])
+    run.results.append(route_workload.Result(False, error="HTTP 503"))
+    row = route_report.policy_row("round_robin", 1.0, [run])
     assert row["failed"] == 1 and row["ok"] == 2 and row["ttft_p50_ms"] == 150.0
 
 
 def test_a_router_that_will_not_start_gets_an_error_row_and_is_not_tried_again():
     calls = []
 
-    def run_one(r: int, policy: str) -> route.PolicyRun:
+    def run_one(r: int, policy: str) -> route_report.PolicyRun:
         calls.append((r, policy))
         if policy == "kv_aware":
             raise ServiceUnavailable("vllm-router kv_aware exited")
@@ -103,7 +103,7 @@ def test_kvtier_ram_is_a_share_of_the_documents_kv(tmp_path):
     size = route._kvtier_ram(args, str(tmp_path))
     assert size == f"{int(0.5 * 4096 * (128 + 8 * 1500))}B"
     assert route._kvtier_ram(_args(kvtier_ram="64MiB"), str(tmp_path)) == "64MiB"  # no share: the size given
-    assert route.kvtier_ram_bytes(0.001, 4096, 1, 128, 0) == 1 << 20  # never below the smallest tier
+    assert route_workload.kvtier_ram_bytes(0.001, 4096, 1, 128, 0) == 1 << 20  # never below the smallest tier
 
 
 @pytest.mark.parametrize("over, message", [

@@ -88,7 +88,8 @@ def delta(after: list[dict], before: list[dict], key: str) -> list[float]:
 
 def test_kv_aware_routes_reread_to_engine_whose_kvtier_tier_holds_it(tmp_path):
     from kvtier.bench.models import make_random_model
-    from kvtier.bench.route import connector_config, engine_counters, make_tokenizer, start_engines, start_router, stop_all
+    from kvtier.bench.route_engines import connector_config, engine_counters, start_engines, start_router, stop_all
+    from kvtier.bench.route_workload import make_tokenizer
 
     router_bin = vllm_router_binary()
     cores = sorted(os.sched_getaffinity(0))[:2]
