@@ -3,8 +3,8 @@ side in one run, and takes ``--json``.
 
 - One benchmark per module, run as ``kvtier bench NAME`` (``kvtier.cli.bench`` registers them):
   ``tiers`` (with its contestants in ``shared_targets`` and ``server``), ``load``, ``seed``
-  (``seed_*``), ``route`` (``route_*``), ``gpu``, ``serve``; ``offload`` is ``kvtier demo``, whose settings run
-  in ``engine_run`` processes; ``lmcache_mp`` is the LMCache baseline.
+  (``seed_*``), ``route`` (``route_*``), ``gpu``, ``serve``; ``offload`` is ``kvtier demo``,
+  whose settings run in ``engine_run`` processes; ``lmcache_mp`` is the LMCache baseline.
 - ``targets``: the issues' targets, one table, checked by ``evaluate`` (no benchmark holds a
   threshold of its own).
 - ``models``: the random test models; ``delay_proxy``: fault injection; ``timing``: the best-of-N
