@@ -263,3 +263,27 @@ def test_kvtier_bench_codec_json_reports_ratio_speeds_and_a_bit_exact_store_pass
     lossy = report["fp8"]
     assert lossy["stored_fraction"] <= 0.55 and 0 < lossy["mean_abs_error"] < 0.05 * lossy["mean_abs_value"]
     assert lossy["encode_gbps"] > 0 and lossy["decode_gbps"] > 0 and "greedy" not in lossy  # synthetic: no model
+
+
+def test_racing_first_uses_of_an_auto_tier_resolve_one_codec(tmp_path):
+    """A put and a stats read that resolve an ``auto`` tier's codec at once see the same
+    ``AutoChoice`` (before: one could get the bare lossless codec, coding past the rule)."""
+    import threading
+
+    for attempt in range(5):
+        tier = _fs(tmp_path / str(attempt), "auto")
+        barrier = threading.Barrier(8)
+        seen = []
+
+        def resolve():
+            barrier.wait()
+            seen.append(tier.codec)
+
+        threads = [threading.Thread(target=resolve) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len({id(c) for c in seen}) == 1 and seen[0].name == "auto"
+        assert "encode_bps" in tier.codec_state()
+        tier.close()

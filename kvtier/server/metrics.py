@@ -13,8 +13,11 @@ Metric names (all prefixed ``kvtier_``): store counters (``store_hits_total``,
 stats), per tier with a ``tier`` label (counters ``tier_hits_total``, ``tier_misses_total``,
 ``tier_puts_total``, ``tier_deletes_total``, ``tier_bytes_read_total``,
 ``tier_bytes_written_total``, ``tier_corrupt_total``, ``tier_errors_total``,
-``tier_dropped_total``, ``tier_evictions_total``; gauges ``tier_used_bytes``,
-``tier_capacity_bytes``, ``tier_queue_depth``, ``tier_entries``) and the server's own counters
+``tier_dropped_total``, ``tier_evictions_total``, ``tier_coded_total``; gauges
+``tier_used_bytes``, ``tier_capacity_bytes``, ``tier_queue_depth``, ``tier_entries``; the codec:
+``tier_codec_info{codec}`` and, for ``auto``, ``tier_codec_coding``,
+``tier_codec_tier_bytes_per_second``, ``tier_codec_encode_bytes_per_second``,
+``tier_codec_decode_bytes_per_second``, ``tier_codec_ratio``) and the server's own counters
 (``server_connections_total``, ``server_rejected_total``, ``server_malformed_total``,
 ``server_refused_busy_total``, ``server_hello_timeouts_total``, ``server_leases_expired_total``,
 ``server_lease_quota_total``, ``server_put_quota_total``, ...) and gauges
@@ -72,6 +75,7 @@ _TIER_COUNTERS = {
     "errors": "Operations of the tier that failed (I/O, connection, timeout).",
     "dropped": "Writes to the tier dropped because its queue was full.",
     "evictions": "Entries evicted from the tier to make room.",
+    "coded": "Entries the tier's codec stored coded (the rest are stored raw).",
 }
 _TIER_GAUGES = {
     "used_bytes": "Bytes the tier holds now.",
@@ -123,6 +127,7 @@ def families(stats: dict[str, Any]) -> list[Metric]:
                 for tier, value in samples:
                     metric.add_metric([tier], value)
                 out.append(metric)
+    out.extend(_codec_families(tiers))
     for name, value in (stats.get("server") or {}).items():
         if not _numeric(value):
             continue
@@ -130,6 +135,39 @@ def families(stats: dict[str, Any]) -> list[Metric]:
             out.append(GaugeMetricFamily(f"{PREFIX}server_{name}", _SERVER_GAUGES[name], value=value))
         else:
             out.append(CounterMetricFamily(f"{PREFIX}server_{name}", f"Server counter {name}.", value=value))
+    return out
+
+
+# an ``auto`` codec's inputs (``kvtier.codecs.AutoChoice.state``): key -> (metric suffix, help)
+_CODEC_GAUGES = {
+    "coding": ("coding", "1 while the tier's auto codec codes the chunks it stores (the break-even rule pays), else 0."),
+    "tier_bps": ("tier_bytes_per_second", "The tier's bandwidth the auto codec's rule uses (moving average of its reads, "
+                 "else its writes)."),
+    "encode_bps": ("encode_bytes_per_second", "The codec's encode speed on one core, as measured here."),
+    "decode_bps": ("decode_bytes_per_second", "The codec's decode speed on one core, as measured here."),
+    "ratio": ("ratio", "Raw over coded bytes of the chunks the codec coded (moving average)."),
+}
+
+
+def _codec_families(tiers: list[dict]) -> list[Metric]:
+    """``kvtier_tier_codec_info{tier,codec}`` (1) for every tier, and an ``auto`` tier's choice
+    and inputs as ``kvtier_tier_codec_*`` gauges (``tier`` label)."""
+    states = [(str(t.get("name", "")), t["codec"]) for t in tiers if isinstance(t.get("codec"), dict)]
+    if not states:
+        return []
+    info = GaugeMetricFamily(f"{PREFIX}tier_codec_info", "The tier's codec setting (none, lossless, fp8, auto).",
+                             labels=["tier", "codec"])
+    for tier, state in states:
+        info.add_metric([tier, str(state.get("codec", "none"))], 1)
+    out: list[Metric] = [info]
+    for key, (suffix, doc) in _CODEC_GAUGES.items():
+        samples = [(tier, float(state[key])) for tier, state in states
+                   if isinstance(state.get(key), (int, float))]  # bool (coding) included: 0/1
+        if samples:
+            metric = GaugeMetricFamily(f"{PREFIX}tier_codec_{suffix}", doc, labels=["tier"])
+            for tier, value in samples:
+                metric.add_metric([tier], value)
+            out.append(metric)
     return out
 
 

@@ -789,7 +789,8 @@ class TieredStore(KVStore):
         return self._writeback.flush(timeout)
 
     def stats(self) -> dict:
-        """Store counters and, per tier, capacity, usage, queue depth and the tier's own counters.
+        """Store counters and, per tier, capacity, usage, queue depth, the tier's own counters and
+        its codec (``codec``: the setting and, for ``auto``, the choice and its inputs).
 
         The lock is held only to copy the store's own figures; a self-managed tier's usage
         (its ``used_bytes``) is asked afterwards, on this thread."""
@@ -809,6 +810,7 @@ class TieredStore(KVStore):
                 "entries": entries,
                 "queue_depth": depth,
                 **tier.stats.as_dict(),
+                "codec": tier.codec_state(),
             })
         return {**counters, "tiers": tiers}
 

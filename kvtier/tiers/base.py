@@ -63,6 +63,7 @@ class TierStats:
     errors: int = 0
     dropped: int = 0
     evictions: int = 0
+    coded: int = 0  # entries this tier's codec stored coded (lossless or fp8); the rest are raw
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:
@@ -160,6 +161,7 @@ class Tier(ABC):
         self.name = name
         self.stats = TierStats()
         self.auth: EntryAuth | None = None  # set by the store (``set_auth``); None: unauthenticated
+        self._codec_lock = threading.Lock()  # resolves ``codec`` once
 
     def set_auth(self, auth: EntryAuth | None) -> None:
         """Authenticate every entry this tier writes with ``auth`` and accept only entries that
@@ -170,22 +172,29 @@ class Tier(ABC):
     @property
     def codec(self):
         """The ``kvtier.codecs.Codec`` this tier codes its entries with (its config's ``codec``),
-        or None (stored raw). Resolved once."""
+        or None (stored raw). Resolved once, under a lock: a put and a stats read racing to
+        resolve it see the same codec (for ``auto``, the same ``AutoChoice``)."""
         try:
             return self._codec
         except AttributeError:
+            pass
+        with self._codec_lock:
+            try:
+                return self._codec
+            except AttributeError:
+                pass
             name = getattr(getattr(self, "config", None), "codec", "none")
-            self._auto = None
-            if name == "none":
-                self._codec = None
-            else:
+            codec = auto = None
+            if name != "none":
                 from kvtier.codecs import AutoChoice, get_codec
 
-                self._codec = get_codec(name, f"tier {self.name}.codec")
+                codec = get_codec(name, f"tier {self.name}.codec")
                 if name == "auto":
-                    self._auto = AutoChoice(self._codec)
-                    self._codec = _AutoCodec(self._auto)
-            return self._codec
+                    auto = AutoChoice(codec)
+                    codec = _AutoCodec(auto)
+            self._auto = auto
+            self._codec = codec  # last: a reader that sees it sees _auto too
+            return codec
 
     def codec_state(self) -> dict:
         """The tier's codec setting and, for ``auto``, the current choice and its inputs (tier
@@ -359,6 +368,8 @@ class Tier(ABC):
         except ValueError:
             self.stats.add(errors=1, dropped=1)
             return None
+        if codec is not None and sealed[1].nbytes != view.nbytes:
+            self.stats.add(coded=1)
         if isinstance(codec, _AutoCodec):  # the transfer that follows is timed (see _timed_put)
             _PUT_CLOCK.pending = (codec.auto, sealed[1].nbytes)
             _PUT_CLOCK.sealed_at = time.perf_counter()

@@ -120,3 +120,38 @@ def test_serve_metrics_port_taken_is_one_line_exit_2(tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "serve.metrics: cannot bind" in lines[0], proc.stderr
+
+
+def test_tier_codecs_are_in_the_metrics(make_server, tmp_path):
+    """Each tier's codec setting is ``kvtier_tier_codec_info``; an ``auto`` tier's choice and its
+    inputs are gauges; ``kvtier_tier_coded`` counts the entries a codec stored coded."""
+    pytest.importorskip("blosc2")
+    import hashlib
+    import time
+
+    import numpy as np
+
+    tiers = [{"type": "ram", "capacity": "64MiB"},
+             {"type": "fs", "path": str(tmp_path / "fs"), "capacity": "64MiB", "codec": "auto"},
+             {"type": "fs", "name": "cold", "path": str(tmp_path / "cold"), "capacity": "64MiB", "codec": "lossless"}]
+    server = make_server(store={"tiers": tiers, "element_dtype": "bfloat16"})
+    x = np.random.default_rng(0).normal(0, 0.5, 1 << 19).astype(np.float32)
+    kv = (x.view(np.uint32) >> 16).astype(np.uint16)  # bf16-like: lossless shrinks it
+    with ServerStore(server.address) as c:
+        for i in range(3):
+            assert c.put(hashlib.sha256(b"codec-%d" % i).digest(), kv.tobytes())
+    deadline = time.monotonic() + 30
+    while True:  # lower tiers are written behind the put
+        fams, _ = _scrape(server.metrics_address)
+        done = all(_value(fams["kvtier_tier_puts"], tier=t) >= 3 for t in ("fs", "cold"))
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    info = {(s.labels["tier"], s.labels["codec"]) for s in fams["kvtier_tier_codec_info"].samples}
+    assert info == {("ram", "none"), ("fs", "auto"), ("cold", "lossless")}
+    assert fams["kvtier_tier_codec_encode_bytes_per_second"].type == "gauge"
+    assert _value(fams["kvtier_tier_codec_encode_bytes_per_second"], tier="fs") > 0
+    assert _value(fams["kvtier_tier_codec_ratio"], tier="fs") > 1.0
+    assert {s.labels["tier"] for s in fams["kvtier_tier_codec_coding"].samples} == {"fs"}
+    assert _value(fams["kvtier_tier_coded"], tier="cold") == 3
+    assert _value(fams["kvtier_tier_coded"], tier="ram") == 0

@@ -25,7 +25,8 @@ metric also carries vLLM's ``model_name`` and ``engine`` labels):
 - ``vllm:kvtier_background_loads``: requests loaded in the background (``transfer_mode: async``);
 - ``vllm:kvtier_tier_hits{tier}``, ``_tier_misses``, ``_tier_read_bytes``, ``_tier_written_bytes``,
   ``_tier_errors``, ``_tier_corrupt``, ``_tier_dropped`` (writes dropped on a full queue),
-  ``_tier_evictions``: the in-process store's own per-tier counters, read each step (not
+  ``_tier_evictions``, ``_tier_coded`` (entries its codec stored coded): the in-process
+  store's own per-tier counters, read each step (not
   reported with a cache server, which exposes them on its own ``/metrics`` for every engine of
   the node); background writes to lower tiers show at the next step;
 - ``vllm:kvtier_load_seconds``, ``vllm:kvtier_save_seconds``: histograms of the time one step
@@ -72,6 +73,7 @@ TIER_COUNTERS = {
     "corrupt": ("vllm:kvtier_tier_corrupt", "Entries of a kvtier tier that failed their checks (served as misses)."),
     "dropped": ("vllm:kvtier_tier_dropped", "Writes to a kvtier tier dropped because its queue was full."),
     "evictions": ("vllm:kvtier_tier_evictions", "Entries evicted from a kvtier tier."),
+    "coded": ("vllm:kvtier_tier_coded", "Entries a kvtier tier's codec stored coded (the rest are raw)."),
 }
 STORE_TIER_KEYS = tuple(k for k in TIER_COUNTERS if not k.startswith("loaded_"))
 HISTOGRAMS = {
