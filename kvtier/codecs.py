@@ -24,10 +24,13 @@ picks ``fp8``.
 
 ``auto`` (``AutoChoice``): per tier, a chunk is coded only when ``S/E + S/(r B) + S/D < S/B``
 (encode, move the coded bytes, decode, against moving the raw bytes): the document's break-even
-rule applied to bytes, with ``B`` the moving average of the tier's own reads (stored bytes per
-second, decode time excluded; before the first read, of its puts, encode time excluded), ``E``/``D``/``r`` measured on this machine at start (one 1 MiB
-bf16-like sample) and refreshed from real chunks (every coded put, and a probe every
-``PROBE_EVERY`` raw puts). Until the tier has been measured, chunks are stored raw.
+rule applied to bytes, with ``B`` the tier's bandwidth as fitted from its own transfers
+(``LinkFit``: time = latency + bytes / B over its recent reads, decode time excluded; before the
+first read, over its puts, encode time excluded), so a fixed cost per request, paid coded or
+raw, does not count as slowness. ``E``/``D``/``r`` are measured on this machine at start (one 1
+MiB bf16-like sample) and refreshed from real chunks. Every ``PROBE_EVERY`` puts one chunk is
+stored the other way, which keeps the inputs fresh and gives the fit two sizes. Until the tier
+has been measured, chunks are stored raw.
 
 Imports: ``kvtier.errors`` and, lazily, ``blosc2`` and ``kvtier.fp8`` (numpy).
 """
@@ -174,14 +177,60 @@ def _decode_fp8(stored: memoryview, out: memoryview, dtype: str | None) -> None:
 CLOCK = threading.local()  # decode_s: seconds this thread spent decoding (an auto tier's read timing)
 
 
-PROBE_EVERY = 16  # raw puts between two probe encodes of an auto tier (refreshes E, D, r)
-_EWMA = 0.2  # weight of the newest observation in the moving averages
+PROBE_EVERY = 8  # puts between two probes of an auto tier: one chunk stored the other way
+_EWMA = 0.2  # weight of the newest observation in the moving averages of the codec's speeds
+_FIT_EWMA = 0.05  # weight of the newest transfer in a tier's latency/bandwidth fit (~20 transfers)
+
+
+class LinkFit:
+    """The time of one transfer of a tier as ``latency + bytes / bandwidth``, fitted by
+    exponentially weighted least squares over its recent transfers (not thread-safe: the owner
+    locks). A fixed per-request cost (a round trip, a proxy's delay) is paid coded or raw, so
+    only the bandwidth decides whether fewer bytes pay. Until the transfers differ enough in
+    size to tell the two apart, the estimate is bytes over seconds (latency counted as
+    bandwidth: the side that codes)."""
+
+    def __init__(self, alpha: float = _FIT_EWMA):
+        self.alpha = alpha
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def add(self, nbytes: float, seconds: float) -> None:
+        """One transfer of ``nbytes`` that took ``seconds``."""
+        keep = 1.0 - self.alpha if self._w else 0.0
+        self._w = keep * self._w + 1.0
+        self._x = keep * self._x + nbytes
+        self._y = keep * self._y + seconds
+        self._xx = keep * self._xx + nbytes * nbytes
+        self._xy = keep * self._xy + nbytes * seconds
+
+    def estimate(self) -> tuple[float, float, bool] | None:
+        """(bandwidth in bytes/s, latency in s, whether the sizes told them apart), or None
+        before any transfer. A fit whose time does not grow with size is infinite bandwidth."""
+        if not self._w:
+            return None
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        if my <= 0:
+            return None
+        if var <= (0.05 * mx) ** 2:  # one size: bytes over seconds
+            return mx / my, 0.0, False
+        slope = (self._xy / self._w - mx * my) / var
+        if slope <= 0:
+            return float("inf"), my, True
+        latency = my - slope * mx
+        if latency <= 0:  # no fixed cost seen: through the origin
+            return mx / my, 0.0, True
+        return 1.0 / slope, latency, True
 
 
 class AutoChoice:
-    """The break-even rule of one ``auto`` tier (thread-safe). ``observe_put`` feeds the tier's
-    bandwidth; ``encode`` decides per chunk and returns the coded bytes or None (store raw);
-    ``state()`` is the choice and its inputs (for the tier's metrics)."""
+    """The break-even rule of one ``auto`` tier (thread-safe). ``observe_put``/``observe_get``
+    feed the tier's transfer fits (``LinkFit``); ``encode`` decides per chunk and returns the
+    coded bytes or None (store raw); ``state()`` is the choice and its inputs (for metrics).
+
+    Every ``PROBE_EVERY`` puts one chunk goes the other way (coded while the rule says raw, raw
+    while it says coded): it refreshes the codec's speeds and ratio, and gives the fits two
+    sizes to separate the tier's fixed cost per request from its bandwidth."""
 
     def __init__(self, codec: Codec, itemsize: int = 2):
         self.codec = codec
@@ -189,6 +238,8 @@ class AutoChoice:
         self.tier_bps: float | None = None  # what the rule uses: the read bandwidth once known
         self.write_bps: float | None = None
         self.read_bps: float | None = None
+        self.latency_s: float | None = None  # the fitted fixed cost per request of that bandwidth
+        self._reads, self._writes = LinkFit(), LinkFit()
         self.encode_bps, self.decode_bps, self.ratio = _measure(codec, itemsize)
         self.coding = False
         self.coded = 0
@@ -204,13 +255,15 @@ class AutoChoice:
             return 1.0 / self.encode_bps + 1.0 / self.decode_bps + 1.0 / (self.ratio * b) < 1.0 / b
 
     def encode(self, raw: memoryview, itemsize: int) -> bytes | None:
-        """The coded bytes when coding pays (or None: store raw); every ``PROBE_EVERY`` raw
-        chunks one is encoded (and decoded) anyway to refresh ``E``, ``D`` and ``r``."""
+        """The coded bytes when the chunk is to be stored coded (or None: store raw): coded
+        when the rule pays, but for one probe chunk every ``PROBE_EVERY`` puts, which goes the
+        other way. A probe that is coded is also decoded, to refresh ``D``."""
         code = self.pays()
         with self._lock:
             self.coding = code
-            probe = not code and self._since_probe >= PROBE_EVERY
-            self._since_probe = 0 if (code or probe) else self._since_probe + 1
+            probe = self._since_probe >= PROBE_EVERY
+            self._since_probe = 0 if probe else self._since_probe + 1
+        store_coded = code != probe
         if not (code or probe):
             with self._lock:
                 self.raw += 1
@@ -223,7 +276,7 @@ class AutoChoice:
                 self.raw += 1
             return None
         decode_s = None
-        if probe:
+        if probe and store_coded:
             start = time.perf_counter()
             decode_into(self.codec.id, memoryview(coded), memoryview(bytearray(raw.nbytes)), itemsize)
             decode_s = time.perf_counter() - start
@@ -232,19 +285,19 @@ class AutoChoice:
             self.ratio = _avg(self.ratio, raw.nbytes / len(coded))
             if decode_s is not None:
                 self.decode_bps = _avg(self.decode_bps, raw.nbytes / max(decode_s, 1e-9))
-            if code:
+            if store_coded:
                 self.coded += 1
             else:
                 self.raw += 1
-        return coded if code else None
+        return coded if store_coded else None
 
     def observe_put(self, stored_bytes: int, seconds: float) -> None:
         """One put of the tier moved ``stored_bytes`` in ``seconds`` (codec time excluded)."""
         if stored_bytes <= 0 or seconds <= 0:
             return
         with self._lock:
-            self.write_bps = _avg(self.write_bps, stored_bytes / seconds)
-            self.tier_bps = self.read_bps or self.write_bps
+            self._writes.add(stored_bytes, seconds)
+            self._update()
 
     def observe_get(self, stored_bytes: int, seconds: float) -> None:
         """One read of the tier moved ``stored_bytes`` in ``seconds`` (decode time excluded).
@@ -252,14 +305,22 @@ class AutoChoice:
         if stored_bytes <= 0 or seconds <= 0:
             return
         with self._lock:
-            self.read_bps = _avg(self.read_bps, stored_bytes / seconds)
-            self.tier_bps = self.read_bps
+            self._reads.add(stored_bytes, seconds)
+            self._update()
+
+    def _update(self) -> None:
+        """The bandwidths from the fits (lock held)."""
+        reads, writes = self._reads.estimate(), self._writes.estimate()
+        self.read_bps = reads[0] if reads else None
+        self.write_bps = writes[0] if writes else None
+        use = reads or writes
+        self.tier_bps, self.latency_s = (use[0], use[1]) if use else (None, None)
 
     def state(self) -> dict:
-        """The current choice and its inputs (bytes per second; counts of coded/raw puts)."""
+        """The current choice and its inputs (bytes per second, seconds; counts of coded/raw puts)."""
         with self._lock:
-            return {"coding": self.coding, "tier_bps": self.tier_bps, "read_bps": self.read_bps,
-                    "write_bps": self.write_bps, "encode_bps": self.encode_bps,
+            return {"coding": self.coding, "tier_bps": self.tier_bps, "latency_s": self.latency_s,
+                    "read_bps": self.read_bps, "write_bps": self.write_bps, "encode_bps": self.encode_bps,
                     "decode_bps": self.decode_bps, "ratio": self.ratio, "coded_puts": self.coded,
                     "raw_puts": self.raw}
 
