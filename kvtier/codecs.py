@@ -28,8 +28,9 @@ rule applied to bytes, with ``B`` the tier's bandwidth as fitted from its own tr
 (``LinkFit``: time = latency + bytes / B over its recent reads, decode time excluded; before the
 first read, over its puts, encode time excluded), so a fixed cost per request, paid coded or
 raw, does not count as slowness. ``E``/``D``/``r`` are measured on this machine at start (one 1
-MiB bf16-like sample) and refreshed from real chunks. Every ``PROBE_EVERY`` puts one chunk is
-stored the other way, which keeps the inputs fresh and gives the fit two sizes. Until the tier
+MiB bf16-like sample) and refreshed from real chunks. Every ``PROBE_EVERY`` puts (32 while
+coding) one chunk is stored the other way, which keeps the inputs fresh and gives the fit two
+sizes. Until the tier
 has been measured, chunks are stored raw.
 
 Imports: ``kvtier.errors`` and, lazily, ``blosc2`` and ``kvtier.fp8`` (numpy).
@@ -177,9 +178,12 @@ def _decode_fp8(stored: memoryview, out: memoryview, dtype: str | None) -> None:
 CLOCK = threading.local()  # decode_s: seconds this thread spent decoding (an auto tier's read timing)
 
 
-PROBE_EVERY = 8  # puts between two probes of an auto tier: one chunk stored the other way
+# puts between two probes of an auto tier (one chunk stored the other way): often while it stores
+# raw (a coded probe costs a decode), rarely while it codes (a raw probe gives back the saving)
+PROBE_EVERY = 8
+PROBE_EVERY_CODING = 32
 _EWMA = 0.2  # weight of the newest observation in the moving averages of the codec's speeds
-_FIT_EWMA = 0.05  # weight of the newest transfer in a tier's latency/bandwidth fit (~20 transfers)
+_FIT_EWMA = 0.03  # weight of the newest transfer in a tier's latency/bandwidth fit (~30 transfers)
 
 
 class LinkFit:
@@ -228,9 +232,10 @@ class AutoChoice:
     feed the tier's transfer fits (``LinkFit``); ``encode`` decides per chunk and returns the
     coded bytes or None (store raw); ``state()`` is the choice and its inputs (for metrics).
 
-    Every ``PROBE_EVERY`` puts one chunk goes the other way (coded while the rule says raw, raw
-    while it says coded): it refreshes the codec's speeds and ratio, and gives the fits two
-    sizes to separate the tier's fixed cost per request from its bandwidth."""
+    Every ``PROBE_EVERY`` puts (``PROBE_EVERY_CODING`` while coding) one chunk goes the other
+    way (coded while the rule says raw, raw while it says coded): it refreshes the codec's speeds
+    and ratio, and gives the fits two sizes to separate the tier's fixed cost per request from
+    its bandwidth."""
 
     def __init__(self, codec: Codec, itemsize: int = 2):
         self.codec = codec
@@ -256,12 +261,12 @@ class AutoChoice:
 
     def encode(self, raw: memoryview, itemsize: int) -> bytes | None:
         """The coded bytes when the chunk is to be stored coded (or None: store raw): coded
-        when the rule pays, but for one probe chunk every ``PROBE_EVERY`` puts, which goes the
-        other way. A probe that is coded is also decoded, to refresh ``D``."""
+        when the rule pays, but for one probe chunk now and then, which goes the other way. A
+        probe that is coded is also decoded, to refresh ``D``."""
         code = self.pays()
         with self._lock:
             self.coding = code
-            probe = self._since_probe >= PROBE_EVERY
+            probe = self._since_probe >= (PROBE_EVERY_CODING if code else PROBE_EVERY)
             self._since_probe = 0 if probe else self._since_probe + 1
         store_coded = code != probe
         if not (code or probe):

@@ -24,7 +24,8 @@ is a floor, not a quality claim).
 Re-read from a shared tier (``--rates``, Gb/s): a real ``redis-server`` behind the project's
 delay proxy (``kvtier.bench.delay_proxy``: 2 ms per request, responses paced to the rate), a
 ``redis`` tier with each codec (``none``, ``lossless``, ``auto``, ``fp8``); per codec the chunks are
-put, read once (``auto`` learns the tier), put again, then re-read ``--repeat`` times: the best
+put and read ``LEARN_PASSES`` times (``auto`` learns the tier), put again, then re-read
+``--repeat`` times: the best
 re-read time and its ratio to ``none``. This is the tier's own time, not an engine's TTFT.
 """
 
@@ -43,7 +44,7 @@ from kvtier.output import emit_json, print_table
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv", choices=("model", "synthetic"), default="model", help="KV source (model)")
     parser.add_argument("--variant", default="small", help="random test model variant (small)")
-    parser.add_argument("--tokens", type=int, default=1024, help="prompt tokens run through the model (1024)")
+    parser.add_argument("--tokens", type=int, default=4096, help="prompt tokens run through the model (4096: 16 chunks)")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="tokens per stored chunk (256)")
     parser.add_argument("--repeat", type=int, default=3, help="timed passes; the best is kept (3)")
     parser.add_argument("--rates", default="1,10", help="shared-tier link rates in Gb/s for the re-read "
@@ -264,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 PROXY_DELAY_S = 0.002
+LEARN_PASSES = 8  # put-and-read passes before the measured one: ~30 transfers, the auto fit's memory
 
 
 def shared_rereads(chunks: list[np.ndarray], rates_gbps: list[float], repeat: int) -> list[dict]:
@@ -294,7 +296,7 @@ def shared_rereads(chunks: list[np.ndarray], rates_gbps: list[float], repeat: in
                     config = RedisConfig(url=f"redis://127.0.0.1:{proxy.port}/0", prefix=f"bench-{codec}-{gbps}:",
                                          capacity=1 << 30, codec=codec, timeout_s=30.0)
                     with RedisTier(config, name="redis") as tier:
-                        for _ in range(2):  # put, read (auto learns the tier), put again
+                        for _ in range(LEARN_PASSES):  # put, read: auto learns the tier (its fit's memory)
                             for k, c in zip(keys, chunks):
                                 tier.put(k, c, "bfloat16")
                             for k in keys:
