@@ -48,7 +48,10 @@ REFUSED_VARIANTS = {
 }
 SWA_SHAPE = dict(num_hidden_layers=6, sliding_window=1024, local_per_global=5)  # Gemma 3's 5:1, window 1,024
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
-OPTIONAL_SETTINGS = ("example-connector", "lmcache-mp")
+# RAM over a shared-directory tier with each tier codec: what coding the lower tier costs a first
+# pass and gives a re-read from it (fs: the NFS/Lustre case, here on local disk)
+FS_CODEC_SETTINGS = {"kvtier-ram+fs": "none", "kvtier-ram+fs-lossless": "lossless", "kvtier-ram+fs-fp8": "fp8"}
+OPTIONAL_SETTINGS = ("example-connector", "lmcache-mp", *FS_CODEC_SETTINGS)
 PASSES = ("first", "again", "reverse")
 DEFAULT_FRACTIONS = (0.33, 0.67, 1.0, 1.33)
 CONNECTOR = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
@@ -275,6 +278,12 @@ def _settings(names: list[str], fractions: list[float], working_set: int, work: 
         elif name == "kvtier-ram+disk":
             tiers = [{"type": "ram", "capacity": int(0.2 * working_set)},
                      {"type": "disk", "path": str(work / "disk"), "capacity": 2 * working_set + (256 << 20)}]
+            settings.append(Setting(name, _kvtier(tiers, chunk_tokens)))
+        elif name in FS_CODEC_SETTINGS:  # the RAM tier as kvtier-ram+disk's: re-reads come from fs
+            codec = FS_CODEC_SETTINGS[name]
+            tiers = [{"type": "ram", "capacity": int(0.2 * working_set)},
+                     {"type": "fs", "path": str(work / f"fs-{codec}"), "capacity": 2 * working_set + (256 << 20),
+                      "codec": codec}]
             settings.append(Setting(name, _kvtier(tiers, chunk_tokens)))
         elif name == "example-connector":
             settings.append(Setting(name, {"kv_connector": "ExampleConnector", "kv_role": "kv_both",

@@ -243,3 +243,18 @@ def test_demo_variant_swa_json_on_a_real_engine(tmp_path, capsys):
     assert again["hit_tokens"] >= 1408, again
     assert set(first) >= {"kvtier-ram/first", "kvtier-ram/again", "vllm/again"}
     assert all(d["tokens"] == 16 for row in first.values() for d in row["docs"])
+
+
+def test_fs_codec_settings_put_ram_over_an_fs_tier_with_each_codec(tmp_path):
+    from kvtier.integrations.vllm.config import ConnectorConfig
+
+    names = list(offload.FS_CODEC_SETTINGS)
+    settings = offload._settings(names, [], 10 << 20, tmp_path, None)
+    assert [s.name for s in settings] == names
+    for setting in settings:
+        extra = setting.kv_transfer_config["kv_connector_extra_config"]
+        ram, fs = extra["tiers"]
+        assert ram["type"] == "ram" and fs["type"] == "fs" and fs["codec"] == offload.FS_CODEC_SETTINGS[setting.name]
+        assert ConnectorConfig.from_extra_config(extra).store.tiers[1].config.codec == fs["codec"]  # a valid config
+    with pytest.raises(ConfigError, match="kvtier-ram\\+fs-lossless"):  # the valid choices, in one line
+        offload._parse_settings("vllm,kvtier-ram+fs-zip")
