@@ -128,7 +128,7 @@ def get_codec(name: str, where: str = "codec") -> Codec | None:
         try:
             _lib()
         except ConfigError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
+            raise ConfigError(f"{where}: {exc}") from exc
         return LOSSLESS
     raise ConfigError(f"{where}: unknown codec {name!r}; valid: {', '.join(CODEC_NAMES)}")
 
@@ -145,19 +145,19 @@ def decode_into(codec_id: int, stored: memoryview, out: memoryview, itemsize: in
         raise CorruptEntry(f"entry of unknown codec id {codec_id}")
     try:
         lib = _lib()
-    except ConfigError:
-        raise CorruptEntry("lossless entry, but blosc2 is not installed here") from None
+    except ConfigError as exc:
+        raise CorruptEntry("lossless entry, but blosc2 is not installed here") from exc
     try:
         declared, cbytes, _ = lib.get_cbuffer_sizes(stored)
     except Exception as exc:  # a header blosc2 cannot parse
-        raise CorruptEntry(f"codec frame does not parse ({type(exc).__name__})") from None
+        raise CorruptEntry(f"codec frame does not parse ({type(exc).__name__})") from exc
     if declared != out.nbytes or cbytes != stored.nbytes:
         raise CorruptEntry(f"codec frame declares {declared} bytes, the entry {out.nbytes}")
     start = time.perf_counter()
     try:
         lib.decompress2(stored, dst=out, nthreads=1)
     except Exception as exc:  # blosc2 raises ValueError/RuntimeError for bad streams
-        raise CorruptEntry(f"codec stream does not decode ({type(exc).__name__})") from None
+        raise CorruptEntry(f"codec stream does not decode ({type(exc).__name__})") from exc
     finally:
         CLOCK.decode_s = getattr(CLOCK, "decode_s", 0.0) + time.perf_counter() - start
 
@@ -170,7 +170,7 @@ def _decode_fp8(stored: memoryview, out: memoryview, dtype: str | None) -> None:
     try:
         fp8.dequantize_into(stored, out, dtype)
     except ValueError as exc:
-        raise CorruptEntry(f"fp8 entry does not decode: {exc}") from None
+        raise CorruptEntry(f"fp8 entry does not decode: {exc}") from exc
     finally:
         CLOCK.decode_s = getattr(CLOCK, "decode_s", 0.0) + time.perf_counter() - start
 

@@ -281,7 +281,7 @@ def build(cls: type[T], mapping: Mapping[str, Any] | None, where: str = "") -> T
     try:
         config = cls(**values)
     except TypeError as exc:  # a required field is missing
-        raise ConfigError(f"{label}: {exc}") from None
+        raise ConfigError(f"{label}: {exc}") from exc
     validate(config, label)
     return config
 
@@ -343,15 +343,15 @@ def _coerce(hint: Any, value: Any, what: str, hidden: bool = False) -> Any:
             raise ConfigError(f"{what}: expected an integer, got {got}")
         try:
             return int(value)
-        except ValueError:  # not a number, or more digits than int() reads
-            raise ConfigError(f"{what}: expected an integer, got {got}") from None
+        except ValueError as exc:  # not a number, or more digits than int() reads
+            raise ConfigError(f"{what}: expected an integer, got {got}") from exc
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ConfigError(f"{what}: expected a number, got {got}")
         try:
             number = float(value)
-        except (ValueError, OverflowError):  # an int too large for a float overflows
-            raise ConfigError(f"{what}: expected a finite number, got {got}") from None
+        except (ValueError, OverflowError) as exc:  # an int too large for a float overflows
+            raise ConfigError(f"{what}: expected a finite number, got {got}") from exc
         if not math.isfinite(number):
             raise ConfigError(f"{what}: expected a finite number, got {got}")
         return number
@@ -399,13 +399,13 @@ def load_mapping(path: str, where: str | None = None) -> dict:
         with open(path, "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
-        raise ConfigError(f"{label}: cannot read config file ({exc.strerror or exc})") from None
+        raise ConfigError(f"{label}: cannot read config file ({exc.strerror or exc})") from exc
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{label}: config file is larger than {MAX_CONFIG_BYTES} bytes (1 MiB)")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{label}: config file is not UTF-8 text (byte {exc.start})") from None
+        raise ConfigError(f"{label}: config file is not UTF-8 text (byte {exc.start})") from exc
     data = parse_yaml(text, label)
     if data is None:
         return {}
@@ -429,11 +429,12 @@ def parse_yaml(text: str, where: str) -> Any:
         return loader.construct_document(node)
     except yaml.YAMLError as exc:
         first = (str(exc).splitlines() or ["parse error"])[0]
+        # from None: the parser's own message quotes the file's text, which may hold a secret
         raise ConfigError(f"{where}: not valid YAML/JSON ({show_text(first)})") from None
     except (ValueError, OverflowError) as exc:  # e.g. an integer of more digits than int() reads
-        raise ConfigError(f"{where}: a value cannot be read ({show_text(str(exc))})") from None
-    except RecursionError:
-        raise ConfigError(f"{where}: nested too deeply (at most {MAX_CONFIG_DEPTH} levels)") from None
+        raise ConfigError(f"{where}: a value cannot be read ({show_text(str(exc))})") from exc
+    except RecursionError as exc:
+        raise ConfigError(f"{where}: nested too deeply (at most {MAX_CONFIG_DEPTH} levels)") from exc
     finally:
         loader.dispose()
 

@@ -432,7 +432,7 @@ def load_auth_secret(file: str | None, env: str | None, where: str) -> bytes | N
         try:
             fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
-            raise ConfigError(f"{where}.auth_key_file: cannot open it ({exc.strerror})") from None
+            raise ConfigError(f"{where}.auth_key_file: cannot open it ({exc.strerror})") from exc
         try:
             st = os.fstat(fd)
             if not stat_mod.S_ISREG(st.st_mode):

@@ -219,8 +219,8 @@ def resolve_group(group: object) -> int:
         return gid
     try:
         return grp.getgrnam(group).gr_gid
-    except KeyError:
-        raise ValueError(f"no group named {group!r} on this machine"[:200]) from None
+    except KeyError as exc:
+        raise ValueError(f"no group named {group!r} on this machine"[:200]) from exc
 
 
 def untrusted_dir(st: os.stat_result, who: str = "process") -> str | None:

@@ -126,7 +126,7 @@ def config_digest(config: str | Path | dict) -> str:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"{path}: cannot read model config ({exc})") from None
+            raise ConfigError(f"{path}: cannot read model config ({exc})") from exc
     blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
 
@@ -280,7 +280,7 @@ def weights_digest(model_dir: str | Path) -> str:
             with open(path, "rb") as f:
                 _sample_file(f.fileno(), os.fstat(f.fileno()).st_size, h, safetensors=path.suffix == ".safetensors")
         except OSError as exc:
-            raise ConfigError(f"{path}: cannot read model weights ({exc.strerror})") from None
+            raise ConfigError(f"{path}: cannot read model weights ({exc.strerror})") from exc
     return h.hexdigest()
 
 

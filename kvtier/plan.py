@@ -48,9 +48,9 @@ def parse_tokens(text: str | int, what: str = "--tokens") -> int:
         number, factor = (raw[:-1], factors[raw[-1]]) if raw[-1:] in factors else (raw, 1)
         try:
             value = int(float(number) * factor) if factor != 1 else int(number)
-        except ValueError:
+        except ValueError as exc:
             raise ConfigError(f"{what}: cannot read {text!r} as a token count (e.g. 4096, 128k = 128,000, "
-                              "128K = 131,072)") from None
+                              "128K = 131,072)") from exc
     if value <= 0:
         raise ConfigError(f"{what}: must be positive, got {text!r}")
     return value
@@ -208,9 +208,9 @@ def load_model_config(path: str) -> dict:
         with open(file, encoding="utf-8") as f:
             data = json.load(f)
     except OSError as exc:
-        raise ConfigError(f"{file}: cannot read model config ({exc.strerror})") from None
+        raise ConfigError(f"{file}: cannot read model config ({exc.strerror})") from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{file}: not a JSON model config ({exc})".splitlines()[0]) from None
+        raise ConfigError(f"{file}: not a JSON model config ({exc})".splitlines()[0]) from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{file}: expected a JSON object")
     return data
@@ -579,7 +579,7 @@ def checkpoint_bytes(path: str) -> int:
         names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
         total = sum(os.path.getsize(os.path.join(folder, n)) for n in names)
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot list the model directory ({exc.strerror})") from None
+        raise ConfigError(f"{path}: cannot list the model directory ({exc.strerror})") from exc
     if not names:
         raise ConfigError(f"{folder}: no *.safetensors files; give --model-size instead (e.g. 140GB)")
     return total

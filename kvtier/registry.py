@@ -45,5 +45,5 @@ class Registry(Generic[T]):
             module = importlib.import_module(module_name)
         except ImportError as exc:
             hint = f"; {entry.install_hint}" if entry.install_hint else ""
-            raise ConfigError(f"{self.kind} {name!r} needs a missing package ({exc.name}){hint}") from None
+            raise ConfigError(f"{self.kind} {name!r} needs a missing package ({exc.name}){hint}") from exc
         return getattr(module, attr)

@@ -89,9 +89,9 @@ def read_trace(path: str) -> Trace:
                         raise ConfigError(f"{path}:{lineno}: size {fields[1]!r} is not a positive integer")
                     sizes.append(int(fields[1]))
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read trace ({exc.strerror})") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not a text trace file") from None
+        raise ConfigError(f"{path}: cannot read trace ({exc.strerror})") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a text trace file") from exc
     if not keys:
         raise ConfigError(f"{path}: trace has no requests")
     return Trace(keys, sizes if sized else None)

@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
             chunks = model_kv(args.variant, args.tokens, args.chunk_tokens)
             source = f"random Qwen2 '{args.variant}' via transformers, {args.tokens} tokens"
         except ImportError as exc:
-            raise ConfigError(f"--kv model needs torch and transformers ({exc.name}); valid: --kv synthetic") from None
+            raise ConfigError(f"--kv model needs torch and transformers ({exc.name}); valid: --kv synthetic") from exc
     else:
         chunks = synthetic_kv()
         source = "synthetic (bf16-rounded normal values)"

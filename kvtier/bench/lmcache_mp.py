@@ -37,8 +37,8 @@ def check_python(python: str | None) -> str:
     try:
         probe = run_child([python, "-c", "import lmcache, lmcache.integration.vllm, vllm"], timeout=300,
                           env=dict(os.environ, LMCACHE_DISABLE_BANNER="1"), name="lmcache import check")
-    except subprocess.TimeoutExpired:
-        raise ConfigError(f"--lmcache-python {python}: importing lmcache and vllm took over 300 s") from None
+    except subprocess.TimeoutExpired as exc:
+        raise ConfigError(f"--lmcache-python {python}: importing lmcache and vllm took over 300 s") from exc
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["exit status %d" % probe.returncode])[-1]
         raise ConfigError(f"--lmcache-python {python}: cannot import lmcache and vllm ({last})")

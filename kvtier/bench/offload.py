@@ -112,8 +112,8 @@ def run(args: argparse.Namespace) -> int:
         args.lmcache_python = check_python(getattr(args, "lmcache_python", None))
     try:
         fractions = [float(x) for x in args.capacity_fractions.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"--capacity-fractions: expected numbers like 0.33,0.67, got {args.capacity_fractions!r}") from None
+    except ValueError as exc:
+        raise ConfigError(f"--capacity-fractions: expected numbers like 0.33,0.67, got {args.capacity_fractions!r}") from exc
     if args.docs < 1 or args.tokens < 256:
         raise ConfigError("--docs must be >= 1 and --tokens >= 256")
     if args.pool_tokens // 128 - 1 < -(-(args.tokens + 64) // 128):  # vLLM keeps one block back

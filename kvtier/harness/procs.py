@@ -506,7 +506,7 @@ def spawn(
     try:
         popen = _on_forking_thread(fork)
     except FileNotFoundError as exc:
-        raise BinaryMissing(f"{name}: {argv[0]} not found ({exc.strerror})") from None
+        raise BinaryMissing(f"{name}: {argv[0]} not found ({exc.strerror})") from exc
     child = Child(popen, name, tag, start_ticks(popen.pid) or 0, log_path, offset)
     me = os.getpid()
     record = Record(popen.pid, child.start, tag, me, start_ticks(me) or 0, boot_id(), name)

@@ -123,7 +123,7 @@ def pull(uri: str, cache_dir: str, concurrency: int = 16, block_size: int = 16 *
         lock_fd = os.open(dest.rstrip("/") + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as exc:  # a cache dir that is a file, not writable, a name too long...
         raise LoaderError(f"{uri}: cannot create the cache directory {dest[:300]} ({exc.strerror}); "
-                          "choose another --cache-dir") from None
+                          "choose another --cache-dir") from exc
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)  # held by one downloader per node; others wait here
         if is_complete(dest):
@@ -265,7 +265,7 @@ def _write_json(dest: str, name: str, value: dict) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(dest, name))
     except OSError as exc:
-        raise LoaderError(f"cannot write {os.path.join(dest, name)} ({exc.strerror})") from None
+        raise LoaderError(f"cannot write {os.path.join(dest, name)} ({exc.strerror})") from exc
 
 
 def _read_progress(dest: str) -> dict[str, str | None]:
@@ -290,7 +290,7 @@ def _parent_dirs(uri: str, dest: str, name: str, path: str) -> None:
         except FileExistsError:
             pass
         except OSError as exc:
-            raise LoaderError(f"{uri}: cannot create {cur} ({exc.strerror})") from None
+            raise LoaderError(f"{uri}: cannot create {cur} ({exc.strerror})") from exc
         if not stat.S_ISDIR(os.lstat(cur).st_mode):
             raise LoaderError(f"{uri}: refusing object name {name!r}: {cur} is not a real directory, so the path "
                               "resolves outside the cache directory")
@@ -355,7 +355,7 @@ def _download(src, path: str, size: int, block_size: int, concurrency: int, vers
     try:  # O_NONBLOCK: a FIFO raced in after the discard fails the open instead of blocking it
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as exc:
-        raise LoaderError(f"{src.uri}: cannot write {partial} ({exc.strerror})") from None
+        raise LoaderError(f"{src.uri}: cannot write {partial} ({exc.strerror})") from exc
     jlock = threading.Lock()
     local = threading.local()
     stop = threading.Event()
@@ -390,7 +390,7 @@ def _download(src, path: str, size: int, block_size: int, concurrency: int, vers
             _run_blocks(one, (b for b in range(nblocks) if b not in done), concurrency, stop, on_bytes, counter)
         os.fsync(fd)
     except OSError as exc:
-        raise LoaderError(f"{src.uri}: cannot write {partial} ({exc.strerror})") from None
+        raise LoaderError(f"{src.uri}: cannot write {partial} ({exc.strerror})") from exc
     finally:
         os.close(fd)
     if _regular_size(partial) != size:
@@ -399,7 +399,7 @@ def _download(src, path: str, size: int, block_size: int, concurrency: int, vers
         os.replace(partial, path)
         os.unlink(journal)
     except OSError as exc:
-        raise LoaderError(f"{src.uri}: cannot move {partial} into place ({exc.strerror})") from None
+        raise LoaderError(f"{src.uri}: cannot move {partial} into place ({exc.strerror})") from exc
 
 
 def _run_blocks(one, blocks, concurrency: int, stop: threading.Event, on_bytes, counter: list[int]) -> None:

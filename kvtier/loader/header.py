@@ -118,7 +118,7 @@ def _decode(raw: bytes, label: str) -> dict:
     try:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_object)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise LoaderError(f"{label}: header is not valid JSON ({_one_line(exc)})") from None
+        raise LoaderError(f"{label}: header is not valid JSON ({_one_line(exc)})") from exc
     if not isinstance(doc, dict):
         raise LoaderError(f"{label}: header is not a JSON object")
     if isinstance(doc, _Object) and doc.duplicate is not None:
@@ -255,7 +255,7 @@ def read_file_header(path: str | os.PathLike) -> Header:
             size = os.fstat(f.fileno()).st_size
             return parse_header(lambda off, n: os.pread(f.fileno(), n, off), size, label)
     except OSError as exc:
-        raise LoaderError(f"{label}: cannot read ({exc.strerror})") from None
+        raise LoaderError(f"{label}: cannot read ({exc.strerror})") from exc
 
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -267,7 +267,7 @@ def index_files(index_text: str, label: str) -> list[str]:
     try:
         doc = json.loads(index_text)
     except (ValueError, RecursionError) as exc:
-        raise LoaderError(f"{label}: index is not valid JSON ({_one_line(exc)})") from None
+        raise LoaderError(f"{label}: index is not valid JSON ({_one_line(exc)})") from exc
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise LoaderError(f"{label}: index has no weight_map of tensor name -> file name")

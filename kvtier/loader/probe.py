@@ -35,7 +35,7 @@ def probe(path: str, block_size: int, concurrency: int, max_bytes: int | None = 
     try:
         fd = os.open(path, flags)
     except OSError as exc:
-        raise LoaderError(f"{path}: cannot open for probing ({exc.strerror})") from None
+        raise LoaderError(f"{path}: cannot open for probing ({exc.strerror})") from exc
     try:
         size = os.fstat(fd).st_size
         total = min(size, max_bytes) if max_bytes else size
@@ -56,7 +56,7 @@ def probe(path: str, block_size: int, concurrency: int, max_bytes: int | None = 
             got = sum(pool.map(one, offsets))
         secs = time.perf_counter() - start
     except OSError as exc:
-        raise LoaderError(f"{path}: read failed while probing ({exc.strerror})") from None
+        raise LoaderError(f"{path}: read failed while probing ({exc.strerror})") from exc
     finally:
         os.close(fd)
     return ProbeResult(block_size, concurrency, got / secs / 1e9 if secs else 0.0, got, secs)

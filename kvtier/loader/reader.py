@@ -371,7 +371,7 @@ class StreamReader:
                     yield t.name, tensor
             if error is not None:
                 if isinstance(error, LoaderError):
-                    raise LoaderError(str(error)) from None
+                    raise LoaderError(str(error)) from error
                 raise LoaderError(f"read failed: {type(error).__name__}: {error}") from error
         finally:
             abort.set()

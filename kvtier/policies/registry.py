@@ -32,4 +32,4 @@ def make_policy(name: str, capacity_hint: int | None = None, **options: Any) -> 
     try:
         return cls(capacity_hint=capacity_hint, **options)
     except TypeError as exc:
-        raise ConfigError(f"policy {name!r}: bad option ({exc})") from None
+        raise ConfigError(f"policy {name!r}: bad option ({exc})") from exc

@@ -70,7 +70,7 @@ class TokenIds:
                 ids = _IDS.decode(piece)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 message = _first_line(exc).split(" - at ")[0]
-                raise BadRequest(f"request body: {message} - in `$.prompt` (after {total} token ids)") from None
+                raise BadRequest(f"request body: {message} - in `$.prompt` (after {total} token ids)") from exc
             if len(head) < keep:
                 head.extend(ids[:keep - len(head)])
             total += len(ids)
@@ -87,7 +87,7 @@ def _decode_prompt(raw: bytes) -> Any:
     except msgspec.ValidationError as exc:
         message = _first_line(exc)
         message = message.replace("`$", "`$.prompt") if "`$" in message else message + " - at `$.prompt`"
-        raise BadRequest(f"request body: {message}") from None
+        raise BadRequest(f"request body: {message}") from exc
     if isinstance(prompt, list) and prompt and len({type(p) for p in prompt}) > 1:
         raise BadRequest(f"request body: prompt must be {_PROMPT_KINDS}, not a mix - at `$.prompt`")
     return prompt
@@ -108,11 +108,11 @@ def parse_body(raw: bytes, chat: bool) -> dict[str, Any]:
     try:
         parsed = _DECODERS[chat].decode(raw)
     except msgspec.ValidationError as exc:
-        raise BadRequest(f"request body: {_first_line(exc)}") from None
+        raise BadRequest(f"request body: {_first_line(exc)}") from exc
     except msgspec.DecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {_first_line(exc)}") from None
-    except RecursionError:
-        raise BadRequest("request body is nested too deeply") from None
+        raise BadRequest(f"request body is not valid JSON: {_first_line(exc)}") from exc
+    except RecursionError as exc:
+        raise BadRequest("request body is nested too deeply") from exc
     if chat:
         return {} if parsed.messages is None else {"messages": parsed.messages}
     out: dict[str, Any] = {"add_special_tokens": parsed.add_special_tokens}

@@ -75,7 +75,7 @@ class EngineSpec:
             parts = urlsplit(self.url)
             parts.port  # noqa: B018  (raises on a bad port)
         except ValueError as exc:
-            raise ConfigError(f"route: engine URL {redact_url(self.url)!r} does not parse: {exc}") from None
+            raise ConfigError(f"route: engine URL {redact_url(self.url)!r} does not parse: {exc}") from exc
         if not parts.hostname:
             raise ConfigError(f"route: engine URL {redact_url(self.url)!r} has no host")
         if "@" in parts.path + parts.query + parts.fragment:  # credentials with an unescaped / ? or #

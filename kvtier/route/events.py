@@ -61,7 +61,7 @@ def decode_batch(payload: bytes) -> list[tuple[str, dict[str, Any]]]:
     try:
         batch = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
-        raise ValueError(f"not msgpack: {exc}") from None
+        raise ValueError(f"not msgpack: {exc}") from exc
     if not isinstance(batch, (list, tuple)) or len(batch) < 2 or not isinstance(batch[1], list):
         raise ValueError("not a KVEventBatch")
     return [e for e in (_as_event(r) for r in batch[1]) if e is not None]

@@ -443,9 +443,9 @@ class Router:
                     if len(buf) > cfg.max_body_bytes:
                         self.count_close("body_too_large")
                         raise _Refused(413, f"request body is over the limit of {cfg.max_body_bytes} bytes")
-        except TimeoutError:
+        except TimeoutError as exc:
             self.count_close("body_timeout")
-            raise _Refused(408, f"request body did not arrive within {cfg.body_timeout_s:g} s") from None
+            raise _Refused(408, f"request body did not arrive within {cfg.body_timeout_s:g} s") from exc
 
     async def _relay(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
         try:

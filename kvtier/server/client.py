@@ -670,7 +670,7 @@ def _map_file(path: str, size: int, owners: set | frozenset, writable: bool) -> 
         raise  # a server that went away meanwhile: transient, retried later
     except OSError as exc:
         raise UntrustedServer(f"kvtier: cannot open the server's shared-memory file {path}: "
-                              f"{exc.strerror or exc}; not mapping it") from None
+                              f"{exc.strerror or exc}; not mapping it") from exc
     try:
         st = os.fstat(fd)
         problem = None

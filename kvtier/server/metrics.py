@@ -380,8 +380,8 @@ class _DeadlineSocket(io.RawIOBase):
         self._arm()
         try:
             n = self._sock.recv_into(buffer, min(len(buffer), MAX_REQUEST_BYTES - self._read))
-        except socket.timeout:
-            raise _DeadlineExceeded("metrics request deadline") from None
+        except socket.timeout as exc:
+            raise _DeadlineExceeded("metrics request deadline") from exc
         self._read += n
         return n
 
@@ -389,8 +389,8 @@ class _DeadlineSocket(io.RawIOBase):
         self._arm()
         try:
             self._sock.sendall(data)
-        except socket.timeout:
-            raise _DeadlineExceeded("metrics request deadline") from None
+        except socket.timeout as exc:
+            raise _DeadlineExceeded("metrics request deadline") from exc
         return len(data)
 
 

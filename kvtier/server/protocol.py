@@ -153,7 +153,7 @@ def recv(sock: socket.socket, max_frame: int = MAX_FRAME, deadline: float | None
     try:
         message = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises several types for garbage
-        raise ProtocolError(MALFORMED, f"frame is not msgpack ({type(exc).__name__})") from None
+        raise ProtocolError(MALFORMED, f"frame is not msgpack ({type(exc).__name__})") from exc
     if not isinstance(message, dict):
         raise ProtocolError(MALFORMED, "a message must be a msgpack map")
     return message

@@ -272,7 +272,7 @@ class CacheServer:
             try:
                 self._server = _UnixServer(where, handler, self._admit, backlog)
             except OSError as exc:
-                raise ServeError(f"serve.listen: cannot bind {where}: {exc.strerror or exc}") from None
+                raise ServeError(f"serve.listen: cannot bind {where}: {exc.strerror or exc}") from exc
             finally:
                 os.umask(old)
             st = os.lstat(where)
@@ -281,7 +281,7 @@ class CacheServer:
             try:
                 self._server = _TcpServer(where, handler, self._admit, backlog)
             except OSError as exc:
-                raise ServeError(f"serve.listen: cannot bind {self.config.listen}: {exc.strerror or exc}") from None
+                raise ServeError(f"serve.listen: cannot bind {self.config.listen}: {exc.strerror or exc}") from exc
         t = threading.Thread(target=self._server.serve_forever, name="kvtier-serve", daemon=True)
         t.start()
         self._threads.append(t)
@@ -295,7 +295,7 @@ class CacheServer:
                                               max_connections=self.config.metrics_max_connections,
                                               request_timeout_s=self.config.metrics_request_timeout_s)
             except OSError as exc:
-                raise ServeError(f"serve.metrics: cannot bind {self.config.metrics}: {exc.strerror or exc}") from None
+                raise ServeError(f"serve.metrics: cannot bind {self.config.metrics}: {exc.strerror or exc}") from exc
         self._wait_ready()
         log.info("kvtier serve: listening on %s, arena %d MiB at %s", self.address, self.arena.capacity_bytes >> 20,
                  self.arena_path)
@@ -316,7 +316,7 @@ class CacheServer:
                 break
             except OSError as exc:
                 if time.monotonic() >= deadline:
-                    raise ServeError(f"serve.listen: {self.address} does not accept connections ({exc})") from None
+                    raise ServeError(f"serve.listen: {self.address} does not accept connections ({exc})") from exc
                 time.sleep(0.01)
         if self._metrics is not None:
             host, port = self._metrics.server_address[:2]
@@ -328,7 +328,7 @@ class CacheServer:
                     break
                 except OSError as exc:
                     if time.monotonic() >= deadline:
-                        raise ServeError(f"serve.metrics: {url} does not answer ({exc})") from None
+                        raise ServeError(f"serve.metrics: {url} does not answer ({exc})") from exc
                     time.sleep(0.01)
 
     @property
@@ -612,7 +612,7 @@ def _check_socket_dir(path: str) -> None:
             os.makedirs(parent, mode=0o700)
         except OSError as exc:
             raise ServeError(f"serve.listen: cannot create the socket directory {parent}: "
-                             f"{exc.strerror or exc}") from None
+                             f"{exc.strerror or exc}") from exc
     problem = untrusted_dir(os.stat(parent), "server")  # the rule the disk tier applies too
     if problem:
         raise ServeError(f"serve.listen: the socket directory {parent} {problem}, so another user could bind the "
@@ -640,7 +640,7 @@ def _claim_socket_path(path: str) -> None:
             pass  # nobody listens: a socket left by a killed server
         except OSError as exc:
             raise ServeError(f"serve.listen: cannot check whether a server answers on {path}: "
-                             f"{exc.strerror or exc}") from None
+                             f"{exc.strerror or exc}") from exc
         else:
             pid = _peer_pid(probe)
             raise ServeError(f"serve.listen: a server{f' (pid {pid})' if pid else ''} is already answering on {path}; "
@@ -718,7 +718,7 @@ class _DirectWrite:
             op = P.validate(msg)
         except P.ProtocolError as exc:
             server.count(malformed=1)
-            raise _WriteEnded(P.error(exc.code, str(exc))) from None
+            raise _WriteEnded(P.error(exc.code, str(exc))) from exc
         server.count(requests=1)
         if op in ("commit", "abort") and msg["lease"] == self.lease:
             if op == "abort":

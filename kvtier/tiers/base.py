@@ -456,8 +456,8 @@ def check_file_modes(config: Any, where: str, no_shared_write: bool = False) -> 
     try:
         parse_mode(config.mode, no_shared_write=no_shared_write)
     except ValueError as exc:
-        raise ConfigError(f"{where}.mode: {exc}") from None
+        raise ConfigError(f"{where}.mode: {exc}") from exc
     try:
         resolve_group(config.group)
     except ValueError as exc:
-        raise ConfigError(f"{where}.group: {exc}") from None
+        raise ConfigError(f"{where}.group: {exc}") from exc

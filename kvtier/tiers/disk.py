@@ -198,7 +198,7 @@ class DiskTier(Tier):
         except OSError as exc:
             raise TierUnavailable(
                 f"disk tier {self.name}: cannot use directory {self.path}: {exc.strerror or exc}"
-            ) from None
+            ) from exc
         try:
             self._refuse_untrusted(root, self.path)
             self._refuse_untrusted_fanouts(root)
@@ -207,7 +207,7 @@ class DiskTier(Tier):
         except OSError as exc:
             raise TierUnavailable(
                 f"disk tier {self.name}: cannot use directory {self.path}: {exc.strerror or exc}"
-            ) from None
+            ) from exc
         finally:
             os.close(root)
 
@@ -245,7 +245,7 @@ class DiskTier(Tier):
         except OSError as exc:
             raise TierUnavailable(
                 f"disk tier {self.name}: cannot create lock file {lock_path}: {exc.strerror or exc}"
-            ) from None
+            ) from exc
         try:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -254,10 +254,10 @@ class DiskTier(Tier):
                 raise TierUnavailable(
                     f"disk tier {self.name}: directory {self.path} is in use by another kvtier "
                     f"store (lock {lock_path} is held); give each store its own directory"
-                ) from None
+                ) from exc
             raise TierUnavailable(
                 f"disk tier {self.name}: cannot lock {lock_path}: {exc.strerror or exc}"
-            ) from None
+            ) from exc
         return lock
 
     def _open_lock_file(self) -> int:
@@ -269,7 +269,7 @@ class DiskTier(Tier):
                          self._mode, dir_fd=root)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise NotRegularFile(exc.errno, "it is a symbolic link") from None
+                raise NotRegularFile(exc.errno, "it is a symbolic link") from exc
             raise
         finally:
             os.close(root)
@@ -574,7 +574,7 @@ class DiskTier(Tier):
             return make_dir_at(root, sub, self._dir_mode, self._gid) if create else open_dir_at(root, sub)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise _SkippedDir("is a symbolic link or not a directory") from None
+                raise _SkippedDir("is a symbolic link or not a directory") from exc
             raise
 
     @contextlib.contextmanager
@@ -653,8 +653,8 @@ class DiskTier(Tier):
         body = dst[: meta.length]
         try:
             read_exact(fd, [memoryview(head), body])
-        except ShortRead:
-            raise CorruptEntry("file is truncated") from None
+        except ShortRead as exc:
+            raise CorruptEntry("file is truncated") from exc
         self._check(key, meta, head, body)
 
     def _read_direct(self, fd: int, key: Key, meta: _Meta, dst: memoryview) -> None:

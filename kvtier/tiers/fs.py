@@ -170,7 +170,7 @@ class FsTier(Tier):
             root = os.open(self._root, _DIR_FLAGS)
         except OSError as exc:
             raise TierUnavailable(f"fs tier {self.name}: cannot use directory {self._root}: "
-                                  f"{exc.strerror or exc}") from None
+                                  f"{exc.strerror or exc}") from exc
         try:
             problem = self._open_problem(os.fstat(root))
             if problem:
@@ -183,7 +183,7 @@ class FsTier(Tier):
                 except _ForeignDir as exc:
                     if exc.unsafe:
                         raise TierUnavailable(f"fs tier {self.name}: directory {os.path.join(self._root, sub)} "
-                                              f"{exc}") from None
+                                              f"{exc}") from exc
                     self._foreign(sub, str(exc))
                 except OSError:
                     continue
@@ -217,7 +217,7 @@ class FsTier(Tier):
             fd = make_dir_at(root, sub, self._dir_mode, self._gid) if create else open_dir_at(root, sub)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise _ForeignDir("is not a real directory (a symbolic link or a file)") from None
+                raise _ForeignDir("is not a real directory (a symbolic link or a file)") from exc
             raise
         try:
             problem = self._open_problem(os.fstat(fd))

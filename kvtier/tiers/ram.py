@@ -543,14 +543,14 @@ def reserve_file(fd: int, size: int, path: str, what: str) -> None:
         return
     except OSError as exc:
         if exc.errno not in _NOT_SUPPORTED:
-            raise _out_of_space(what, size, path, exc) from None
+            raise _out_of_space(what, size, path, exc) from exc
     zeros = bytes(min(_TOUCH_CHUNK, size))
     offset = 0
     while offset < size:
         try:
             written = os.pwrite(fd, zeros[: min(len(zeros), size - offset)], offset)
         except OSError as exc:
-            raise _out_of_space(what, size, path, exc) from None
+            raise _out_of_space(what, size, path, exc) from exc
         if written <= 0:
             raise _out_of_space(what, size, path, OSError(errno.ENOSPC, "short write"))
         offset += written

@@ -184,7 +184,7 @@ def tier_class(kind: Any, where: str = "tier") -> type[Tier]:
         try:
             return TIERS.get(kind)
         except ConfigError as exc:  # the tier's package is missing
-            raise ConfigError(f"{where}: {exc}") from None
+            raise ConfigError(f"{where}: {exc}") from exc
     found = _plugin_entry_points().get(kind) if isinstance(kind, str) else None
     if not found:
         raise ConfigError(f"{where}: unknown tier type {kind!r}; valid types: {', '.join(tier_types())}")

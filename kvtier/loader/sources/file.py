@@ -29,7 +29,7 @@ class FileSource(Source):
         try:
             self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
-            raise LoaderError(f"{self.path}: cannot open ({exc.strerror})") from None
+            raise LoaderError(f"{self.path}: cannot open ({exc.strerror})") from exc
         self._size = os.fstat(self._fd).st_size
         self._lock = threading.Lock()
         self._map: mmap.mmap | None = None
@@ -42,9 +42,9 @@ class FileSource(Source):
         try:
             read_exact(self._fd, buffers, offset)
         except ShortRead as exc:
-            raise short_read(self.path, offset, exc.wanted, exc.got) from None
+            raise short_read(self.path, offset, exc.wanted, exc.got) from exc
         except OSError as exc:
-            raise LoaderError(f"{self.path}: read failed at offset {offset} ({exc.strerror})") from None
+            raise LoaderError(f"{self.path}: read failed at offset {offset} ({exc.strerror})") from exc
 
     def mapping(self) -> mmap.mmap:
         """A private (copy-on-write) mapping of the whole file, made once.
@@ -98,13 +98,13 @@ class FileSource(Source):
         except OSError as exc:
             if fd != self._fd and exc.errno == errno.EINVAL:  # O_DIRECT not supported here
                 return self._read_buffered(offset, buf)
-            raise LoaderError(f"{self.path}: read failed at offset {offset} ({exc.strerror})") from None
+            raise LoaderError(f"{self.path}: read failed at offset {offset} ({exc.strerror})") from exc
 
     def _read_buffered(self, offset: int, buf: memoryview) -> int:
         try:
             return read_upto(self._fd, [buf], offset)
         except OSError as exc:
-            raise LoaderError(f"{self.path}: read failed at offset {offset} ({exc.strerror})") from None
+            raise LoaderError(f"{self.path}: read failed at offset {offset} ({exc.strerror})") from exc
 
     @classmethod
     def list_dir(cls, uri: str) -> list[tuple[str, int]]:
@@ -112,7 +112,7 @@ class FileSource(Source):
         try:
             names = sorted(os.listdir(path))
         except OSError as exc:
-            raise LoaderError(f"{path}: cannot list ({exc.strerror})") from None
+            raise LoaderError(f"{path}: cannot list ({exc.strerror})") from exc
         out = []
         for name in names:
             full = os.path.join(path, name)

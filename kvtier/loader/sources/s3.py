@@ -170,8 +170,8 @@ class S3Source(Source):
                 head = self._call(lambda: self._client.head_object(Bucket=self.bucket, Key=self.key))
                 try:
                     size = int(head["ContentLength"])
-                except (KeyError, TypeError, ValueError):
-                    raise LoaderError(f"{self.uri}: HEAD gave no usable Content-Length") from None
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise LoaderError(f"{self.uri}: HEAD gave no usable Content-Length") from exc
                 limit = self.config.max_object_size
                 if size < 0 or size > limit:
                     raise LoaderError(f"{self.uri}: object of {size:,} bytes exceeds the maximum object size "
@@ -292,15 +292,15 @@ class S3Source(Source):
                 if isinstance(exc, ClientError) and (_status(exc.response) == 412 or exc.response.get(
                         "Error", {}).get("Code") == "PreconditionFailed"):
                     raise VersionChanged(f"{self.uri}: the object changed while it was read (If-Match "
-                                         f"{(self._etag or '?')[:80]} failed: 412)") from None
+                                         f"{(self._etag or '?')[:80]} failed: 412)") from exc
                 attempt += 1
                 if not _transient(exc) or attempt > self.config.retries:
                     if isinstance(exc, ClientError):
                         code = exc.response.get("Error", {}).get("Code", "?")
-                        raise LoaderError(f"{self.uri}: S3 error {code}") from None
+                        raise LoaderError(f"{self.uri}: S3 error {code}") from exc
                     if isinstance(exc, _ShortBody):
-                        raise LoaderError(f"{self.uri}: short read ({exc})") from None
-                    raise LoaderError(f"{self.uri}: {type(exc).__name__}: {str(exc)[:200]}") from None
+                        raise LoaderError(f"{self.uri}: short read ({exc})") from exc
+                    raise LoaderError(f"{self.uri}: {type(exc).__name__}: {str(exc)[:200]}") from exc
                 delay = self.config.backoff_s * (2 ** (attempt - 1))
                 time.sleep(delay * (0.5 + random.random()))  # backoff between retries
 
@@ -333,7 +333,7 @@ class S3Source(Source):
         except LoaderError:
             raise
         except Exception as exc:  # any failure to list is a one-line user-facing error
-            raise LoaderError(f"{uri}: cannot list ({type(exc).__name__}: {str(exc)[:200]})") from None
+            raise LoaderError(f"{uri}: cannot list ({type(exc).__name__}: {str(exc)[:200]})") from exc
         return sorted(out)
 
     def close(self) -> None:
