@@ -80,12 +80,28 @@ def _workdir(tmpdir: str | os.PathLike | None, prefix: str) -> Iterator[Path]:
             yield Path(d)
 
 
+class _Supervised:
+    """What a service that runs as one supervised ``Child`` (``self._child``) answers about it."""
+
+    _child: Child | None
+
+    @property
+    def running(self) -> bool:
+        """Whether the service's process runs now."""
+        return self._child is not None and self._child.alive
+
+    @property
+    def pid(self) -> int | None:
+        """The service's pid while it runs."""
+        return self._child.pid if self.running else None
+
+
 # ---------------------------------------------------------------------------------------------
 # redis-server
 
 
 @dataclass
-class RedisService:
+class RedisService(_Supervised):
     """A running ``redis-server`` on 127.0.0.1:``port``; ``stop``/``start`` keep the same port.
 
     ``url`` is ``redis://127.0.0.1:PORT/0``. Not thread-safe (one owner drives stop/start).
@@ -104,15 +120,6 @@ class RedisService:
     def url_for_db(self, db: int) -> str:
         """URL of logical database ``db`` on this server."""
         return f"redis://127.0.0.1:{self.port}/{db}"
-
-    @property
-    def running(self) -> bool:
-        return self._child is not None and self._child.alive
-
-    @property
-    def pid(self) -> int | None:
-        """The server's pid while it runs."""
-        return self._child.pid if self.running else None
 
     def start(self) -> None:
         """Start the server (no-op if running) and wait until it answers PING on its port.
@@ -205,7 +212,7 @@ def redis_server(tmpdir: str | os.PathLike | None = None, ready_timeout: float =
 
 
 @dataclass
-class S3Service:
+class S3Service(_Supervised):
     """A running SeaweedFS S3 gateway on loopback, with ``bucket`` created.
 
     Any access key is accepted by ``weed mini`` by default; ``secret_key`` is kept out of repr.
@@ -230,15 +237,6 @@ class S3Service:
         """Create bucket ``name`` (no error if it exists) and return the name."""
         _ensure_bucket(self.client(), name)
         return name
-
-    @property
-    def running(self) -> bool:
-        return self._child is not None and self._child.alive
-
-    @property
-    def pid(self) -> int | None:
-        """The ``weed mini`` pid while it runs."""
-        return self._child.pid if self.running else None
 
     def stop(self) -> None:
         """Kill the whole ``weed mini`` process group and wait until it is gone."""

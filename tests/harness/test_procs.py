@@ -85,10 +85,11 @@ def _sigkill(proc: subprocess.Popen) -> None:
 # parent death
 
 
-def test_redis_dies_when_its_parent_is_sigkilled(registry, tmp_path):
-    """The issue's case: whoever started redis-server is SIGKILLed; redis must not outlive it."""
+def _redis_under_a_parent(tmp_path, prelude: str = ""):
+    """(parent, redis pid, its start ticks): a parent program that runs ``prelude``, starts
+    redis-server and sleeps; a skip when redis-server is not installed."""
     parent = _parent(
-        "import time\n"
+        "import time\n" + prelude +
         "from kvtier.harness.services import redis_server, BinaryMissing\n"
         "try:\n"
         f"    cm = redis_server({str(tmp_path / 'redis')!r}); r = cm.__enter__()\n"
@@ -99,7 +100,12 @@ def test_redis_dies_when_its_parent_is_sigkilled(registry, tmp_path):
     (pid,) = _read_ints(parent)
     if pid == 0:
         pytest.skip("redis-server not installed")
-    ticks = start_ticks(pid)
+    return parent, pid, start_ticks(pid)
+
+
+def test_redis_dies_when_its_parent_is_sigkilled(registry, tmp_path):
+    """The issue's case: whoever started redis-server is SIGKILLed; redis must not outlive it."""
+    parent, pid, ticks = _redis_under_a_parent(tmp_path)
     try:
         assert _alive(pid, ticks)
         _sigkill(parent)
@@ -187,21 +193,8 @@ def test_stale_service_without_parent_death_signal_is_reaped_by_its_record(regis
     """Where the parent-death signal is unavailable (injected: prctl missing), a redis-server
     outlives its SIGKILLed parent; the next ``reap_stale`` kills it by its recorded pid and start
     time (redis overwrites its environment area with its process title, so it carries no tag)."""
-    parent = _parent(
-        "import time\n"
-        "from kvtier.harness import procs\n"
-        "procs.libc_prctl = lambda: None\n"
-        "from kvtier.harness.services import redis_server, BinaryMissing\n"
-        "try:\n"
-        f"    cm = redis_server({str(tmp_path / 'redis')!r}); r = cm.__enter__()\n"
-        "except BinaryMissing:\n"
-        "    print(0, flush=True); raise SystemExit\n"
-        "print(r.pid, flush=True)\n"
-        "time.sleep(600)\n")
-    (pid,) = _read_ints(parent)
-    if pid == 0:
-        pytest.skip("redis-server not installed")
-    ticks = start_ticks(pid)
+    parent, pid, ticks = _redis_under_a_parent(tmp_path, "from kvtier.harness import procs\n"
+                                                          "procs.libc_prctl = lambda: None\n")
     try:
         _sigkill(parent)
         time.sleep(0.5)
@@ -240,17 +233,29 @@ def test_reap_never_kills_a_process_that_only_reuses_a_recorded_pid(registry):
 # ports and readiness
 
 
-def test_redis_start_retries_when_its_port_is_taken(registry, tmp_path, monkeypatch):
-    """The first port handed to redis-server is held by a listening socket: the start is retried
-    on a new port and the service answers there."""
+def _services_with(binary: str):
+    """``kvtier.harness.services``, or a skip when ``binary`` is not installed."""
     services = pytest.importorskip("kvtier.harness.services")
     try:
-        services.find_binary("redis-server", "")
+        services.find_binary(binary, "")
     except procs.BinaryMissing:
-        pytest.skip("redis-server not installed")
+        pytest.skip(f"{binary} not installed")
+    return services
+
+
+def _listening_socket() -> socket.socket:
+    """A socket listening on a free loopback port (a port some other process holds)."""
     blocker = socket.socket()
     blocker.bind(("127.0.0.1", 0))
     blocker.listen()
+    return blocker
+
+
+def test_redis_start_retries_when_its_port_is_taken(registry, tmp_path, monkeypatch):
+    """The first port handed to redis-server is held by a listening socket: the start is retried
+    on a new port and the service answers there."""
+    services = _services_with("redis-server")
+    blocker = _listening_socket()
     calls = []
     real = procs.pick_ports
 
@@ -429,14 +434,8 @@ def test_seaweedfs_start_retries_when_its_s3_port_is_taken(registry, tmp_path, m
     """``weed mini`` refuses to start when a port it was given is taken; the start is retried on
     new ports and S3 answers on the endpoint the service reports."""
     pytest.importorskip("boto3")
-    services = pytest.importorskip("kvtier.harness.services")
-    try:
-        services.find_binary("weed", "")
-    except procs.BinaryMissing:
-        pytest.skip("weed not installed")
-    blocker = socket.socket()
-    blocker.bind(("127.0.0.1", 0))
-    blocker.listen()
+    services = _services_with("weed")
+    blocker = _listening_socket()
     calls = []
     real = procs.pick_ports
 
