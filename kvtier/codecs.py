@@ -38,6 +38,7 @@ Imports: ``kvtier.errors`` and, lazily, ``blosc2`` and ``kvtier.fp8`` (numpy).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -192,34 +193,44 @@ class LinkFit:
     locks). A fixed per-request cost (a round trip, a proxy's delay) is paid coded or raw, so
     only the bandwidth decides whether fewer bytes pay. Until the transfers differ enough in
     size to tell the two apart, the estimate is bytes over seconds (latency counted as
-    bandwidth: the side that codes)."""
+    bandwidth: the side that codes). A slope within two standard errors of zero (timing noise
+    larger than what the size explains) is no bandwidth limit."""
 
     def __init__(self, alpha: float = _FIT_EWMA):
         self.alpha = alpha
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._n = 0
+        self._w = self._w2 = self._x = self._y = self._xx = self._xy = self._yy = 0.0
 
     def add(self, nbytes: float, seconds: float) -> None:
         """One transfer of ``nbytes`` that took ``seconds``."""
-        keep = 1.0 - self.alpha if self._w else 0.0
+        keep = 1.0 - self.alpha if self._n else 0.0
+        self._n += 1
         self._w = keep * self._w + 1.0
+        self._w2 = keep * keep * self._w2 + 1.0  # for the effective number of transfers
         self._x = keep * self._x + nbytes
         self._y = keep * self._y + seconds
         self._xx = keep * self._xx + nbytes * nbytes
         self._xy = keep * self._xy + nbytes * seconds
+        self._yy = keep * self._yy + seconds * seconds
 
     def estimate(self) -> tuple[float, float, bool] | None:
         """(bandwidth in bytes/s, latency in s, whether the sizes told them apart), or None
-        before any transfer. A fit whose time does not grow with size is infinite bandwidth."""
-        if not self._w:
+        before any transfer. A fit whose time does not grow with size (beyond its noise) is
+        infinite bandwidth."""
+        if not self._n:
             return None
-        mx, my = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mx * mx
+        w = self._w
+        mx, my = self._x / w, self._y / w
+        var = self._xx / w - mx * mx
         if my <= 0:
             return None
-        if var <= (0.05 * mx) ** 2:  # one size: bytes over seconds
+        if var <= (0.05 * mx) ** 2 or self._n < 4:  # one size (or too few): bytes over seconds
             return mx / my, 0.0, False
-        slope = (self._xy / self._w - mx * my) / var
-        if slope <= 0:
+        slope = (self._xy / w - mx * my) / var
+        resid = max(0.0, self._yy / w - my * my - slope * slope * var)
+        n_eff = w * w / self._w2
+        stderr = math.sqrt(resid / (max(n_eff - 2.0, 1.0) * var))
+        if slope <= 2.0 * stderr:  # size does not explain the time: no bandwidth limit seen
             return float("inf"), my, True
         latency = my - slope * mx
         if latency <= 0:  # no fixed cost seen: through the origin
@@ -322,10 +333,15 @@ class AutoChoice:
         self.tier_bps, self.latency_s = (use[0], use[1]) if use else (None, None)
 
     def state(self) -> dict:
-        """The current choice and its inputs (bytes per second, seconds; counts of coded/raw puts)."""
+        """The current choice and its inputs (bytes per second, seconds; counts of coded/raw puts).
+        A bandwidth the fit found unbounded (time independent of size) is None, with
+        ``size_independent`` true: the state stays valid JSON."""
         with self._lock:
-            return {"coding": self.coding, "tier_bps": self.tier_bps, "latency_s": self.latency_s,
-                    "read_bps": self.read_bps, "write_bps": self.write_bps, "encode_bps": self.encode_bps,
+            finite = {k: (v if v is None or math.isfinite(v) else None)
+                      for k, v in (("tier_bps", self.tier_bps), ("read_bps", self.read_bps), ("write_bps", self.write_bps))}
+            return {"coding": self.coding, **finite, "latency_s": self.latency_s,
+                    "size_independent": self.tier_bps is not None and math.isinf(self.tier_bps),
+                    "encode_bps": self.encode_bps,
                     "decode_bps": self.decode_bps, "ratio": self.ratio, "coded_puts": self.coded,
                     "raw_puts": self.raw}
 
