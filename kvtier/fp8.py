@@ -138,7 +138,7 @@ def quantize(raw: memoryview, dtype: str, group: int = GROUP) -> tuple[bytes, by
     if not np.isfinite(amax).all():
         return None
     k = np.clip(np.frexp(amax / np.float32(E4M3_MAX))[1], -_BIAS, _BIAS).astype(np.int32)  # amax / 2^k <= 448
-    inverse = np.ldexp(np.float32(1.0), -k).astype(np.float32)  # exact: 2^-k is a normal float32
+    inverse = np.ldexp(np.float32(1.0), -k).astype(np.float32)  # a power of two: the product is exact
     codes = _round_to_e4m3(blocks * inverse[:, None]).reshape(-1)[:count]
     scales = (k + _BIAS).astype(np.uint8)
     payload = b"".join((_HEAD.pack(VERSION, code, group, count), scales.tobytes(), codes.tobytes()))
