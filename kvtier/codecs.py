@@ -51,6 +51,7 @@ CODEC_NAMES = get_args(CodecName)
 LOSSY_CODECS = ("fp8",)  # codecs whose entries are a different KV (part of the key namespace)
 LOSSLESS_ID = 1  # codec ids are part of the entry format: never renumber
 FP8_ID = 2
+LOSSY_IDS = frozenset({FP8_ID})  # entries only a tier configured with a lossy codec serves
 _MIN_BYTES = 4096  # smaller payloads are stored raw: the frame costs more than it saves
 _lock = threading.Lock()
 _blosc2 = None
@@ -194,7 +195,8 @@ class LinkFit:
     only the bandwidth decides whether fewer bytes pay. Until the transfers differ enough in
     size to tell the two apart, the estimate is bytes over seconds (latency counted as
     bandwidth: the side that codes). A slope within two standard errors of zero (timing noise
-    larger than what the size explains) is no bandwidth limit."""
+    larger than what the size explains) is no bandwidth limit when a fixed cost per request
+    (the intercept) stands two standard errors clear of zero, else bytes over seconds."""
 
     def __init__(self, alpha: float = _FIT_EWMA):
         self.alpha = alpha
@@ -224,18 +226,26 @@ class LinkFit:
         var = self._xx / w - mx * mx
         if my <= 0:
             return None
-        if var <= (0.05 * mx) ** 2 or self._n < 4:  # one size (or too few): bytes over seconds
+        if self._n < 4 or var <= (1e-3 * mx) ** 2:  # one size (or too few): bytes over seconds
             return mx / my, 0.0, False
         slope = (self._xy / w - mx * my) / var
-        resid = max(0.0, self._yy / w - my * my - slope * slope * var)
+        var_y = max(0.0, self._yy / w - my * my)
+        resid = max(0.0, var_y - slope * slope * var)
         n_eff = w * w / self._w2
         stderr = math.sqrt(resid / (max(n_eff - 2.0, 1.0) * var))
-        if slope <= 2.0 * stderr:  # size does not explain the time: no bandwidth limit seen
-            return float("inf"), my, True
-        latency = my - slope * mx
-        if latency <= 0:  # no fixed cost seen: through the origin
-            return mx / my, 0.0, True
-        return 1.0 / slope, latency, True
+        if slope > 2.0 * stderr:
+            latency = my - slope * mx
+            if latency <= 0:  # no fixed cost seen: through the origin
+                return mx / my, 0.0, True
+            return 1.0 / slope, latency, True
+        # the size does not explain the time beyond its noise: a fixed cost per request when the
+        # intercept stands clear of zero (two standard errors), else a bandwidth seen through
+        # noise: bytes over seconds
+        intercept = my - slope * mx
+        intercept_err = math.sqrt(resid / max(n_eff - 2.0, 1.0) * (1.0 + mx * mx / var))
+        if intercept > 2.0 * intercept_err:
+            return float("inf"), intercept, True
+        return mx / my, 0.0, False
 
 
 class AutoChoice:
@@ -287,9 +297,11 @@ class AutoChoice:
         start = time.perf_counter()
         coded = self.codec.encode(raw, itemsize)
         took = time.perf_counter() - start
-        if coded is None:
+        if coded is None:  # declined: not smaller (or too small to pay): a ratio of 1 for the rule
             with self._lock:
                 self.raw += 1
+                if raw.nbytes >= _MIN_BYTES:
+                    self.ratio = _avg(self.ratio, 1.0)
             return None
         decode_s = None
         if probe and store_coded:

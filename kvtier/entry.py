@@ -348,11 +348,12 @@ def check_stored(header: EntryHeader, stored, expected_key: bytes | None = None,
 
 
 def open_into(header: EntryHeader, stored, out, expected_key: bytes | None = None,
-              auth: EntryAuth | None = None) -> int:
+              auth: EntryAuth | None = None, lossy_ok: bool = True) -> int:
     """Check the stored bytes (``check_stored``: the tag first), decode them into ``out`` (a
     writable buffer of at least ``header.length`` bytes; never more is written), then check the
     raw checksum. Returns ``header.length``. CorruptEntry for any failure, an unknown or
-    unavailable codec included (``out`` may then hold garbage: never report it)."""
+    unavailable codec included, and a lossy (fp8) entry when not ``lossy_ok`` (a reader that
+    serves exact KV: ``out`` may then hold garbage: never report it)."""
     dest = memoryview(out).cast("B")
     if dest.nbytes < header.length:
         raise ValueError(f"output buffer of {dest.nbytes} bytes, entry holds {header.length}")
@@ -362,8 +363,10 @@ def open_into(header: EntryHeader, stored, out, expected_key: bytes | None = Non
     if header.codec == 0:
         target[:] = view
     else:
-        from kvtier.codecs import decode_into  # the codec libraries load only when needed
+        from kvtier.codecs import LOSSY_IDS, decode_into  # the codec libraries load only when needed
 
+        if header.codec in LOSSY_IDS and not lossy_ok:
+            raise CorruptEntry("a lossy (fp8) entry where exact KV is expected")
         decode_into(header.codec, view, target, header.itemsize, header.dtype)
     if checksum(target) != header.checksum:
         raise CorruptEntry("payload checksum mismatch")
@@ -371,9 +374,10 @@ def open_into(header: EntryHeader, stored, out, expected_key: bytes | None = Non
 
 
 def decode(buf, expected_key: bytes | None = None, max_length: int | None = None,
-           auth: EntryAuth | None = None) -> tuple[EntryHeader, memoryview]:
+           auth: EntryAuth | None = None, lossy_ok: bool = True) -> tuple[EntryHeader, memoryview]:
     """Parse a whole entry (header + stored payload); returns the header and a view of the raw
-    payload (a view into ``buf`` when stored raw, a new buffer when coded)."""
+    payload (a view into ``buf`` when stored raw, a new buffer when coded). ``lossy_ok``: as
+    for ``open_into``."""
     header = decode_header(buf, max_length, auth)
     view = memoryview(buf).cast("B")
     stored = view[header.header_bytes :]
@@ -381,7 +385,7 @@ def decode(buf, expected_key: bytes | None = None, max_length: int | None = None
         verify(header, stored, expected_key, auth)
         return header, stored
     out = bytearray(header.length)  # bounded: decode_header checked length <= max_length
-    open_into(header, stored, out, expected_key, auth)
+    open_into(header, stored, out, expected_key, auth, lossy_ok)
     return header, memoryview(out)
 
 

@@ -37,6 +37,8 @@ _ITEMSIZE = {10: 2, 9: 2, 11: 4}
 _MIN_NORMAL = 2.0 ** -6
 _BIAS = 127  # a group's scale byte is k + 127 (E8M0), k in [-127, 127]
 _FAST_K = (-117, 119)  # k for which every nonzero E4M3 value x 2^k is a normal bfloat16
+# above these magnitudes a value's rounding up (at most 1/16) may pass the dtype's largest finite value
+_SAFE_MAX = {9: 65504.0 / 1.0625, 10: 3.3895e38 / 1.0625, 11: 3.4028e38 / 1.0625}
 
 
 def _table() -> np.ndarray:
@@ -120,8 +122,8 @@ def _row_max(a: np.ndarray) -> np.ndarray:
 
 def quantize(raw: memoryview, dtype: str, group: int = GROUP) -> tuple[bytes, bytes] | None:
     """(payload, dequantized raw bytes) for ``raw`` of ``dtype``, or None when it cannot be
-    coded: another dtype, a size that is not whole elements, or a non-finite element (kept
-    exact: stored raw). The dequantized bytes are what ``dequantize_into`` will give a reader,
+    coded: another dtype, a size that is not whole elements, a non-finite element, or one so
+    near the dtype's largest value that its rounding would overflow it (kept exact: stored raw). The dequantized bytes are what ``dequantize_into`` will give a reader,
     so a writer can checksum them."""
     code = SOURCE_DTYPES.get(dtype)
     if code is None or raw.nbytes % _ITEMSIZE[code] or raw.nbytes == 0:
@@ -144,7 +146,16 @@ def quantize(raw: memoryview, dtype: str, group: int = GROUP) -> tuple[bytes, by
     payload = b"".join((_HEAD.pack(VERSION, code, group, count), scales.tobytes(), codes.tobytes()))
     dequantized = bytearray(raw.nbytes)
     _dequantize(codes, scales, group, code, memoryview(dequantized))
+    if float(amax.max()) > _SAFE_MAX[code] and not _all_finite(memoryview(dequantized), code):
+        return None  # rounding up carried past the dtype's largest value: keep it exact (raw)
     return payload, bytes(dequantized)
+
+
+def _all_finite(out: memoryview, code: int) -> bool:
+    """Whether every element of ``out`` (of the source dtype ``code``) is finite."""
+    if code == 10:
+        return bool(((np.frombuffer(out, np.uint16) & 0x7F80) != 0x7F80).all())
+    return bool(np.isfinite(np.frombuffer(out, np.float16 if code == 9 else np.float32)).all())
 
 
 def _dequantize(codes: np.ndarray, scales: np.ndarray, group: int, code: int, out: memoryview) -> None:

@@ -196,6 +196,13 @@ class Tier(ABC):
             self._codec = codec  # last: a reader that sees it sees _auto too
             return codec
 
+    @property
+    def serves_lossy(self) -> bool:
+        """Whether this tier serves lossy (fp8) entries: only when its own codec is lossy. A
+        tier of exact KV counts one as corrupt (a miss), so lossy KV never reaches a reader
+        that did not ask for it, whoever wrote it under its keys."""
+        return bool(getattr(self.codec, "lossy", False))
+
     def codec_state(self) -> dict:
         """The tier's codec setting and, for ``auto``, the current choice and its inputs (tier
         bandwidth, codec speeds and ratio, counts of coded and raw puts): for metrics."""
@@ -307,7 +314,7 @@ class Tier(ABC):
             return None
         try:
             header, payload = decode(value, expected_key=bytes(key), max_length=self.max_entry_bytes,
-                                     auth=self.auth)
+                                     auth=self.auth, lossy_ok=self.serves_lossy)
         except CorruptEntry:
             self.stats.add(corrupt=1, misses=1)
             self.delete(key)
@@ -368,8 +375,7 @@ class Tier(ABC):
         except ValueError:
             self.stats.add(errors=1, dropped=1)
             return None
-        if codec is not None and sealed[1].nbytes != view.nbytes:
-            self.stats.add(coded=1)
+        _PUT_CLOCK.coded = codec is not None and sealed[1].nbytes != view.nbytes  # counted if the put lands
         if isinstance(codec, _AutoCodec):  # the transfer that follows is timed (see _timed_put)
             _PUT_CLOCK.pending = (codec.auto, sealed[1].nbytes)
             _PUT_CLOCK.sealed_at = time.perf_counter()
@@ -405,13 +411,18 @@ _PUT_CLOCK = threading.local()  # (AutoChoice, stored bytes) of the put in fligh
 
 
 def _timed_put(put):
-    """Wrap a tier's ``put``: when its ``_seal`` ran for an ``auto`` tier, the time from the
-    seal's end to the put's return (the transfer, codec time excluded) feeds the tier's
-    bandwidth. Other tiers pay one thread-local look-up."""
+    """Wrap a tier's ``put``: a put that lands an entry its ``_seal`` coded counts in ``coded``;
+    when the seal ran for an ``auto`` tier, the time from the seal's end to the put's return (the
+    transfer, codec time excluded) feeds the tier's bandwidth. Other tiers pay two thread-local
+    look-ups."""
 
     def timed(self, *args, **kwargs):
         _PUT_CLOCK.pending = None
+        _PUT_CLOCK.coded = False
         result = put(self, *args, **kwargs)
+        if result and _PUT_CLOCK.coded:
+            self.stats.add(coded=1)
+        _PUT_CLOCK.coded = False
         pending = getattr(_PUT_CLOCK, "pending", None)
         if pending is not None and result:
             auto, stored = pending

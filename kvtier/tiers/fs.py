@@ -351,7 +351,8 @@ class FsTier(Tier):
             else:  # coded: stored < length <= max_entry_bytes, checked by the header
                 stored = bytearray(header.stored)
                 read_exact(fd, [memoryview(stored)], header.header_bytes)
-                entry.open_into(header, stored, target, auth=self.auth)  # the tag before decoding
+                entry.open_into(header, stored, target, auth=self.auth,  # the tag before decoding
+                                lossy_ok=self.serves_lossy)
         except (ShortRead, CorruptEntry):
             return self._corrupt(dfd, name, st)
         self._note_read(header.stored)

@@ -131,11 +131,30 @@ class ConnectorConfig:
     def with_kv_dtype(self, cache_dtype: Any, model_dtype: Any) -> "ConnectorConfig":
         """The same config with the store's ``element_dtype`` set from the engine's KV dtype
         (vLLM's ``cache_dtype``; ``auto``: the model's dtype), so a tier codec shuffles by the
-        right width; an ``element_dtype`` the user gave (other than the default) is kept."""
-        if self.store.element_dtype != "uint8":
-            return self
+        right width; an ``element_dtype`` the user gave (other than the default) is kept, except
+        that with a lossy tier codec (which reads the elements as numbers) it must be the
+        engine's own KV dtype: ConfigError (one line) otherwise."""
         dtype = kv_element_dtype(cache_dtype, model_dtype)
+        given = self.store.element_dtype
+        if given != "uint8":
+            lossy = self.store.lossy_codec()
+            if lossy and dtype != "uint8" and given != dtype:
+                raise ConfigError(f"kv_connector_extra_config.element_dtype: {given!r}, but the engine's KV is "
+                                  f"{dtype!r} and codec {lossy!r} quantizes the elements as numbers; valid: "
+                                  f"{dtype!r} (or leave it out)")
+            return self
         return dataclasses.replace(self, store=dataclasses.replace(self.store, element_dtype=dtype))
+
+    def lossy_codec_warning(self) -> str | None:
+        """One line when a lossy tier codec is configured but cannot code this engine's KV (its
+        element dtype is not bfloat16, float16 or float32: the entries stay raw, exact), else None."""
+        from kvtier.fp8 import SOURCE_DTYPES
+
+        lossy = self.store.lossy_codec()
+        if lossy and self.store.element_dtype not in SOURCE_DTYPES:
+            return (f"kvtier: codec {lossy!r} stores this engine's KV raw: its KV dtype is "
+                    f"{self.store.element_dtype!r} (fp8 codes bfloat16, float16 and float32 KV)")
+        return None
 
     def for_rank(self, rank: int, world: int, stage: int = 0, stages: int = 1) -> "ConnectorConfig":
         """The config of tensor-parallel rank ``rank`` of ``world`` in pipeline stage ``stage``

@@ -130,6 +130,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         warning = check_load_failure_policy(transfer.kv_load_failure_policy, self.config.require_recompute)
         if warning and role == KVConnectorRole.SCHEDULER:  # once per engine
             log.warning("%s", warning)
+        codec_warning = self.config.lossy_codec_warning()
+        if codec_warning and role == KVConnectorRole.SCHEDULER:
+            log.warning("%s", codec_warning)
         if role == KVConnectorRole.SCHEDULER:
             import vllm
 
