@@ -205,3 +205,26 @@ def test_kvtier_serve_refuses_an_fp8_tier_in_one_line(tmp_path):
             {"type": "ram", "capacity": "1MiB"},
             {"type": "fs", "path": str(tmp_path / "fs"), "capacity": "1MiB", "codec": "fp8"}]}})
     assert "\n" not in str(exc.value) and "none, lossless, auto" in str(exc.value)
+
+
+def test_the_connector_refuses_a_wrong_element_dtype_with_fp8_and_says_when_fp8_does_nothing():
+    """fp8 reads the elements as numbers: an ``element_dtype`` other than the engine's KV dtype
+    would quantize misread bits (and the checksum would bless them), so the connector refuses it
+    in one line; where the engine's KV is not bf16/fp16/float32 (e.g. fp8 KV) fp8 stores it raw,
+    which the connector says in one warning line."""
+    from kvtier.integrations.vllm.config import ConnectorConfig
+
+    tiers = [{"type": "ram", "capacity": "1MiB"},
+             {"type": "fs", "path": "/nonexistent-kvtier", "capacity": "1MiB", "codec": "fp8"}]
+    given = ConnectorConfig.from_extra_config({"tiers": tiers, "element_dtype": "float16"})
+    with pytest.raises(ConfigError, match="element_dtype") as exc:
+        given.with_kv_dtype("auto", "torch.bfloat16")
+    assert "\n" not in str(exc.value) and "'bfloat16'" in str(exc.value)
+    assert given.with_kv_dtype("auto", "torch.float16").store.element_dtype == "float16"  # the same: kept
+    plain = ConnectorConfig.from_extra_config({"tiers": tiers})
+    assert plain.with_kv_dtype("auto", "torch.bfloat16").lossy_codec_warning() is None
+    warning = plain.with_kv_dtype("fp8_e4m3", "torch.bfloat16").lossy_codec_warning()
+    assert warning and "raw" in warning and "float8_e4m3fn" in warning and "\n" not in warning
+    lossless = ConnectorConfig.from_extra_config({"tiers": [tiers[0], {**tiers[1], "codec": "none"}],
+                                                  "element_dtype": "float16"})
+    assert lossless.with_kv_dtype("auto", "torch.bfloat16").store.element_dtype == "float16"  # no lossy codec
