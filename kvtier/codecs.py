@@ -30,8 +30,7 @@ first read, over its puts, encode time excluded), so a fixed cost per request, p
 raw, does not count as slowness. ``E``/``D``/``r`` are measured on this machine at start (one 1
 MiB bf16-like sample) and refreshed from real chunks. Every ``PROBE_EVERY`` puts (32 while
 coding) one chunk is stored the other way, which keeps the inputs fresh and gives the fit two
-sizes. Until the tier
-has been measured, chunks are stored raw.
+sizes. Until the tier has been measured, chunks are stored raw.
 
 Imports: ``kvtier.errors`` and, lazily, ``blosc2`` and ``kvtier.fp8`` (numpy).
 """
@@ -48,10 +47,8 @@ from kvtier.errors import ConfigError, CorruptEntry
 
 CodecName = Literal["none", "lossless", "fp8", "auto"]
 CODEC_NAMES = get_args(CodecName)
-LOSSY_CODECS = ("fp8",)  # codecs whose entries are a different KV (part of the key namespace)
 LOSSLESS_ID = 1  # codec ids are part of the entry format: never renumber
 FP8_ID = 2
-LOSSY_IDS = frozenset({FP8_ID})  # entries only a tier configured with a lossy codec serves
 _MIN_BYTES = 4096  # smaller payloads are stored raw: the frame costs more than it saves
 _lock = threading.Lock()
 _blosc2 = None
@@ -117,6 +114,10 @@ class LossyCodec:
 
 
 FP8 = LossyCodec("fp8", FP8_ID)
+# lossy codecs' entries are a different KV: their names go in the key namespace, and only a tier
+# configured with one serves entries of their ids
+LOSSY_CODECS = (FP8.name,)
+LOSSY_IDS = frozenset({FP8.id})
 
 
 def get_codec(name: str, where: str = "codec") -> Codec | None:
@@ -349,8 +350,8 @@ class AutoChoice:
         A bandwidth the fit found unbounded (time independent of size) is None, with
         ``size_independent`` true: the state stays valid JSON."""
         with self._lock:
-            finite = {k: (v if v is None or math.isfinite(v) else None)
-                      for k, v in (("tier_bps", self.tier_bps), ("read_bps", self.read_bps), ("write_bps", self.write_bps))}
+            bandwidths = (("tier_bps", self.tier_bps), ("read_bps", self.read_bps), ("write_bps", self.write_bps))
+            finite = {k: (v if v is None or math.isfinite(v) else None) for k, v in bandwidths}
             return {"coding": self.coding, **finite, "latency_s": self.latency_s,
                     "size_independent": self.tier_bps is not None and math.isinf(self.tier_bps),
                     "encode_bps": self.encode_bps,

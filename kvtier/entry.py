@@ -401,8 +401,7 @@ def seal(key: bytes, payload, dtype: str = "uint8", shape: tuple[int, ...] | Non
             body, dequantized = coded
             return (encode_header(key, dequantized, dtype, shape, auth, body, codec.id),
                     memoryview(body).cast("B"))
-        return encode_header(key, view, dtype, shape, auth), view
-    if codec is not None and dtype in DTYPES:
+    elif codec is not None and dtype in DTYPES:
         body = codec.encode(view, DTYPES[dtype][1])
         if body is not None and len(body) < view.nbytes:
             return encode_header(key, view, dtype, shape, auth, body, codec.id), memoryview(body).cast("B")

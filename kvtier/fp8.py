@@ -19,7 +19,7 @@ scale bytes (``k + 127``, 0..254), then ``count`` E4M3 codes. ``dequantize_into`
 length against the output buffer before it reads a byte, and ValueError for anything that does
 not fit.
 
-Imports: numpy only.
+Imports: numpy and ``kvtier.entry`` (its dtype codes).
 """
 
 from __future__ import annotations
@@ -28,17 +28,23 @@ import struct
 
 import numpy as np
 
+from kvtier.entry import DTYPES
+
 GROUP = 32
 E4M3_MAX = 448.0
 VERSION = 1
 _HEAD = struct.Struct("<BBHI")
-SOURCE_DTYPES = {"bfloat16": 10, "float16": 9, "float32": 11}  # name -> entry dtype code
-_ITEMSIZE = {10: 2, 9: 2, 11: 4}
+SOURCE_DTYPES = {name: DTYPES[name][0] for name in ("bfloat16", "float16", "float32")}  # name -> entry code
+_ITEMSIZE = {DTYPES[name][0]: DTYPES[name][1] for name in SOURCE_DTYPES}
+_BF16, _FP16 = SOURCE_DTYPES["bfloat16"], SOURCE_DTYPES["float16"]
 _MIN_NORMAL = 2.0 ** -6
 _BIAS = 127  # a group's scale byte is k + 127 (E8M0), k in [-127, 127]
 _FAST_K = (-117, 119)  # k for which every nonzero E4M3 value x 2^k is a normal bfloat16
 # above these magnitudes a value's rounding up (at most 1/16) may pass the dtype's largest finite value
-_SAFE_MAX = {9: 65504.0 / 1.0625, 10: 3.3895e38 / 1.0625, 11: 3.4028e38 / 1.0625}
+_BF16_MAX = 3.3895e38  # (2 - 2^-7) x 2^127: numpy has no bfloat16
+_LARGEST = {_FP16: float(np.finfo(np.float16).max), _BF16: _BF16_MAX,
+            SOURCE_DTYPES["float32"]: float(np.finfo(np.float32).max)}
+_SAFE_MAX = {code: largest / 1.0625 for code, largest in _LARGEST.items()}
 
 
 def _table() -> np.ndarray:
@@ -82,11 +88,11 @@ def _to_float32(raw: memoryview, dtype: str) -> np.ndarray:
 
 def _write_from_float32(values: np.ndarray, code: int, out: memoryview) -> None:
     """Round float32 ``values`` to the source dtype (ties to even) into ``out``."""
-    if code == 10:
+    if code == _BF16:
         u = values.view(np.uint32)
         u = (u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16
         np.frombuffer(out, np.uint16)[:] = u
-    elif code == 9:
+    elif code == _FP16:
         np.frombuffer(out, np.float16)[:] = values
     else:
         np.frombuffer(out, np.float32)[:] = values
@@ -123,8 +129,9 @@ def _row_max(a: np.ndarray) -> np.ndarray:
 def quantize(raw: memoryview, dtype: str, group: int = GROUP) -> tuple[bytes, bytes] | None:
     """(payload, dequantized raw bytes) for ``raw`` of ``dtype``, or None when it cannot be
     coded: another dtype, a size that is not whole elements, a non-finite element, or one so
-    near the dtype's largest value that its rounding would overflow it (kept exact: stored raw). The dequantized bytes are what ``dequantize_into`` will give a reader,
-    so a writer can checksum them."""
+    near the dtype's largest value that its rounding would overflow it (kept exact: stored
+    raw). The dequantized bytes are what ``dequantize_into`` will give a reader, so a writer
+    can checksum them."""
     code = SOURCE_DTYPES.get(dtype)
     if code is None or raw.nbytes % _ITEMSIZE[code] or raw.nbytes == 0:
         return None
@@ -141,11 +148,12 @@ def quantize(raw: memoryview, dtype: str, group: int = GROUP) -> tuple[bytes, by
         return None
     k = np.clip(np.frexp(amax / np.float32(E4M3_MAX))[1], -_BIAS, _BIAS).astype(np.int32)  # amax / 2^k <= 448
     inverse = np.ldexp(np.float32(1.0), -k).astype(np.float32)  # a power of two: the product is exact
-    codes = _round_to_e4m3(blocks * inverse[:, None]).reshape(-1)[:count]
+    codes = _round_to_e4m3(blocks * inverse[:, None])  # (groups, group): padding codes 0
     scales = (k + _BIAS).astype(np.uint8)
-    payload = b"".join((_HEAD.pack(VERSION, code, group, count), scales.tobytes(), codes.tobytes()))
+    head = _HEAD.pack(VERSION, code, group, count)
+    payload = b"".join((head, scales.tobytes(), codes.reshape(-1)[:count].tobytes()))
     dequantized = bytearray(raw.nbytes)
-    _dequantize(codes, scales, group, code, memoryview(dequantized))
+    _dequantize(codes, k, count, code, memoryview(dequantized))
     if float(amax.max()) > _SAFE_MAX[code] and not _all_finite(memoryview(dequantized), code):
         return None  # rounding up carried past the dtype's largest value: keep it exact (raw)
     return payload, bytes(dequantized)
@@ -153,21 +161,16 @@ def quantize(raw: memoryview, dtype: str, group: int = GROUP) -> tuple[bytes, by
 
 def _all_finite(out: memoryview, code: int) -> bool:
     """Whether every element of ``out`` (of the source dtype ``code``) is finite."""
-    if code == 10:
+    if code == _BF16:
         return bool(((np.frombuffer(out, np.uint16) & 0x7F80) != 0x7F80).all())
-    return bool(np.isfinite(np.frombuffer(out, np.float16 if code == 9 else np.float32)).all())
+    return bool(np.isfinite(np.frombuffer(out, np.float16 if code == _FP16 else np.float32)).all())
 
 
-def _dequantize(codes: np.ndarray, scales: np.ndarray, group: int, code: int, out: memoryview) -> None:
-    """Write ``codes`` x their group's ``2^(scale - 127)`` into ``out`` as the source dtype."""
-    count = codes.size
-    groups = scales.size
-    k = scales.astype(np.int32) - _BIAS
-    padded = np.zeros(groups * group, np.uint8)
-    padded[:count] = codes
-    blocks = padded.reshape(groups, group)
-    if code == 10 and _FAST_K[0] <= k.min() and k.max() <= _FAST_K[1]:  # exact: the exponent moves by k
-        bits = np.take(_BF16, blocks)
+def _dequantize(blocks: np.ndarray, k: np.ndarray, count: int, code: int, out: memoryview) -> None:
+    """Write the first ``count`` codes of ``blocks`` (one row per group) x their group's ``2^k``
+    into ``out`` as the source dtype."""
+    if code == _BF16 and _FAST_K[0] <= k.min() and k.max() <= _FAST_K[1]:  # exact: the exponent moves by k
+        bits = np.take(_BF16_BITS, blocks)
         shifted = bits + (k << 7).astype(np.uint16)[:, None]  # wraps modulo 2^16 for k < 0: still exact
         np.frombuffer(out, np.uint16)[:] = np.where((blocks & 0x7F) != 0, shifted, bits).reshape(-1)[:count]
         return
@@ -195,8 +198,10 @@ def dequantize_into(payload: memoryview, out: memoryview, dtype: str | None = No
     if groups and scales.max() > 2 * _BIAS:
         raise ValueError("fp8 payload with a scale byte over 254")
     codes = np.frombuffer(payload, np.uint8, count, _HEAD.size + groups)
-    _dequantize(codes, scales, group, code, out)
+    if count % group:  # the last group is short: pad it with zero codes
+        codes = np.concatenate([codes, np.zeros(groups * group - count, np.uint8)])
+    _dequantize(codes.reshape(groups, group), scales.astype(np.int32) - _BIAS, count, code, out)
 
 
 _LUT = _code_lut()
-_BF16 = (TABLE.view(np.uint32) >> 16).astype(np.uint16)  # exact: E4M3 values are bfloat16 values
+_BF16_BITS = (TABLE.view(np.uint32) >> 16).astype(np.uint16)  # exact: E4M3 values are bfloat16 values

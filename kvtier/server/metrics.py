@@ -17,8 +17,8 @@ stats), per tier with a ``tier`` label (counters ``tier_hits_total``, ``tier_mis
 ``tier_used_bytes``, ``tier_capacity_bytes``, ``tier_queue_depth``, ``tier_entries``; the codec:
 ``tier_codec_info{codec}`` and, for ``auto``, ``tier_codec_coding``,
 ``tier_codec_tier_bytes_per_second``, ``tier_codec_tier_latency_seconds``,
-``tier_codec_encode_bytes_per_second``,
-``tier_codec_decode_bytes_per_second``, ``tier_codec_ratio``) and the server's own counters
+``tier_codec_encode_bytes_per_second``, ``tier_codec_decode_bytes_per_second``,
+``tier_codec_ratio``) and the server's own counters
 (``server_connections_total``, ``server_rejected_total``, ``server_malformed_total``,
 ``server_refused_busy_total``, ``server_hello_timeouts_total``, ``server_leases_expired_total``,
 ``server_lease_quota_total``, ``server_put_quota_total``, ...) and gauges
@@ -141,10 +141,12 @@ def families(stats: dict[str, Any]) -> list[Metric]:
 
 # an ``auto`` codec's inputs (``kvtier.codecs.AutoChoice.state``): key -> (metric suffix, help)
 _CODEC_GAUGES = {
-    "coding": ("coding", "1 while the tier's auto codec codes the chunks it stores (the break-even rule pays), else 0."),
+    "coding": ("coding", "1 while the tier's auto codec codes the chunks it stores (the break-even rule "
+               "pays), else 0."),
     "tier_bps": ("tier_bytes_per_second", "The tier's bandwidth the auto codec's rule uses (fitted from its reads, "
                  "else its writes)."),
-    "latency_s": ("tier_latency_seconds", "The tier's fixed cost per request in the auto codec's fit (paid coded or raw)."),
+    "latency_s": ("tier_latency_seconds", "The tier's fixed cost per request in the auto codec's fit (paid "
+                  "coded or raw)."),
     "encode_bps": ("encode_bytes_per_second", "The codec's encode speed on one core, as measured here."),
     "decode_bps": ("decode_bytes_per_second", "The codec's decode speed on one core, as measured here."),
     "ratio": ("ratio", "Raw over coded bytes of the chunks the codec coded (moving average)."),

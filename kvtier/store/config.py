@@ -40,7 +40,8 @@ class StoreConfig:
     ``auth_key_env``: where the trust domain's secret is (a file only its owner/group can read,
     or an environment variable; at most one): every entry is then tagged and checked (keyed
     BLAKE3, HMAC-SHA256 where blake3 is missing; an untagged or wrongly tagged entry is a
-    counted miss), and ``kvtier.keys`` keys the chunk keys with it. The secret itself is never a config value, logged or in a message.
+    counted miss), and ``kvtier.keys`` keys the chunk keys with it. The secret itself is never
+    a config value, logged or in a message.
     ``element_dtype``: the element type of the KV the store is given (the engine's KV dtype,
     e.g. ``bfloat16``; default ``uint8``): lower tiers record it in each entry's header, and a
     tier ``codec`` shuffles by its width (``kvtier.codecs``).
