@@ -94,7 +94,19 @@ class PortInUse(ServiceUnavailable):
 
 
 # ---------------------------------------------------------------------------------------------
-# process facts (psutil; the start ticks, the boot id and the port range from /proc)
+# process facts (psutil lists processes and reads environments; state and start ticks come from one
+# read of /proc/PID/stat, the boot id and the port range from /proc)
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start ticks) of ``pid`` from one read of ``/proc/PID/stat``; None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after its last ')'
+    fields = stat[stat.rindex(")") + 2:].split()
+    return fields[0], int(fields[19])  # fields 3 (state) and 22 (start time) overall
 
 
 def start_ticks(pid: int) -> int | None:
@@ -103,26 +115,15 @@ def start_ticks(pid: int) -> int | None:
     Read here rather than through psutil: psutil's ``create_time`` is wall-clock seconds (it moves
     when the clock is set), these ticks never change, and the registry compares them across
     processes and runs."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # the command name (field 2) may hold spaces and parentheses: split after its last ')'
-    return int(stat[stat.rindex(")") + 2:].split()[19])  # field 22 overall; the split starts at field 3
-
-
-_DEAD = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    stat = _stat(pid)
+    return stat[1] if stat else None
 
 
 def _live_ticks(pid: int) -> int | None:
-    """``start_ticks`` of ``pid`` while it runs; None if it is gone or a zombie (dead, only not
-    yet reaped)."""
-    try:
-        if psutil.Process(pid).status() in _DEAD:
-            return None
-    except psutil.Error:
-        return None
-    return start_ticks(pid)
+    """``start_ticks`` of ``pid`` while it runs; None if it is gone or a zombie/dead (dead, only
+    not yet reaped): both from the one read of its stat line."""
+    stat = _stat(pid)
+    return stat[1] if stat and stat[0] not in "ZX" else None
 
 
 def _group_members(pgid: int, not_before: int) -> list[int]:
