@@ -32,6 +32,7 @@ re-read time and its ratio to ``none``. This is the tier's own time, not an engi
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import tempfile
 
@@ -111,19 +112,13 @@ def fp8_greedy_agreement(variant: str, tokens: int, steps: int) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(2))
 
     def lossy(t: torch.Tensor) -> torch.Tensor:
-        raw = memoryview(t.contiguous().view(torch.uint16).numpy()).cast("B")
-        out = bytearray(raw.nbytes)
-        fp8.dequantize_into(memoryview(fp8.quantize(raw, "bfloat16")[0]), memoryview(out), "bfloat16")
-        return torch.frombuffer(out, dtype=torch.bfloat16).view(t.shape)
+        """``t`` as an fp8 tier would give it back (``quantize``'s dequantized bytes)."""
+        coded = fp8.quantize(memoryview(t.contiguous().view(torch.uint16).numpy()).cast("B"), "bfloat16")
+        return t if coded is None else torch.frombuffer(bytearray(coded[1]), dtype=torch.bfloat16).view(t.shape)
 
-    def continue_greedy(quantize: bool) -> list[int]:
+    def continue_greedy(cache) -> list[int]:
+        nxt, got = ids[:, -1:], []
         with torch.no_grad():
-            out = model(ids[:, :-1], use_cache=True)
-            cache = out.past_key_values
-            if quantize:
-                for layer in cache.layers:
-                    layer.keys, layer.values = lossy(layer.keys), lossy(layer.values)
-            nxt, got = ids[:, -1:], []
             for _ in range(steps):
                 out = model(nxt, past_key_values=cache, use_cache=True)
                 cache = out.past_key_values
@@ -131,7 +126,13 @@ def fp8_greedy_agreement(variant: str, tokens: int, steps: int) -> dict:
                 got.append(int(nxt))
         return got
 
-    exact, quantized = continue_greedy(False), continue_greedy(True)
+    with torch.no_grad():  # the prompt's prefill once; the fp8 run continues from a copy of its KV
+        prefix = model(ids[:, :-1], use_cache=True).past_key_values
+    quantized_prefix = copy.deepcopy(prefix)
+    for layer in quantized_prefix.layers:
+        layer.keys, layer.values = lossy(layer.keys), lossy(layer.values)
+
+    exact, quantized = continue_greedy(prefix), continue_greedy(quantized_prefix)
     parted = next((i for i, (x, y) in enumerate(zip(exact, quantized)) if x != y), None)
     return {"steps": steps, "prompt_tokens": tokens, "agree": sum(x == y for x, y in zip(exact, quantized)),
             "first_divergence": parted}
