@@ -162,7 +162,10 @@ def start_router(policy: str, engines: list[Engine], tokenizer: Path, vllm_route
             argv += ["--engine", e.url, "--kv-events", e.events, "--kv-replay", e.replay]
     else:
         argv = [vllm_router, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-                "--worker-urls", *[e.url for e in engines]]
+                "--worker-urls", *[e.url for e in engines],
+                # its Prometheus exporter binds a fixed port (29000) unless told: a second router,
+                # or anything else on that port, would panic it at start
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         if policy == "kv_aware":
             for e in engines:
                 argv += ["--kv-event-source", f"{e.url}={e.events}", "--kv-event-replay-source", f"{e.url}={e.replay}"]
