@@ -42,6 +42,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -116,7 +117,7 @@ async def _main(config, tokenizer) -> int:
     from kvtier.route.proxy import serve
 
     loop = asyncio.get_running_loop()
-    loop.set_exception_handler(_one_line)
+    loop.set_exception_handler(_LoopErrors(logging.getLogger("kvtier.route")))
     ready = loop.create_future()
     task = asyncio.create_task(serve(config, tokenizer, ready))
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -136,8 +137,28 @@ async def _main(config, tokenizer) -> int:
     return 0
 
 
-def _one_line(loop: asyncio.AbstractEventLoop, context: dict) -> None:
-    """Event-loop errors (a failed ``accept``, a transport error) as one log line, no traceback."""
-    exc = context.get("exception")
-    detail = f": {type(exc).__name__}: {exc}" if exc is not None else ""
-    logging.getLogger("kvtier.route").error("%s%s", context.get("message", "event loop error"), detail)
+class _LoopErrors:
+    """The event loop's exception handler: an error (a failed ``accept``, a transport error) is
+    one log line without a traceback, and the same message at most once per second, the repeats
+    counted in its next line. Past the file-descriptor limit asyncio retries ``accept`` up to its
+    backlog in one tick and reports each failure: without this, one burst of clients writes a
+    hundred lines."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 1.0) -> None:
+        self._log = logger
+        self._interval_s = interval_s
+        self._last: dict[str, float] = {}  # message -> when it was last logged
+        self._quiet: dict[str, int] = {}  # message -> repeats not logged since
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        message = str(context.get("message", "event loop error"))
+        now = time.monotonic()
+        if now - self._last.get(message, -self._interval_s) < self._interval_s:
+            self._quiet[message] = self._quiet.get(message, 0) + 1
+            return
+        exc = context.get("exception")
+        detail = f": {type(exc).__name__}: {exc}" if exc is not None else ""
+        quiet = self._quiet.pop(message, 0)
+        more = f" ({quiet} more since the last line)" if quiet else ""
+        self._last[message] = now
+        self._log.error("%s%s%s", message, detail, more)

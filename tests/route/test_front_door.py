@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import logging
 import re
 import socket
 import sys
@@ -441,3 +442,25 @@ def test_a_subscriber_that_dies_is_restarted_and_logged(stub, tmp_path):
         assert "Traceback" not in r.text()
     finally:
         r.stop()
+
+
+def test_a_burst_of_the_same_loop_error_is_one_line_a_second(caplog):
+    """asyncio reports each failed ``accept`` of a burst (up to its backlog per tick) past the
+    fd limit: the router's loop handler logs the first, counts the repeats within a second, and
+    says how many it held back in the next line of that message."""
+    from kvtier.cli.route import _LoopErrors
+
+    handler = _LoopErrors(logging.getLogger("kvtier.route.test"), interval_s=0.2)
+    exc = OSError(24, "Too many open files")
+    with caplog.at_level(logging.ERROR, logger="kvtier.route.test"):
+        for _ in range(128):
+            handler(None, {"message": "socket.accept() out of system resource", "exception": exc})
+        handler(None, {"message": "another error"})
+        assert len(caplog.records) == 2
+        time.sleep(0.25)
+        handler(None, {"message": "socket.accept() out of system resource", "exception": exc})
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "socket.accept() out of system resource: OSError: [Errno 24] Too many open files"
+    assert lines[1] == "another error"
+    assert lines[2].endswith("(127 more since the last line)"), lines[2]
+    assert all("Traceback" not in line for line in lines)
