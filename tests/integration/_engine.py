@@ -3,7 +3,8 @@
 Usage: python _engine.py SPEC_JSON   (a subprocess of test_cross_engine; the engine is spawned,
 so the __main__ guard is needed). SPEC: model, kv_extra (kv_connector_extra_config), doc (token
 ids), warm (token ids of an unrelated prompt run first so start-up costs are not timed), tp
-(tensor-parallel size, default 1; the caller sets VLLM_CPU_OMP_THREADS_BIND to match).
+(tensor-parallel size, default 1; the caller sets VLLM_CPU_OMP_THREADS_BIND to match), and
+optionally pool_blocks (the engine's KV pool in blocks, default 70) and max_model_len (default 4096).
 Prints one line ``RESULT {"first": {"s", "tokens", "hit_tokens"}, "again": {...}}``: ``first`` is the
 engine's first read of ``doc`` (a kvtier hit when another engine stored it), ``again`` the second
 read (a hit in vLLM's own prefix cache).
@@ -40,7 +41,7 @@ def main() -> None:
     tp = spec.get("tp", 1)
     parallel = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, gpu_memory_utilization=0.3,
-              num_gpu_blocks_override=70, max_model_len=4096, enforce_eager=True, dtype="bfloat16",
+              num_gpu_blocks_override=spec.get("pool_blocks", 70), max_model_len=spec.get("max_model_len", 4096), enforce_eager=True, dtype="bfloat16",
               kv_transfer_config=transfer, disable_log_stats=False, **parallel)
     params = SamplingParams(temperature=0.0, max_tokens=4, detokenize=False)
 

@@ -36,8 +36,8 @@ DOC_TOKENS = 2049
 ENGINE = Path(__file__).with_name("_engine.py")
 
 
-def _engine(model: Path, kv_extra: dict, doc: list[int], warm: list[int], log: Path, tp: int = 1) -> dict:
-    spec = json.dumps({"model": str(model), "kv_extra": kv_extra, "doc": doc, "warm": warm, "tp": tp})
+def _engine(model: Path, kv_extra: dict, doc: list[int], warm: list[int], log: Path, tp: int = 1, **sizes) -> dict:
+    spec = json.dumps({"model": str(model), "kv_extra": kv_extra, "doc": doc, "warm": warm, "tp": tp, **sizes})
     bind = "0-1" if tp == 1 else cpu_bind(tp, sorted(os.sched_getaffinity(0)))  # a share of the CPUs per rank
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bind, "OMP_NUM_THREADS": "2" if tp == 1 else "1"}
     proc = subprocess.run([sys.executable, str(ENGINE), spec], capture_output=True, text=True, timeout=600, env=env)
@@ -166,3 +166,38 @@ def test_tensor_parallel_engines_share_through_a_server(model, tmp_path):
     assert a["first"]["hit_tokens"] == 0
     assert b["first"]["hit_tokens"] == (DOC_TOKENS - 1) // 128 * 128
     assert b["first"]["tokens"] == a["again"]["tokens"]
+
+
+def test_mla_tensor_parallel_stores_one_copy_that_both_ranks_load(tmp_path):
+    """MLA under TP=2 (a random DeepSeek-V2-like model): every rank holds the same latent, so the
+    two ranks of A store one copy of each chunk in the shared arena (not one per rank), and both
+    ranks of a second TP=2 engine load the whole cached prefix from it. vLLM's CPU platform turns
+    its own prefix cache off for MLA, so the reference is A's cold prefill: the first greedy token
+    equal (the rest may part at a near-tie of the random model)."""
+    pytest.importorskip("vllm")
+    from kvtier.bench.models import make_family_model
+    from tests.integration.test_hybrid_engine import _mla_block_tokens
+
+    model = make_family_model("deepseek-mla")
+    block = _mla_block_tokens()
+    server = ServerProcess(tmp_path, {
+        "listen": f"unix://{tmp_path}/kvtier.sock", "metrics": f"127.0.0.1:{free_port()}", "staging": "64MiB",
+        "store": {"tiers": [{"type": "ram", "capacity": "256MiB", "page_size": "64KiB"}]},
+    })
+    server.start()
+    doc = _doc(91)
+    sizes = {"pool_blocks": 20 * 128 // block, "max_model_len": 2176}  # one document, whatever the block size
+    try:
+        via_server = {"server": server.address}
+        a = _engine(model, via_server, doc, _warm(1, 91), tmp_path / "a.log", tp=2, **sizes)
+        with ServerStore(server.address) as probe:
+            entries = probe.stats()["tiers"][0]["entries"]
+        b = _engine(model, via_server, doc, _warm(2, 91), tmp_path / "b.log", tp=2, **sizes)
+    finally:
+        server.stop()
+    chunk = max(128, block)
+    chunks = (DOC_TOKENS - 1) // chunk + 300 // chunk  # the document's whole chunks and the warm prompt's
+    assert entries == chunks, (entries, chunks)  # one copy, not one per rank
+    assert a["first"]["hit_tokens"] == 0
+    assert b["first"]["hit_tokens"] == (DOC_TOKENS - 1) // chunk * chunk, b
+    assert b["first"]["tokens"][:1] == a["first"]["tokens"][:1], (a, b)
