@@ -11,6 +11,18 @@ Beyond the ``Tier`` protocol the tier offers a zero-copy path for a connector:
 
 The tier does not evict. When there is no room, ``put`` returns False (``stats.dropped``); the
 store makes room first.
+
+A coded arena (``codec: lossless``, ``kvtier serve``'s arena only) holds more entries in the
+same pages: every entry is written raw (a reservation of its raw size, filled by one copy, as
+before), and once committed a background coder thread of the tier encodes it (Blosc2
+bit-shuffle + LZ4 at the KV's element width, ``kvtier.codecs``), moves the coded bytes into the
+entry's first pages and frees the rest. The entry then records its codec, raw length, stored
+length and the xxh3-64 checksum of its raw bytes. Encoding runs on that thread, never on a
+writer's path or under the store's lock. Readers get raw bytes wherever they do not ask for the
+stored form: ``get_into`` and ``views`` decode (checksum verified), ``borrow`` yields a segment
+decoded on first use; ``borrow_stored`` hands out the coded pages themselves (the server leases
+them to clients, which decode). ``capacity_bytes`` of a coded arena is its raw-byte budget
+(``CODED_BUDGET`` x its arena bytes): the pages, which ``free_bytes`` reports, are the limit.
 """
 
 from __future__ import annotations
@@ -24,18 +36,27 @@ import threading
 from abc import abstractmethod
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
-from typing import Iterator, Literal
+from collections import deque
+from collections.abc import Sequence
+from typing import Iterator, Literal, NamedTuple
 
 import numpy as np
 
+from kvtier.buffers import Scratch
+from kvtier.codecs import LOSSLESS_ID, decode_into
 from kvtier.config import Size, out_of_range, ranged, validate
-from kvtier.entry import DTYPES, MAX_NDIM
-from kvtier.errors import ConfigError, OutOfSpace
+from kvtier.entry import DTYPES, MAX_NDIM, checksum
+from kvtier.errors import ConfigError, CorruptEntry, OutOfSpace
 from kvtier.fileio import unlink_quietly
 from kvtier.keys import Key
 from kvtier.tiers.base import RankShare, SchedulerView, Tier
 
 log = logging.getLogger(__name__)
+
+CODED_BUDGET = 16  # a coded arena's raw-byte budget (capacity_bytes) over its arena bytes
+DEFAULT_ELEMENT_BYTES = 2  # the shuffle width while the KV dtype is unknown (uint8): bf16/fp16 KV
+_CODER_QUEUE = 65536  # keys waiting for the coder; more are left raw (counted as queue_full)
+_CODER_RETRIES = 3  # an entry held by a reader when its turn comes is tried again this often
 
 
 @dataclass(frozen=True)
@@ -51,6 +72,9 @@ class RamConfig:
     shm_path: back the arena with this new file (e.g. under /dev/shm, mode 0600) so other
         processes of the same user can map it (the per-node cache server); the file is created
         exclusively and removed on ``close``. Never pinned.
+    codec: ``lossless`` codes every entry in the background into fewer pages (see the module
+        notes); only for ``kvtier serve``'s arena (a shared arena, where capacity is the limit):
+        an engine's own RAM tier refuses it and stays raw (``none``, the default).
     """
 
     capacity: Size = ranged(Size(1024**3), ge=1)
@@ -58,6 +82,7 @@ class RamConfig:
     pin_memory: Literal["auto"] | bool = "auto"
     prefault: bool = False
     shm_path: str | None = None
+    codec: Literal["none", "lossless"] = "none"
 
     def check(self, where: str) -> None:
         """Across fields: the arena holds at least one page (``config.validate`` calls this)."""
@@ -68,17 +93,33 @@ class RamConfig:
 class _Entry:
     """One stored (or reserved) entry: its byte extents in the arena and its metadata."""
 
-    __slots__ = ("pages", "extents", "length", "dtype", "shape", "readers", "dead")
+    __slots__ = ("pages", "extents", "length", "dtype", "shape", "readers", "dead", "codec", "stored",
+                 "checksum", "moving")
 
     def __init__(self, pages: list[int], extents: list[tuple[int, int]], length: int,
                  dtype: str, shape: tuple[int, ...]):
         self.pages = pages  # page numbers, freed when the entry dies and has no readers
-        self.extents = extents  # (start byte, end byte) runs covering exactly ``length`` bytes
-        self.length = length
+        self.extents = extents  # (start byte, end byte) runs covering exactly ``stored`` bytes
+        self.length = length  # raw bytes (what a reader gets)
+        self.stored = length  # bytes in the pages: the coded length once coded
+        self.codec = 0  # 0 raw, else the codec id of the stored bytes (kvtier.codecs)
+        self.checksum = 0  # xxh3-64 of the raw bytes (set when coded)
+        self.moving = False  # the coder is rewriting its pages: acquirers wait
         self.dtype = dtype
         self.shape = shape
         self.readers = 0  # copies in progress outside the lock; pages are freed only at 0
         self.dead = False  # deleted or replaced while readers were still copying
+
+
+class StoredEntry(NamedTuple):
+    """An entry's pages as stored: ``segments`` (read-only arena views) hold ``codec``-coded
+    bytes (0: the raw bytes themselves) that decode to ``length`` raw bytes whose xxh3-64 is
+    ``checksum`` (0 for a raw entry: nothing to verify after a copy)."""
+
+    segments: list[np.ndarray]
+    codec: int
+    length: int
+    checksum: int
 
 
 class ArenaTier(Tier):
@@ -88,6 +129,24 @@ class ArenaTier(Tier):
     The store checks for this base once, when it is built; a top tier without it is read and
     written through the plain ``Tier`` methods (a copy more per call).
     """
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes of the arena itself (what another process maps); ``capacity_bytes`` unless the
+        tier stores more raw bytes than that (a coded arena)."""
+        return self.capacity_bytes
+
+    @contextmanager
+    def borrow_stored(self, key: Key) -> Iterator[StoredEntry | None]:
+        """Like ``borrow``, but the pages as stored (coded or raw) with what decoding them
+        needs. The default: an arena that stores every entry raw."""
+        with self.borrow(key) as views:
+            yield None if views is None else StoredEntry(views, 0, sum(int(v.size) for v in views), 0)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until background work of the tier (a coded arena's coder) is done; False on
+        timeout. The default: nothing runs in the background."""
+        return True
 
     @abstractmethod
     def views(self, key: Key, count: bool = True) -> list[np.ndarray] | None:
@@ -139,10 +198,13 @@ class ArenaTier(Tier):
 class RamTier(ArenaTier):
     """A RAM tier over one preallocated arena.
 
-    Thread-safety: every method may be called from any thread. Bookkeeping happens under one lock;
-    the copies themselves run outside it (numpy releases the GIL), and an entry being read keeps
-    its pages until the last reader finishes, so a concurrent delete or overwrite never changes
-    bytes under a reader.
+    Thread-safety: every method may be called from any thread. Bookkeeping happens under one lock
+    (``_lock``: the entries, reservations, free pages, byte counts, the coder's queue and
+    counters); the copies themselves run outside it (numpy releases the GIL), and an entry being
+    read keeps its pages until the last reader finishes, so a concurrent delete or overwrite
+    never changes bytes under a reader. A coded arena's coder rewrites an entry's pages only
+    while no reader holds it, and an acquirer waits (on ``_cond``, the same lock) for that move,
+    one memcpy of the coded bytes, to end.
     """
 
     Config = RamConfig
@@ -156,6 +218,9 @@ class RamTier(ArenaTier):
         config = config or RamConfig()
         validate(config, name)
         self.config = config
+        if config.codec != "none" and not config.shm_path:
+            raise ConfigError(f"{name}.codec: {config.codec!r} is for kvtier serve's arena, where capacity is the "
+                              f"limit; an engine's own RAM tier stays raw (valid here: none)")
         self._page = int(config.page_size)
         self._npages = int(config.capacity) // self._page
         self._capacity = self._npages * self._page
@@ -168,8 +233,20 @@ class RamTier(ArenaTier):
         self._free = list(range(self._npages))  # already a valid min-heap
         self._entries: dict[Key, _Entry] = {}
         self._reserved: dict[Key, _Entry] = {}
-        self._used = 0  # payload bytes of committed entries and reservations
+        self._used = 0  # stored bytes of committed entries and reservations
         self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # a move ended, work arrived, the coder went idle
+        self._queue: deque[tuple[Key, int]] = deque()  # (key, attempt) waiting for the coder
+        self._coding = False  # the coder is working on a key now
+        self._stop = False
+        self._element_bytes = DEFAULT_ELEMENT_BYTES
+        self._coder_counts = {"coded": 0, "kept_raw": 0, "busy": 0, "queue_full": 0, "corrupt": 0}
+        self._coder: threading.Thread | None = None
+        self._scratch = Scratch()  # per-thread contiguous copies of multi-run entries for the codec
+        if config.codec != "none":
+            self.codec  # resolve now: a missing library is a ConfigError here, not in the coder thread
+            self._coder = threading.Thread(target=self._code_loop, name=f"kvtier-ram-coder-{name}", daemon=True)
+            self._coder.start()
 
     # --- capabilities --------------------------------------------------------------------------
 
@@ -206,8 +283,22 @@ class RamTier(ArenaTier):
 
     @property
     def capacity_bytes(self) -> int:
+        """Arena bytes (configured capacity rounded down to whole pages); for a coded arena, its
+        raw-byte budget, ``CODED_BUDGET`` x that (its free pages are the real limit)."""
+        return self._capacity * (CODED_BUDGET if self._coder is not None else 1)
+
+    @property
+    def arena_bytes(self) -> int:
         """Arena bytes (configured capacity rounded down to whole pages)."""
         return self._capacity
+
+    def set_element_dtype(self, dtype: str) -> None:
+        """Code entries as elements of ``dtype`` (the KV's type; the shuffle's width). ``uint8``,
+        the store's default, means unknown: 2-byte elements (bf16/fp16 KV; at width 1 bit-shuffle
+        + LZ4 does not shrink bf16 KV). ValueError for a dtype the entry format does not know."""
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+        self._element_bytes = DTYPES[dtype][1] if dtype != "uint8" else DEFAULT_ELEMENT_BYTES
 
     @property
     def pinned(self) -> bool:
@@ -215,7 +306,7 @@ class RamTier(ArenaTier):
         return self._tensor is not None
 
     def used_bytes(self) -> int:
-        """Payload bytes of the stored entries and open reservations."""
+        """Bytes the stored entries (coded ones: their coded bytes) and open reservations hold."""
         with self._lock:
             return self._used
 
@@ -263,11 +354,16 @@ class RamTier(ArenaTier):
             if dst.nbytes < entry.length:
                 self.stats.add(errors=1)
                 return None
-            pos = 0
-            for start, end in entry.extents:
-                n = end - start
-                dst[pos : pos + n] = self._arena[start:end]
-                pos += n
+            if entry.codec:
+                if not self._decode(entry, dst[: entry.length]):
+                    self.stats.add(misses=1)
+                    return None
+            else:
+                pos = 0
+                for start, end in entry.extents:
+                    n = end - start
+                    dst[pos : pos + n] = self._arena[start:end]
+                    pos += n
         finally:
             self._release(entry)
         self.stats.add(hits=1, bytes_read=entry.length)
@@ -310,7 +406,14 @@ class RamTier(ArenaTier):
         return iter(snapshot)
 
     def close(self) -> None:
-        """Drop every entry and the arena. Views handed out before are invalid afterwards."""
+        """Stop the coder, drop every entry and the arena. Views handed out before are invalid
+        afterwards."""
+        with self._lock:
+            self._stop = True
+            self._queue.clear()
+            self._cond.notify_all()
+        if self._coder is not None and self._coder is not threading.current_thread():
+            self._coder.join(timeout=10.0)
         with self._lock:
             self._entries.clear()
             self._reserved.clear()
@@ -334,6 +437,8 @@ class RamTier(ArenaTier):
         ``borrow``, which guarantees it). Counts a hit or a miss unless ``count`` is False (the
         store's own copies of an entry down to a lower tier are not reads by a user).
         """
+        if self._coder is not None:
+            return self._private_views(key, count)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -344,6 +449,32 @@ class RamTier(ArenaTier):
         if count:
             self.stats.add(hits=1, bytes_read=entry.length)
         return views
+
+    def _private_views(self, key: Key, count: bool) -> list[np.ndarray] | None:
+        """``views`` of a coded arena: one private read-only copy of the raw bytes (decoded and
+        verified for a coded entry), because the coder may move a raw entry's pages at any time.
+        None when absent or corrupt (counted)."""
+        entry = self._acquire(key)
+        if entry is None:
+            if count:
+                self.stats.add(misses=1)
+            return None
+        try:
+            out = np.empty(entry.length, dtype=np.uint8)
+            if entry.codec:
+                if not self._decode(entry, out):
+                    return None
+            else:
+                pos = 0
+                for start, end in entry.extents:
+                    out[pos : pos + end - start] = self._arena[start:end]
+                    pos += end - start
+        finally:
+            self._release(entry)
+        if count:
+            self.stats.add(hits=1, bytes_read=entry.length)
+        out.flags.writeable = False
+        return [out]
 
     @contextmanager
     def borrow(self, key: Key) -> Iterator[list[np.ndarray] | None]:
@@ -356,7 +487,26 @@ class RamTier(ArenaTier):
             return
         try:
             self.stats.add(hits=1, bytes_read=entry.length)
-            yield [self._readonly(start, end) for start, end in entry.extents]
+            if entry.codec:
+                yield _DecodedOnUse(self, entry)
+            else:
+                yield [self._readonly(start, end) for start, end in entry.extents]
+        finally:
+            self._release(entry)
+
+    @contextmanager
+    def borrow_stored(self, key: Key) -> Iterator[StoredEntry | None]:
+        """The entry's pages as stored (coded or raw; see ``StoredEntry``), untouched until the
+        ``with`` block ends, as ``borrow``. Yields None on a miss."""
+        entry = self._acquire(key)
+        if entry is None:
+            self.stats.add(misses=1)
+            yield None
+            return
+        try:
+            self.stats.add(hits=1, bytes_read=entry.stored)
+            yield StoredEntry([self._readonly(start, end) for start, end in entry.extents], entry.codec,
+                              entry.length, entry.checksum)
         finally:
             self._release(entry)
 
@@ -389,7 +539,7 @@ class RamTier(ArenaTier):
             entry = self._reserved.pop(key, None)
             if entry is None:
                 return False
-            self._used -= entry.length  # _publish_locked counts it again
+            self._used -= entry.stored  # _publish_locked counts it again
             self._publish_locked(key, entry)
         self.stats.add(puts=1, bytes_written=entry.length)
         return True
@@ -416,19 +566,21 @@ class RamTier(ArenaTier):
 
     def _publish(self, key: Key, entry: _Entry) -> None:
         with self._lock:
-            self._used -= entry.length
+            self._used -= entry.stored
             self._publish_locked(key, entry)
 
     def _publish_locked(self, key: Key, entry: _Entry) -> None:
         old = self._entries.get(key)
         self._entries[key] = entry
-        self._used += entry.length
+        self._used += entry.stored
         if old is not None:
             self._retire(old)
+        if self._coder is not None and not self._stop:
+            self._enqueue(key, 0)
 
     def _retire(self, entry: _Entry) -> None:
         """Take ``entry`` out of service (lock held); its pages return once no reader holds it."""
-        self._used -= entry.length
+        self._used -= entry.stored
         entry.dead = True
         if entry.readers == 0:
             self._free_pages(entry)
@@ -439,8 +591,13 @@ class RamTier(ArenaTier):
         entry.pages = []
 
     def _acquire(self, key: Key) -> _Entry | None:
+        """Pin ``key``'s entry (readers + 1), waiting out a move of its pages by the coder (one
+        memcpy); None when absent."""
         with self._lock:
             entry = self._entries.get(key)
+            while entry is not None and entry.moving:
+                self._cond.wait()
+                entry = self._entries.get(key)
             if entry is not None:
                 entry.readers += 1
             return entry
@@ -455,6 +612,170 @@ class RamTier(ArenaTier):
         view = self._arena[start:end]
         view.flags.writeable = False
         return view
+
+    # --- the coder of a coded arena (its own thread; lock held only to decide and record) ------
+
+    def _enqueue(self, key: Key, attempt: int) -> None:
+        """Queue ``key`` for the coder (lock held); a full queue leaves it raw (counted)."""
+        if len(self._queue) >= _CODER_QUEUE:
+            self._coder_counts["queue_full"] += 1
+            return
+        self._queue.append((key, attempt))
+        self._cond.notify_all()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until the coder has handled every queued entry; False on timeout."""
+        with self._lock:
+            return self._cond.wait_for(lambda: self._stop or not (self._queue or self._coding), timeout)
+
+    def codec_state(self) -> dict:
+        """The codec setting and, for a coded arena, the coder's figures: entries waiting, coded
+        now, raw and stored bytes of the entries, and counts of entries kept raw (too small, not
+        smaller by a page), skipped while a reader held them, left raw by a full queue, and
+        stored entries that failed to decode (corrupt)."""
+        state = super().codec_state()
+        if self._coder is None:
+            return state
+        with self._lock:
+            coded = sum(1 for e in self._entries.values() if e.codec)
+            raw_bytes = sum(e.length for e in self._entries.values())
+            stored_bytes = sum(e.stored for e in self._entries.values())
+            state.update(self._coder_counts, pending=len(self._queue), entries_coded=coded,
+                         raw_bytes=raw_bytes, stored_bytes=stored_bytes)
+        return state
+
+    def _code_loop(self) -> None:
+        """The coder thread: code queued entries until ``close``."""
+        while True:
+            with self._lock:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                key, attempt = self._queue.popleft()
+                self._coding = True
+            try:
+                self._code(key, attempt)
+            except Exception:  # a bug must leave the entry raw, never stop the coder
+                log.exception("ram tier %s: coding an entry failed; it stays raw", self.name)
+            finally:
+                with self._lock:
+                    self._coding = False
+                    self._cond.notify_all()
+
+    def _code(self, key: Key, attempt: int) -> None:
+        """Code one committed raw entry in place: encode it (pinned, lock not held), then, if no
+        reader holds it, mark it moving, copy the coded bytes into its first pages (lock not
+        held; acquirers wait), and publish the coded form, freeing the pages it no longer needs.
+        An entry deleted or replaced meanwhile is left to its fate (its pages return when our pin
+        goes); one a reader holds is queued again (``_CODER_RETRIES`` times)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.codec or entry.dead:
+                return
+            entry.readers += 1
+        try:
+            raw = self._contiguous(entry.extents, entry.length, "raw")
+            coded = self.codec.encode(memoryview(raw), self._element_bytes)
+            need = -(-len(coded) // self._page) if coded is not None else 0
+            if coded is None or need >= len(entry.pages):  # too small, or no page saved
+                with self._lock:
+                    self._coder_counts["kept_raw"] += 1
+                return
+            digest = checksum(raw)
+            with self._lock:
+                if entry.dead or self._entries.get(key) is not entry:
+                    return
+                if entry.readers != 1:
+                    self._coder_counts["busy"] += 1
+                    if attempt < _CODER_RETRIES and not self._stop:
+                        self._enqueue(key, attempt + 1)
+                    return
+                entry.moving = True
+            self._move(entry, coded, need, digest)
+        finally:
+            self._release(entry)
+
+    def _move(self, entry: _Entry, coded: bytes, need: int, digest: int) -> None:
+        """Copy ``coded`` into ``entry``'s first ``need`` pages (it is moving: nobody else reads
+        them, our pin keeps them) and publish the coded form unless it died meanwhile."""
+        extents = _extents(entry.pages[:need], self._page, len(coded))
+        try:
+            src = np.frombuffer(coded, dtype=np.uint8)
+            pos = 0
+            for start, end in extents:
+                self._arena[start:end] = src[pos : pos + end - start]
+                pos += end - start
+        finally:
+            with self._lock:
+                entry.moving = False
+                if not entry.dead:
+                    for page in entry.pages[need:]:
+                        heapq.heappush(self._free, page)
+                    entry.pages = entry.pages[:need]
+                    entry.extents = extents
+                    self._used -= entry.stored - len(coded)
+                    entry.codec, entry.stored, entry.checksum = LOSSLESS_ID, len(coded), digest
+                    self._coder_counts["coded"] += 1
+                    self.stats.add(coded=1)
+                self._cond.notify_all()
+
+    def _contiguous(self, extents: list[tuple[int, int]], nbytes: int, slot: str) -> np.ndarray:
+        """The bytes of ``extents`` as one array: the arena view of a single run, else a copy in
+        this thread's scratch ``slot``."""
+        if len(extents) == 1:
+            start, end = extents[0]
+            return self._arena[start:end]
+        buf = self._scratch.get(nbytes, slot)
+        pos = 0
+        for start, end in extents:
+            buf[pos : pos + end - start] = self._arena[start:end]
+            pos += end - start
+        return buf
+
+    def _decode(self, entry: _Entry, out: np.ndarray) -> bool:
+        """Decode a pinned coded entry into ``out`` (exactly its raw length) and verify its
+        checksum; False (counted as corrupt) when either fails."""
+        stored = self._contiguous(entry.extents, entry.stored, "stored")
+        try:
+            decode_into(entry.codec, memoryview(stored), memoryview(out), self._element_bytes)
+            if checksum(out) != entry.checksum:
+                raise CorruptEntry("checksum of the decoded bytes does not match")
+        except CorruptEntry as exc:
+            log.warning("ram tier %s: a coded entry does not decode (%s); a miss", self.name, exc)
+            self.stats.add(corrupt=1)
+            with self._lock:
+                self._coder_counts["corrupt"] += 1
+            return False
+        return True
+
+
+class _DecodedOnUse(Sequence):
+    """What ``borrow`` yields for a coded entry: one segment, its raw bytes, decoded (and
+    verified) on first access while the ``with`` block pins the entry, so a caller that only
+    wanted the pin (the server, which hands the coded pages to its client) decodes nothing.
+    CorruptEntry from that access when the stored bytes do not decode to the checksum."""
+
+    def __init__(self, tier: RamTier, entry: _Entry):
+        self._tier = tier
+        self._entry = entry
+        self._raw: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(1))]
+        if i not in (0, -1):
+            raise IndexError("a decoded entry is one segment")
+        if self._raw is None:
+            raw = np.empty(self._entry.length, dtype=np.uint8)
+            if not self._tier._decode(self._entry, raw):
+                raise CorruptEntry(f"ram tier {self._tier.name}: a coded entry does not decode")
+            raw.flags.writeable = False
+            self._raw = raw
+        return self._raw
 
 
 def _extents(pages: list[int], page_size: int, length: int) -> list[tuple[int, int]]:

@@ -21,6 +21,15 @@ def _ram(request, tmp_path, capacity: int) -> Tier:
     return RamTier(RamTier.Config(capacity=capacity, page_size=4096), name="ram")
 
 
+def _ram_lossless(request, tmp_path, capacity: int) -> Tier:
+    """A coded arena (``kvtier serve``'s, shared through a file), its coder running."""
+    from kvtier.tiers.ram import RamTier
+
+    path = tmp_path / f"arena-{len(list(tmp_path.glob('arena-*')))}"
+    return RamTier(RamTier.Config(capacity=capacity, page_size=4096, shm_path=str(path), codec="lossless"),
+                   name="ram")
+
+
 def _disk(request, tmp_path, capacity: int) -> Tier:
     from kvtier.tiers.disk import DiskTier
 
@@ -59,6 +68,7 @@ def _fs(request, tmp_path, capacity: int) -> Tier:
 
 FACTORIES: dict[str, Callable[..., Tier]] = {
     "ram": _ram,
+    "ram-lossless": _ram_lossless,
     "disk": _disk,
     "disk-odirect": _disk_direct,
     "redis": _redis,
