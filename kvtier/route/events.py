@@ -86,8 +86,18 @@ def _token_ids(value: Any) -> list[int]:
     return list(value)
 
 
+def _optional(ev: dict[str, Any], name: str, kind: type) -> Any:
+    """Field ``name`` of an event: None or exactly of type ``kind``; ValueError else."""
+    value = ev.get(name)
+    if value is not None and type(value) is not kind:
+        raise ValueError(f"{name} is not {kind.__name__}")
+    return value
+
+
 def _apply_one(index: PrefixIndex, engine: str, kind: str, ev: dict[str, Any]) -> None:
-    """Apply one decoded event (checked before the index changes); raises on a malformed one."""
+    """Apply one decoded event (checked before the index changes); raises on a malformed one.
+    Its KV cache group (``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``)
+    decides how the index counts it (``kvtier.route.index``)."""
     if kind == "BlockStored":
         medium = normalize_medium(ev.get("medium"), ev.get("locality"), ev.get("ownership"))
         tokens = _token_ids(ev.get("token_ids"))
@@ -101,13 +111,17 @@ def _apply_one(index: PrefixIndex, engine: str, kind: str, ev: dict[str, Any]) -
         lora = ev.get("lora_name") or ""
         if not isinstance(lora, str):
             raise ValueError("lora_name is not a string")
-        index.apply_stored(engine, hashes, parent, tokens, block_size, medium, lora)
+        group = _optional(ev, "group_idx", int)
+        spec_kind = _optional(ev, "kv_cache_spec_kind", str)
+        window = _optional(ev, "kv_cache_spec_sliding_window", int)
+        index.apply_stored(engine, hashes, parent, tokens, block_size, medium, lora, group=group, kind=spec_kind,
+                           window=window)
     elif kind == "BlockRemoved":
         medium = normalize_medium(ev.get("medium"), ev.get("locality"), ev.get("ownership"))
         hashes = [_hashable(h) for h in ev.get("block_hashes") or ()]
         for h in hashes:
             hash(h)
-        index.apply_removed(engine, hashes, medium)
+        index.apply_removed(engine, hashes, medium, group=_optional(ev, "group_idx", int))
     elif kind == "AllBlocksCleared":
         index.clear_engine(engine)
 

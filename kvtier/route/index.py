@@ -18,6 +18,35 @@ Contracts
   before it are not indexed.
 * ``clear_engine`` drops every entry of one engine (``AllBlocksCleared``, an engine leaving).
 * Single-threaded: the router calls it from one event loop.
+
+KV cache groups (vLLM's hybrid KV cache manager: full attention beside sliding-window layers)
+------------------------------------------------------------------------------------------
+vLLM publishes each group's blocks as events of their own (``group_idx``, with
+``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window`` on ``BlockStored``; kvtier's connector
+publishes its tiers' entries the same way). A prefix of ``n`` blocks is loadable by an engine only
+when every group can load it at the same token count: every full-attention group holds blocks
+``0..n-1`` (those name the prefix), and every sliding-window group of window ``w`` holds the
+blocks vLLM keeps to resume at ``n * block_size`` tokens, ``[max(0, n*B - w + 1) // B, n)``
+(vLLM's ``SlidingWindowManager``). So:
+
+* a group's role is learned from its ``BlockStored`` events: ``full_attention``,
+  ``mla_attention`` and ``sink_full_attention`` *name* the prefix (``holders``: a medium counts
+  for an engine once every naming group of that engine holds the key in it); ``sliding_window``
+  and ``sliding_window_mla`` with a window are *window* groups (``window_run`` cuts a prefix to
+  where every window group holds its window). An event without a kind counts as naming for
+  ``group_idx`` None or 0 (dense engines and producers that predate the kinds) and, for any other
+  group, takes the role the group's earlier events gave it;
+* events of any other group (chunked local attention, whose chunk size events do not carry;
+  Mamba state; a kind this index does not know; a kind-less group it never saw) are ignored and
+  counted in ``ignored``: never indexed as something they are not. A removal names its group by
+  index only; it acts on the role that group's stores gave it.
+* roles are learned per engine, from its own events: until an engine's window group has
+  published once, that engine counts as dense (vLLM publishes every group's blocks of a prefill
+  in one batch, so this lasts no longer than its first batch);
+* engine hashes are shared by all groups (vLLM hashes a block by content), so one map per engine
+  turns any group's hashes into content keys. A window group's ``BlockStored`` may name fewer
+  blocks than its tokens cover (vLLM skips the null blocks before the window): its hashes are the
+  trailing blocks of the range.
 """
 
 from __future__ import annotations
@@ -26,11 +55,29 @@ import hashlib
 import struct
 from array import array
 from collections import OrderedDict
-from typing import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Callable, Hashable, Iterable, Mapping, Sequence
 
 KEY_BYTES = 16
 _ROOT_TAG = b"kvtier-route/1"
 GPU = "GPU"
+
+#: ``kv_cache_spec_kind`` values (vLLM's ``KVCacheSpecKind``) whose blocks name a prefix
+NAMING_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+#: kinds that hold only a window of ``kv_cache_spec_sliding_window`` tokens before the boundary
+WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
+NAME = "name"
+WINDOW = "window"
+IGNORE = "ignore"
+
+
+@dataclass(frozen=True)
+class GroupRole:
+    """What one KV cache group of an engine counts for: ``NAME`` (its blocks name the prefix),
+    ``WINDOW`` (it must hold ``window`` tokens before the boundary) or ``IGNORE`` (not indexed)."""
+
+    role: str
+    window: int = 0
 
 
 def root_key(namespace: str = "") -> bytes:
@@ -78,37 +125,90 @@ class PrefixIndex:
     def __init__(self, max_keys: int = 1_000_000, block_size: int = 0) -> None:
         self.max_keys = max_keys
         self.block_size = block_size
-        self._keys: OrderedDict[bytes, dict[str, set[str]]] = OrderedDict()
+        # content key -> engine -> medium -> the engine's naming groups holding it there
+        self._keys: OrderedDict[bytes, dict[str, dict[str, set[int]]]] = OrderedDict()
+        # content key -> (engine, window group) -> media holding it (bounded like ``_keys``)
+        self._windows: OrderedDict[bytes, dict[tuple[str, int], set[str]]] = OrderedDict()
         self._hashes: dict[str, OrderedDict[Hashable, tuple[bytes, ...]]] = {}
+        self._roles: dict[str, dict[int, GroupRole]] = {}  # engine -> group index -> role
         self.orphans = 0
         self.evicted = 0
+        self.ignored = 0  # events of groups not indexed (see the module docstring)
 
     def __len__(self) -> int:
         return len(self._keys)
 
     # --- queries ---------------------------------------------------------------------------
     def holders(self, key: bytes) -> Mapping[str, set[str]] | None:
-        """Who holds ``key`` (engine -> media), refreshing it in the LRU; None when nobody."""
+        """Who holds ``key`` (engine -> media where every naming group of the engine holds it),
+        refreshing it in the LRU; None when nobody."""
         entry = self._keys.get(key)
-        if entry is not None:
-            self._keys.move_to_end(key)
-        return entry
+        if entry is None:
+            return None
+        self._keys.move_to_end(key)
+        out = {}
+        for engine, media in entry.items():
+            need = self._naming(engine)
+            held = {m for m, groups in media.items() if groups >= need}
+            if held:
+                out[engine] = held
+        return out or None
 
     def engines(self) -> set[str]:
         """Engines with at least one remembered hash."""
         return set(self._hashes)
 
+    def windows(self, engine: str) -> dict[int, int]:
+        """``engine``'s window groups: group index -> window (tokens); {} for a dense engine."""
+        return {g: r.window for g, r in self._roles.get(engine, {}).items() if r.role == WINDOW}
+
+    def window_run(self, engine: str, keys: Sequence[bytes], run: int, shared_media: frozenset[str] = frozenset(),
+                   also: Callable[[int], bool] | None = None) -> int:
+        """The largest ``n <= run`` at which every window group of ``engine`` holds its window
+        before block ``n`` of ``keys`` (``run``: how many leading ``keys`` the naming groups
+        hold). A window block counts when the engine's group holds it in any medium, when any
+        engine's group of the same index holds it in one of ``shared_media`` (a pool every
+        engine loads), or when ``also(i)`` says so (a block just routed to the engine)."""
+        windows = self.windows(engine)
+        if not windows or run <= 0 or self.block_size <= 0:
+            return run
+        bs = self.block_size
+        held: dict[tuple[int, int], bool] = {}
+
+        def has(group: int, i: int) -> bool:
+            if (group, i) not in held:
+                entry = self._windows.get(keys[i], {})
+                ok = bool(entry.get((engine, group))) or (also is not None and also(i)) or any(
+                    g == group and media & shared_media for (_, g), media in entry.items())
+                held[(group, i)] = ok
+            return held[(group, i)]
+
+        for n in range(run, 0, -1):
+            if all(has(g, i) for g, w in windows.items() for i in range(max(0, n * bs - w + 1) // bs, n)):
+                return n
+        return 0
+
     # --- updates ---------------------------------------------------------------------------
     def apply_stored(self, engine: str, block_hashes: Sequence[Hashable], parent_hash: Hashable | None,
                      token_ids: Sequence[int] | None, block_size: int, medium: str,
-                     namespace: str = "") -> int:
-        """Record a ``BlockStored``; returns how many content keys it added or refreshed."""
+                     namespace: str = "", group: int | None = None, kind: str | None = None,
+                     window: int | None = None) -> int:
+        """Record a ``BlockStored`` of KV cache group ``group`` (``kind``/``window``: its
+        ``kv_cache_spec_kind``/``kv_cache_spec_sliding_window``); returns how many content keys
+        it added or refreshed (0 for a group not indexed, counted in ``ignored``)."""
+        gid, role = self._role(engine, group, kind, window)
+        if role is None:
+            self.ignored += 1
+            return 0
         hashes = self._hashes.setdefault(engine, OrderedDict())
         if not token_ids:  # an offload report of blocks the engine announced before (no tokens)
-            return self._add_known(engine, hashes, block_hashes, medium)
+            return self._add_known(engine, hashes, block_hashes, medium, gid, role)
         n = len(block_hashes)
-        if n == 0 or block_size <= 0 or len(token_ids) != n * block_size:
+        if n == 0 or block_size <= 0 or len(token_ids) % block_size:
             return 0  # partial block (or malformed): not indexed
+        m = len(token_ids) // block_size  # blocks the tokens cover; a window group may skip leading ones
+        if m < n or (m > n and role.role != WINDOW):
+            return 0
         if self.block_size <= 0:
             if medium != GPU:
                 return 0  # the engine's own pool sets the granularity, not a tier's larger chunks
@@ -124,30 +224,41 @@ class PrefixIndex:
                 return 0
             parent = known[-1]
         added = 0
-        for i, engine_hash in enumerate(block_hashes):
+        for i in range(m):
             tokens = token_ids[i * block_size:(i + 1) * block_size]
             keys = tuple(chunk_keys(tokens, self.block_size, parent=parent))
             parent = keys[-1]
-            self._remember(hashes, engine_hash, keys)
+            if i < m - n:
+                continue  # a block the group does not hold (vLLM's null block before the window)
+            self._remember(hashes, block_hashes[i - (m - n)], keys)
             for key in keys:
-                self._hold(key, engine, medium)
+                self._hold(key, engine, medium, gid, role)
             added += len(keys)
         return added
 
-    def apply_removed(self, engine: str, block_hashes: Iterable[Hashable], medium: str) -> int:
-        """Record a ``BlockRemoved``; returns how many (key, medium) holdings it dropped."""
+    def apply_removed(self, engine: str, block_hashes: Iterable[Hashable], medium: str,
+                      group: int | None = None) -> int:
+        """Record a ``BlockRemoved`` of group ``group``; returns how many (key, medium) holdings
+        it dropped (0 for a group not indexed, counted in ``ignored``)."""
+        gid = 0 if group is None else group
+        role = self._roles.get(engine, {}).get(gid, GroupRole(NAME) if gid == 0 else GroupRole(IGNORE))
+        if role.role == IGNORE:
+            self.ignored += 1
+            return 0
         hashes = self._hashes.get(engine)
         if hashes is None:
             return 0
         dropped = 0
         for engine_hash in block_hashes:
             for key in hashes.get(engine_hash, ()):
-                dropped += self._release(key, engine, medium)
+                dropped += self._release(key, engine, medium, gid, role)
         return dropped
 
     def clear_engine(self, engine: str) -> int:
-        """Drop every holding of ``engine`` and its hash map; returns how many keys it held."""
+        """Drop every holding of ``engine``, its hash map and its groups' roles; returns how
+        many (naming) keys it held."""
         self._hashes.pop(engine, None)
+        self._roles.pop(engine, None)
         gone = 0
         for key in list(self._keys):
             entry = self._keys[key]
@@ -155,14 +266,43 @@ class PrefixIndex:
                 gone += 1
                 if not entry:
                     del self._keys[key]
+        for key in list(self._windows):
+            entry = self._windows[key]
+            for holder in [h for h in entry if h[0] == engine]:
+                del entry[holder]
+            if not entry:
+                del self._windows[key]
         return gone
 
     # --- internals -------------------------------------------------------------------------
-    def _add_known(self, engine: str, hashes: OrderedDict, block_hashes: Sequence[Hashable], medium: str) -> int:
+    def _naming(self, engine: str) -> set[int]:
+        """The engine's naming groups ({0} until its events say otherwise)."""
+        return {g for g, r in self._roles.get(engine, {}).items() if r.role == NAME} or {0}
+
+    def _role(self, engine: str, group: int | None, kind: str | None,
+              window: int | None) -> tuple[int, GroupRole | None]:
+        """(group index, its role; None: not indexed) for a ``BlockStored``, learning the role
+        from the event's kind (see the module docstring)."""
+        gid = 0 if group is None else group
+        roles = self._roles.setdefault(engine, {})
+        if kind is None:
+            role = roles.get(gid)
+            if role is None and gid == 0:
+                role = roles[gid] = GroupRole(NAME)
+        elif kind in NAMING_KINDS:
+            role = roles[gid] = GroupRole(NAME)
+        elif kind in WINDOW_KINDS and type(window) is int and window > 0:
+            role = roles[gid] = GroupRole(WINDOW, window)
+        else:
+            role = roles[gid] = GroupRole(IGNORE)
+        return gid, role if role is not None and role.role != IGNORE else None
+
+    def _add_known(self, engine: str, hashes: OrderedDict, block_hashes: Sequence[Hashable], medium: str,
+                   group: int, role: GroupRole) -> int:
         added = 0
         for engine_hash in block_hashes:
             for key in hashes.get(engine_hash, ()):
-                self._hold(key, engine, medium)
+                self._hold(key, engine, medium, group, role)
                 added += 1
         return added
 
@@ -172,7 +312,18 @@ class PrefixIndex:
         while len(hashes) > self.max_keys:
             hashes.popitem(last=False)
 
-    def _hold(self, key: bytes, engine: str, medium: str) -> None:
+    def _hold(self, key: bytes, engine: str, medium: str, group: int = 0, role: GroupRole = GroupRole(NAME)) -> None:
+        if role.role == WINDOW:
+            wentry = self._windows.get(key)
+            if wentry is None:
+                wentry = self._windows[key] = {}
+                while len(self._windows) > self.max_keys:
+                    self._windows.popitem(last=False)
+                    self.evicted += 1
+            else:
+                self._windows.move_to_end(key)
+            wentry.setdefault((engine, group), set()).add(medium)
+            return
         entry = self._keys.get(key)
         if entry is None:
             entry = self._keys[key] = {}
@@ -181,16 +332,31 @@ class PrefixIndex:
                 self.evicted += 1
         else:
             self._keys.move_to_end(key)
-        entry.setdefault(engine, set()).add(medium)
+        entry.setdefault(engine, {}).setdefault(medium, set()).add(group)
 
-    def _release(self, key: bytes, engine: str, medium: str) -> int:
+    def _release(self, key: bytes, engine: str, medium: str, group: int = 0,
+                 role: GroupRole = GroupRole(NAME)) -> int:
+        if role.role == WINDOW:
+            wentry = self._windows.get(key)
+            media = wentry.get((engine, group)) if wentry is not None else None
+            if not media or medium not in media:
+                return 0
+            media.discard(medium)
+            if not media:
+                del wentry[(engine, group)]
+                if not wentry:
+                    del self._windows[key]
+            return 1
         entry = self._keys.get(key)
-        if entry is None or medium not in entry.get(engine, ()):
+        groups = entry.get(engine, {}).get(medium) if entry is not None else None
+        if not groups or group not in groups:
             return 0
-        media = entry[engine]
-        media.discard(medium)
-        if not media:
-            del entry[engine]
-            if not entry:
-                del self._keys[key]
+        groups.discard(group)
+        if not groups:
+            media = entry[engine]
+            del media[medium]
+            if not media:
+                del entry[engine]
+                if not entry:
+                    del self._keys[key]
         return 1

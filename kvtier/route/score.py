@@ -191,8 +191,13 @@ class Decision:
 def prefix_matches(keys: Sequence[bytes], engines: Sequence[str], index: PrefixIndex,
                    speculative: Speculative | None, weight_of: Callable[[str], float],
                    shared_media: frozenset[str]) -> dict[str, tuple[float, int]]:
-    """Per engine: (sum of tier weights over its longest consecutive run of ``keys``, run length)."""
+    """Per engine: (sum of tier weights over its longest consecutive run of ``keys``, run length).
+
+    On an engine with sliding-window KV cache groups (a hybrid model) the run is what every
+    group can load at the same token count: the naming (full-attention) groups' run, cut back
+    to where every window group holds its window (``PrefixIndex.window_run``)."""
     result = {e: (0.0, 0) for e in engines}
+    hybrid = {e: [] for e in engines if index.windows(e)}  # per-block weights, to cut the run back
     alive = set(engines)
     for i, key in enumerate(keys):
         holders = index.holders(key) or {}
@@ -208,8 +213,17 @@ def prefix_matches(keys: Sequence[bytes], engines: Sequence[str], index: PrefixI
                 continue
             total, _ = result[engine]
             result[engine] = (total + w, i + 1)
+            if engine in hybrid:
+                hybrid[engine].append(w)
         if not alive:
             break
+    for engine, weights in hybrid.items():
+        def routed(i: int, engine: str = engine) -> bool:
+            return speculative is not None and engine in speculative.engines(keys[i])
+
+        run = index.window_run(engine, keys, result[engine][1], shared_media, routed)
+        if run < result[engine][1]:
+            result[engine] = (sum(weights[:run]), run)
     return result
 
 

@@ -21,6 +21,19 @@ it is made of:
   require exactly this pairing: vllm-router's ``kv_aware`` admits an event whose ``locality``
   is ``LOCAL`` only without ``ownership`` and ``REMOTE`` only with one, and drops the rest.
 
+KV cache groups (vLLM's hybrid KV cache manager): kvtier stores each group's part of a chunk as
+an entry of its own (``kvtier.keys.group_key``), and publishes it as vLLM's block pool publishes
+that group's blocks: the same block hashes, parent and tokens for every group (vLLM hashes a
+block by content, not by group), ``group_idx`` the group's index, ``kv_cache_spec_kind`` and
+``kv_cache_spec_sliding_window`` as vLLM's ``KVCacheManager.take_events`` annotates them
+(``full_attention``, ``mla_attention``, ``sliding_window`` with its window, ...);
+``BlockRemoved`` carries ``group_idx`` too. A window group publishes only the chunks kvtier keeps
+of it (its window before the prompt's last chunk boundary, and later chunks), so a router learns
+exactly what each group can load. Within one batch the full-attention groups' events come first
+(the worker writes group by group, and a window chunk's parent is named by the full group's
+event of the chunk before it): a consumer that chains by parent hash never sees a window event
+before the block it chains from.
+
 What each chunk needs is remembered when its save or load is planned (``ChunkEvents.record``), in
 a bounded LRU; an event for a chunk no longer remembered is not published (counted in
 ``dropped``), since a store event without its tokens would be rejected by routers anyway.
@@ -34,10 +47,13 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
+
+from kvtier.integrations.vllm.groups import FULL, GroupSpec
+from kvtier.keys import group_key
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -102,15 +118,20 @@ class ChunkEvents:
     """
 
     def __init__(self, block_size: int, blocks_per_chunk: int, server: bool = False, max_chunks: int = MAX_CHUNKS,
-                 tiers: Iterable[type] = ()):
+                 tiers: Iterable[type] = (), groups: Sequence[GroupSpec] = ()):
         """``tiers``: the store's tier classes (a plugin tier's medium and locality are read
-        from its class; the built-in ones are known without)."""
+        from its class; the built-in ones are known without). ``groups``: vLLM's KV cache
+        groups (none: one full-attention group 0, a dense model); a store event names a group's
+        entry (``group_key`` of the chunk's key) and is published with that group's fields."""
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
         self.server = server
         self._media = {**_builtin_media(), **_declared(tiers)}
+        self.groups = tuple(groups) or (GroupSpec(0, FULL, (), block_size),)
         self.max_chunks = max_chunks
-        self._info: OrderedDict[bytes, ChunkInfo] = OrderedDict()
+        # store key of one group's entry -> (the chunk's fields, its group); every group's
+        # entry of a chunk is remembered together, so the bound is per chunk
+        self._info: OrderedDict[bytes, tuple[ChunkInfo, GroupSpec]] = OrderedDict()
         self.dropped = 0  # store events of chunks no longer remembered (not published)
 
     def record(self, request: "Request | None", keys: list[bytes], chunk: int, tokens: Iterable[int],
@@ -119,8 +140,10 @@ class ChunkEvents:
         under ``store_key``: the key the worker's store events name it by (worker rank 0 of
         stage 0's share of it; ``keys[chunk]`` itself by default, as with one worker)."""
         key = keys[chunk] if store_key is None else store_key
-        if key in self._info:
-            self._info.move_to_end(key)
+        entries = [group_key(key, group.index) for group in self.groups]
+        if all(entry in self._info for entry in entries):
+            for entry in entries:
+                self._info.move_to_end(entry)
             return
         bpc, bs = self.blocks_per_chunk, self.block_size
         first = chunk * bpc
@@ -139,27 +162,37 @@ class ChunkEvents:
                 per_block.append(keys_b)
             extra = to_event_extra_keys(per_block) if any(k is not None for k in per_block) else None
         lora = getattr(request, "lora_request", None)
-        self._info[key] = ChunkInfo(tuple(hashes), parent, array("I", tokens), extra,
-                                    lora.lora_name if lora else None, lora.adapter_id if lora else None)
-        while len(self._info) > self.max_chunks:
+        info = ChunkInfo(tuple(hashes), parent, array("I", tokens), extra,
+                         lora.lora_name if lora else None, lora.adapter_id if lora else None)
+        for entry, group in zip(entries, self.groups):
+            self._info[entry] = (info, group)
+            self._info.move_to_end(entry)
+        while len(self._info) > self.max_chunks * len(self.groups):
             self._info.popitem(last=False)
 
     def events(self, store_events: Iterable[tuple[str, bytes, str]]) -> list[KVCacheEvent]:
-        """vLLM events for kvtier store events ``(kind, key, medium)``, in order."""
-        out: list[KVCacheEvent] = []
+        """vLLM events for kvtier store events ``(kind, key, medium)``: in order, except that
+        the full-attention groups' events come before the window groups' (each group's own
+        events keep their order)."""
+        full: list[KVCacheEvent] = []
+        window: list[KVCacheEvent] = []
         for kind, key, medium in store_events:
-            info = self._info.get(key)
-            if info is None:
+            known = self._info.get(key)
+            if known is None:
                 self.dropped += 1
                 continue
+            info, group = known
             med, locality, ownership = event_medium(medium, self.server, self._media)
             if kind == "stored":
-                out.append(BlockStored(block_hashes=list(info.block_hashes), parent_block_hash=info.parent,
-                                       token_ids=info.token_ids.tolist(), block_size=self.block_size,
-                                       lora_id=info.lora_id, medium=med, lora_name=info.lora_name,
-                                       extra_keys=info.extra_keys, group_idx=0, locality=locality,
-                                       ownership=ownership))
+                event = BlockStored(block_hashes=list(info.block_hashes), parent_block_hash=info.parent,
+                                    token_ids=info.token_ids.tolist(), block_size=self.block_size,
+                                    lora_id=info.lora_id, medium=med, lora_name=info.lora_name,
+                                    extra_keys=info.extra_keys, group_idx=group.index,
+                                    kv_cache_spec_kind=group.kv_event_kind,
+                                    kv_cache_spec_sliding_window=group.event_window, locality=locality,
+                                    ownership=ownership)
             else:
-                out.append(BlockRemoved(block_hashes=list(info.block_hashes), medium=med, group_idx=0,
-                                        locality=locality, ownership=ownership))
-        return out
+                event = BlockRemoved(block_hashes=list(info.block_hashes), medium=med, group_idx=group.index,
+                                     locality=locality, ownership=ownership)
+            (full if group.kind == FULL else window).append(event)
+        return full + window

@@ -46,6 +46,17 @@ class GroupSpec:
     attention_chunk: int = 0
     describe: str = ""
     replicated: bool = False  # every TP rank holds the same bytes (MLA's latent)
+    # how vLLM's own KV events name the group (``BlockStored.kv_cache_spec_kind`` /
+    # ``kv_cache_spec_sliding_window``, vLLM's ``get_kv_cache_spec_kind`` and
+    # ``get_kv_cache_spec_sliding_window``); "" for a group built without a vLLM spec
+    event_kind: str = ""
+    event_window: int | None = None
+
+    @property
+    def kv_event_kind(self) -> str:
+        """``kv_cache_spec_kind`` of the group's KV events: vLLM's own value, else
+        ``full_attention`` for a full group (a dense model) and ``sliding_window`` for a window."""
+        return self.event_kind or ("full_attention" if self.kind == FULL else "sliding_window")
 
     def skipped_tokens(self, computed: int) -> int:
         """Tokens before ``computed`` that vLLM no longer keeps for this group (its null
@@ -82,16 +93,21 @@ def groups_of(kv_cache_config: Any, model_type: str = "") -> list[GroupSpec]:
         MLAAttentionSpec,
         SlidingWindowSpec,
         UniformTypeKVCacheSpecs,
+        get_kv_cache_spec_kind,
+        get_kv_cache_spec_sliding_window,
     )
 
     out = []
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
+        window = get_kv_cache_spec_sliding_window(spec)
+        event = dict(event_kind=str(get_kv_cache_spec_kind(spec).value),
+                     event_window=int(window) if window is not None else None)
         if isinstance(spec, UniformTypeKVCacheSpecs):  # one attention type, per-layer specs
             spec = next(iter(spec.kv_cache_specs.values()))
         name = type(spec).__name__
         common = dict(index=i, layer_names=tuple(group.layer_names), block_size=int(spec.block_size),
-                      describe=_describe(i, spec, group.layer_names))
+                      describe=_describe(i, spec, group.layer_names), **event)
         if isinstance(spec, SlidingWindowSpec) and type(spec) is SlidingWindowSpec:
             out.append(GroupSpec(kind=WINDOW, sliding_window=int(spec.sliding_window),
                                  extra_retained=int(spec.extra_retained_tokens), **common))

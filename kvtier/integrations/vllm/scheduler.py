@@ -38,8 +38,9 @@ for requests waiting for their load, never per block.
 
 Events for routers (when vLLM publishes KV events): ``take_events`` turns the worker's store
 events into vLLM ``BlockStored``/``BlockRemoved`` events shaped as the engine's own (its block
-hashes, block size, token ids and extra keys; see ``events.py``), from what was remembered when
-each chunk's save or load was planned.
+hashes, block size, token ids and extra keys; each group's entries with that group's
+``group_idx`` and spec kind; see ``events.py``), from what was remembered when each chunk's save
+or load was planned.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class KVTierScheduler:
         self._present: dict[bytes, set[str]] = {}  # chunk key -> media holding it (from events)
         # fields of published events, remembered per chunk (None: vLLM publishes no KV events)
         self.chunk_events = (ChunkEvents(geometry.block_size, geometry.blocks_per_chunk, server=bool(config.server),
-                                         tiers=[spec.tier_class for spec in config.store.tiers])
+                                         tiers=[spec.tier_class for spec in config.store.tiers], groups=self.groups)
                              if publish_events else None)
         self._events: list = []
         self._background = config.transfer_mode == "async"
