@@ -29,6 +29,17 @@ writable by nobody else, and as large as announced. A failed check raises ``Untr
 from the constructor; on a later reconnect it is logged and counted (``untrusted``), and the
 client keeps serving misses.
 
+Coded arenas: a server whose arena codes its entries (``codec: lossless``) leases a coded entry
+as stored, with its codec, raw length and raw checksum, to clients that said in their hello
+that they decode it (this client does where ``blosc2`` is installed). ``read`` then decodes the
+leased pages into a buffer of its own (``get_into``: straight into the caller's buffer) before
+the lease goes back, and hands that to ``consume``. The reply is not trusted: the codec must be
+``lossless``, the raw length at most ``max_entry_bytes``, the leased bytes fewer than it, the
+frame's own declared size equal to it before a byte is decoded, and the xxh3-64 of the decoded
+bytes equal to the checksum. Any failure is a miss (``corrupt``), never an exception or a large
+allocation, and the client deletes the key on the server (a garbled entry would miss for every
+reader). Decoding costs this process a core for the read (Blosc2 LZ4 decodes ~2.4 GB/s on one).
+
 Deadlines: every call has a total deadline, lock wait included: ``lookup_timeout`` for the calls
 on the engine's scheduling path (``lookup``, ``take_events``), ``timeout`` for data transfer and
 the rest (the time spent in the caller's own ``consume``/``fill`` is not counted). A call past its
@@ -67,7 +78,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from kvtier.errors import KVTierError
+from kvtier.buffers import BufferTooSmall, Scratch, byte_view, gather_into
+from kvtier.errors import CorruptEntry, KVTierError
 from kvtier.keys import Key
 from kvtier.server import protocol as P
 from kvtier.store.base import KVStore
@@ -103,6 +115,8 @@ class _ClientCounters:
     writes: int = 0
     write_failures: int = 0
     direct_writes: int = 0  # writes that took the direct path (one copy into the arena)
+    decoded: int = 0  # reads of coded arena entries decoded here
+    corrupt: int = 0  # coded entries that failed the checks or did not decode (misses; deleted)
 
 
 @dataclass
@@ -131,16 +145,23 @@ class ServerStore(KVStore):
         False: always through the staging area (two copies; the path before direct writes).
     write_protect: with direct writes, keep the arena mapping read-only except for the pages
         being filled (see the module docstring: safer, slower).
+    max_entry_bytes: the largest raw entry this client decodes (a coded entry declaring more is
+        corrupt: nothing is allocated for it).
     """
 
     def __init__(self, address: str, token: str | None = None, timeout: float = 5.0,
                  backoff: float = 0.2, max_backoff: float = 2.0, connect_timeout: float = 1.0,
                  lookup_timeout: float = 0.25, allowed_uids: Sequence[int] = (), direct_writes: bool = True,
-                 write_protect: bool = False):
+                 write_protect: bool = False, max_entry_bytes: int = 1024**3):
         for name, value in (("timeout", timeout), ("lookup_timeout", lookup_timeout),
                             ("connect_timeout", connect_timeout), ("backoff", backoff)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"ServerStore {name}: {value!r} must be a positive number of seconds")
+        if not (isinstance(max_entry_bytes, int) and max_entry_bytes > 0):
+            raise ValueError(f"ServerStore max_entry_bytes: {max_entry_bytes!r} must be a positive number of bytes")
+        self._max_entry = max_entry_bytes
+        self._decodes = _can_decode()
+        self._scratch = Scratch()
         self.address = address
         self._family, self._where = P.parse_address(address)
         self._token = token
@@ -202,7 +223,10 @@ class ServerStore(KVStore):
                         f"{os.geteuid()} or an allowed uid ({sorted(self._trusted)}); not connecting")
             else:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            P.send_by(sock, {"op": "hello", "version": P.VERSION, "token": self._token}, deadline)
+            hello = {"op": "hello", "version": P.VERSION, "token": self._token}
+            if self._decodes:
+                hello["decodes"] = ["lossless"]
+            P.send_by(sock, hello, deadline)
             reply = P.recv(sock, deadline=deadline)
             if reply is None:
                 raise ConnectionError("server closed the connection during hello")
@@ -335,13 +359,39 @@ class ServerStore(KVStore):
         return int(answer["n"]) if answer is not None else 0
 
     def read(self, key: Key, consume: Callable[[list], None]) -> str | None:
-        """Hand ``key``'s payload to ``consume`` as read-only views of the shared arena.
+        """Hand ``key``'s payload to ``consume`` as read-only views of the shared arena (of this
+        client's decoded copy for a coded entry).
 
         Returns the name of the server tier it came from, or None on a miss or a fault (also when
         ``consume`` finished after the server's lease timeout: the pages may have changed under
         it, so what it copied must not be used). The views are valid only during the call. An
         exception from ``consume`` propagates (after the lease is released).
         """
+        return self._read(key, consume, None)
+
+    def get_into(self, key: Key, out: Any) -> int | None:
+        """``KVStore.get_into``; a coded entry is decoded straight into ``out`` (no copy more)."""
+        dst = byte_view(out)
+        written = 0
+
+        def consume(segments: list) -> None:
+            nonlocal written
+            written = gather_into(segments, dst)
+
+        def decoded(n: int) -> None:
+            nonlocal written
+            written = n
+
+        try:
+            found = self._read(key, consume, (dst, decoded))
+        except BufferTooSmall:
+            self._count_error()
+            return None
+        return written if found is not None else None
+
+    def _read(self, key: Key, consume: Callable[[list], None], into) -> str | None:
+        """``read``; ``into`` = (buffer, callback): a coded entry is decoded into the buffer when
+        it is large enough, and then the callback is told its size instead of calling ``consume``."""
         with self._session(self._timeout) as deadline:
             if deadline is None:
                 self._counters.misses += 1
@@ -356,11 +406,21 @@ class ServerStore(KVStore):
                 return None
             lease_timeout = self._map.lease_timeout_s
             copy_start = time.monotonic()
+            corrupt = direct = False
             try:
-                consume(views)
+                if answer.get("codec") is not None:
+                    views, direct = self._decode(answer, views, into)
+                    corrupt = views is None
+                if not (corrupt or direct):
+                    consume(views)
             finally:
                 copied = time.monotonic()
                 self._call({"op": "release", "lease": answer["lease"]}, deadline + (copied - copy_start), reply=False)
+            if corrupt:
+                self._counters.corrupt += 1
+                self._counters.misses += 1
+                self._call({"op": "delete", "key": bytes(key)}, deadline + (copied - copy_start))
+                return None
             if copied - started >= lease_timeout:
                 self._counters.lease_expired += 1
                 self._counters.misses += 1
@@ -369,6 +429,49 @@ class ServerStore(KVStore):
                 return None
             self._counters.hits += 1
             return answer["tier"]
+
+    def _decode(self, answer: dict, views: list[np.ndarray], into) -> tuple[list | None, bool]:
+        """The raw bytes of a coded entry leased as ``views`` (see the module notes): (one
+        read-only segment, False), or ([], True) when decoded into ``into``'s buffer (its
+        callback told), or (None, False) when a check fails or it does not decode (logged)."""
+        from kvtier.codecs import LOSSLESS_ID, decode_into
+        from kvtier.entry import checksum
+
+        codec, raw, digest = answer.get("codec"), answer.get("raw"), answer.get("checksum")
+        stored = sum(int(v.size) for v in views)
+        problem = None
+        direct = False
+        if codec != LOSSLESS_ID or isinstance(codec, bool):
+            problem = f"codec {codec!r} is not one this client decodes"
+        elif not (isinstance(raw, int) and not isinstance(raw, bool) and 0 < raw <= self._max_entry):
+            problem = f"raw length {raw!r} outside 1..{self._max_entry}"
+        elif not (isinstance(digest, int) and not isinstance(digest, bool) and 0 <= digest < 1 << 64):
+            problem = f"checksum {digest!r} is not a 64-bit value"
+        elif not 0 < stored < raw:
+            problem = f"{stored} stored bytes for {raw} raw bytes"
+        if problem is None:
+            if len(views) == 1:
+                src = views[0]
+            else:
+                src = self._scratch.get(stored, "coded")
+                gather_into(views, src)
+            direct = into is not None and into[0].size >= raw
+            target = into[0][:raw] if direct else self._scratch.get(raw, "raw")
+            try:
+                decode_into(codec, memoryview(src), memoryview(target), 2)
+                if checksum(target) != digest:
+                    raise CorruptEntry("checksum of the decoded bytes does not match")
+            except CorruptEntry as exc:
+                problem = str(exc)
+        if problem is not None:
+            log.warning("kvtier: cache server %s: a coded entry fails its checks (%s); a miss, and deleted",
+                        self.address, problem)
+            return None, False
+        self._counters.decoded += 1
+        if direct:
+            into[1](raw)
+            return [], True
+        return [_readonly(target)], False
 
     def _arena_views(self, answer: dict) -> list[np.ndarray] | None:
         """Read-only views of the extents a ``get`` answered; None (an error) when one lies
@@ -572,6 +675,14 @@ class ServerStore(KVStore):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _can_decode() -> bool:
+    """Whether this process can decode coded arena entries (blosc2 is installed; not imported
+    here: it is imported by the first decode)."""
+    import importlib.util
+
+    return importlib.util.find_spec("blosc2") is not None
 
 
 def _extents(answer: dict, size: int, nbytes: int) -> list[tuple[int, int]] | None:

@@ -26,6 +26,15 @@ visible, and that request is then served as usual (a commit of an unknown lease 
 ``malformed``). A commit carries no extents: the server publishes exactly the pages it reserved. Older clients keep
 using ``reserve`` (staging), which is unchanged.
 
+Coded arena entries (a server whose arena has ``codec: lossless``; ``arena_codec`` in the hello
+reply): a client that lists ``"lossless"`` in its hello's optional ``decodes`` may get a reply
+with ``codec`` (``kvtier.codecs`` id, 1: lossless), ``raw`` (the entry's raw bytes) and
+``checksum`` (xxh3-64 of the raw bytes): ``extents`` then hold the coded bytes, which the client
+decodes into its own buffer (the frame's declared size must equal ``raw``, bounded by the
+client's own entry limit, before a byte is decoded; the checksum is verified after). A client
+that does not list it (every client before coded arenas) is answered a miss for a coded entry,
+never its coded bytes. The protocol version is unchanged: the field is optional both ways.
+
 Every key field (``lookup.keys[i]``, ``get.key``, ``reserve.key``, ``reserve.parent``,
 ``reserve_arena.key``, ``reserve_arena.parent``, ``delete.key``) is a chunk key of exactly ``KEY_BYTES`` bytes; any other length is a
 ``malformed`` error reply and the connection goes on.
@@ -33,13 +42,16 @@ Every key field (``lookup.keys[i]``, ``get.key``, ``reserve.key``, ``reserve.par
 ======== ======================================== ===============================================
 op       request fields                           reply fields
 ======== ======================================== ===============================================
-hello    version:int, token:str|None              version, server_id, arena{path,size},
-                                                  staging{path,size}, page_size, tiers[str],
-                                                  lease_timeout_s, direct_writes:bool
+hello    version:int, token:str|None,             version, server_id, arena{path,size},
+         decodes:[str] (optional)                 staging{path,size}, page_size, tiers[str],
+                                                  lease_timeout_s, direct_writes:bool,
+                                                  arena_codec:str
 lookup   keys:[bytes]                             n (leading keys present in some tier)
 get      key:bytes                                tier (str|None), lease:int, extents[[off,len]]
                                                   (a lease is released by the server after
-                                                  ``lease_timeout_s`` from hello's reply)
+                                                  ``lease_timeout_s`` from hello's reply);
+                                                  a coded entry adds codec:int, raw:int,
+                                                  checksum:int (see below)
 release  lease:int                                (none)
 reserve  key, nbytes:int, parent:bytes|None,      status ("ok"|"exists"|"full"|"quota"), lease, extents
          chunk_index:int                          (offsets in the staging area)
@@ -183,6 +195,12 @@ def validate(message: dict[str, Any]) -> str:
     if op == "flush" and not (math.isfinite(message["timeout"]) and message["timeout"] >= 0):
         raise ProtocolError(MALFORMED, "flush: timeout must be a finite, non-negative number of seconds")
     return op
+
+
+def decodes_lossless(hello: dict[str, Any]) -> bool:
+    """Whether a hello's optional ``decodes`` lists ``"lossless"`` (anything malformed: no)."""
+    decodes = hello.get("decodes")
+    return isinstance(decodes, list) and "lossless" in [d for d in decodes if isinstance(d, str)]
 
 
 def is_key(key: Any) -> bool:

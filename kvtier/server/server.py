@@ -206,6 +206,7 @@ class _ServerCounters:
     direct_aborted: int = 0  # direct writes aborted (abort, connection end, refused commit)
     write_leases_expired: int = 0  # direct-write commits refused: past lease_timeout_s
     direct_abandoned: int = 0  # direct writes ended by a request other than their commit/abort
+    coded_unreadable: int = 0  # gets of coded entries by clients that cannot decode them (misses)
 
 
 class CacheServer:
@@ -229,6 +230,8 @@ class CacheServer:
             self.store.close()
             raise ConfigError("serve: the shared RAM tier could not start; see the warnings above")
         self.store.enable_events()
+        if hasattr(self.arena, "set_element_dtype"):  # a coded arena shuffles by the KV's element width
+            self.arena.set_element_dtype(self.store.config.element_dtype)
         page = int(self.arena.config.page_size)
         try:  # both files are reserved in full at start (OutOfSpace: one line, no SIGBUS later)
             self.staging = RamTier(RamConfig(capacity=config.staging, page_size=page, pin_memory=False,
@@ -251,6 +254,7 @@ class CacheServer:
         self._direct_cap = self.staging.capacity_bytes  # arena bytes all open direct writes may hold
         self._direct_open = 0  # arena bytes held by open direct writes now (guarded by _lock)
         self._warned_quota = False
+        self._warned_coded = False
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -297,7 +301,7 @@ class CacheServer:
             except OSError as exc:
                 raise ServeError(f"serve.metrics: cannot bind {self.config.metrics}: {exc.strerror or exc}") from exc
         self._wait_ready()
-        log.info("kvtier serve: listening on %s, arena %d MiB at %s", self.address, self.arena.capacity_bytes >> 20,
+        log.info("kvtier serve: listening on %s, arena %d MiB at %s", self.address, self.arena.arena_bytes >> 20,
                  self.arena_path)
         return self
 
@@ -433,12 +437,13 @@ class CacheServer:
     def hello_reply(self) -> dict[str, Any]:
         return {
             "ok": True, "version": P.VERSION, "server_id": self.server_id,
-            "arena": {"path": self.arena_path, "size": self.arena.capacity_bytes},
+            "arena": {"path": self.arena_path, "size": self.arena.arena_bytes},
             "staging": {"path": self.staging_path, "size": self.staging.capacity_bytes},
             "page_size": int(self.arena.config.page_size),
             "tiers": [t.name for t in self.store.tiers],
             "lease_timeout_s": float(self.config.lease_timeout_s),
             "direct_writes": True,
+            "arena_codec": getattr(self.arena.config, "codec", "none"),
         }
 
     def check_token(self, token: str | None) -> bool:
@@ -447,11 +452,14 @@ class CacheServer:
             return True
         return token is not None and hmac.compare_digest(token.encode(), self.config.token.encode())
 
-    def get(self, key: bytes, leases: dict) -> dict[str, Any]:
+    def get(self, key: bytes, leases: dict, decodes: bool = False) -> dict[str, Any]:
         """Serve ``key`` from the store (promoting a lower-tier hit) and lease its arena pages.
 
         ``leases`` maps lease id -> (borrow context, expiry instant); a client already holding
-        ``max_leases_per_client`` gets a miss (counted).
+        ``max_leases_per_client`` gets a miss (counted). A coded entry (a coded arena) is leased
+        as stored, its codec, raw length and raw checksum in the reply, to a client that said in
+        its hello that it ``decodes`` it; any other client gets a miss (``coded_unreadable``):
+        it would take the coded bytes for KV.
         """
         self.count(gets=1)
         if len(leases) >= self.config.max_leases_per_client:
@@ -460,17 +468,29 @@ class CacheServer:
         tier = self.store.read(key, _ignore)
         if tier is None:
             return {"ok": True, "tier": None}
-        borrow = self.arena.borrow(key)
-        views = borrow.__enter__()
-        if views is None:  # evicted again at once, or the arena could not take the promotion
+        borrow = self.arena.borrow_stored(key)
+        stored = borrow.__enter__()
+        if stored is None:  # evicted again at once, or the arena could not take the promotion
             borrow.__exit__(None, None, None)
             self.count(lease_misses=1)
+            return {"ok": True, "tier": None}
+        if stored.codec and not decodes:
+            borrow.__exit__(None, None, None)
+            self.count(coded_unreadable=1)
+            if not self._warned_coded:
+                self._warned_coded = True
+                log.warning("kvtier serve: a client that cannot decode coded arena entries (an older client, or "
+                            "one without blosc2) read a coded entry: answered as a miss (counted as "
+                            "coded_unreadable); upgrade it or set the arena's codec to none")
             return {"ok": True, "tier": None}
         lease = next(self._lease_ids)
         leases[lease] = (borrow, time.monotonic() + self.config.lease_timeout_s)
         self.count(get_hits=1)
-        extents = [[self.arena.offset_of(v), int(v.size)] for v in views]
-        return {"ok": True, "tier": tier, "lease": lease, "extents": extents}
+        extents = [[self.arena.offset_of(v), int(v.size)] for v in stored.segments]
+        reply = {"ok": True, "tier": tier, "lease": lease, "extents": extents}
+        if stored.codec:
+            reply.update(codec=stored.codec, raw=stored.length, checksum=stored.checksum)
+        return reply
 
     def reserve(self, msg: dict, pending: dict) -> dict[str, Any]:
         """Reserve staging pages for a put (``exists`` when the arena already holds the key,
@@ -566,6 +586,13 @@ class CacheServer:
         item = pending.pop(lease, None)
         if item is not None:
             self.staging.abort(item[4])
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until the arena's coder and the store's queued lower-tier writes are done
+        (``timeout`` seconds in all); False on timeout."""
+        deadline = time.monotonic() + timeout
+        drained = self.arena.drain(timeout)
+        return self.store.flush(timeout=max(0.0, deadline - time.monotonic())) and drained
 
     def stats(self) -> dict[str, Any]:
         """The store's stats plus the server's counters and open staging bytes."""
@@ -808,6 +835,7 @@ class _Connection:
         self.leases: dict[int, tuple[Any, float]] = {}  # get leases: id -> (borrow context, expiry)
         self.pending: dict[int, tuple] = {}  # put reservations: id -> staging reservation
         self.authenticated = False
+        self.decodes = False  # the client decodes coded arena entries (said so in its hello)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -902,13 +930,14 @@ class _Connection:
             log.warning("kvtier serve: a client presented a wrong token")
             self._try_send(P.error(P.BAD_TOKEN, "wrong or missing token"))
             return False
+        self.decodes = P.decodes_lossless(msg)
         P.send_by(self.sock, server.hello_reply(), time.monotonic() + server.config.hello_timeout_s)
         return True
 
     def _dispatch(self, op: str, msg: dict) -> dict | None:
         server = self.server
         if op == "get":
-            return server.get(msg["key"], self.leases)
+            return server.get(msg["key"], self.leases, self.decodes)
         if op == "release":
             held = self.leases.pop(msg["lease"], None)
             if held is not None:
@@ -932,7 +961,7 @@ class _Connection:
             events = [[kind, key, medium] for kind, key, medium in server.store.take_events()]
             return {"ok": True, "events": events}
         if op == "flush":
-            return {"ok": True, "done": server.store.flush(timeout=min(float(msg["timeout"]), P.MAX_FLUSH_S))}
+            return {"ok": True, "done": server.flush(min(float(msg["timeout"]), P.MAX_FLUSH_S))}
         return P.error(P.MALFORMED, f"op {op!r} is not allowed after hello")
 
     def _try_send(self, reply: dict) -> None:
