@@ -104,7 +104,7 @@ class _Entry:
         self.stored = length  # bytes in the pages: the coded length once coded
         self.codec = 0  # 0 raw, else the codec id of the stored bytes (kvtier.codecs)
         self.checksum = 0  # xxh3-64 of the raw bytes (set when coded)
-        self.moving = False  # the coder is rewriting its pages: acquirers wait
+        self.moving = False  # the coder is rewriting its pages: acquirers wait, its pages stay
         self.dtype = dtype
         self.shape = shape
         self.readers = 0  # copies in progress outside the lock; pages are freed only at 0
@@ -582,7 +582,7 @@ class RamTier(ArenaTier):
         """Take ``entry`` out of service (lock held); its pages return once no reader holds it."""
         self._used -= entry.stored
         entry.dead = True
-        if entry.readers == 0:
+        if entry.readers == 0 and not entry.moving:
             self._free_pages(entry)
 
     def _free_pages(self, entry: _Entry) -> None:
@@ -605,7 +605,7 @@ class RamTier(ArenaTier):
     def _release(self, entry: _Entry) -> None:
         with self._lock:
             entry.readers -= 1
-            if entry.dead and entry.readers == 0:
+            if entry.dead and entry.readers == 0 and not entry.moving:
                 self._free_pages(entry)
 
     def _readonly(self, start: int, end: int) -> np.ndarray:
@@ -664,41 +664,40 @@ class RamTier(ArenaTier):
                     self._cond.notify_all()
 
     def _code(self, key: Key, attempt: int) -> None:
-        """Code one committed raw entry in place: encode it (pinned, lock not held), then, if no
-        reader holds it, mark it moving, copy the coded bytes into its first pages (lock not
-        held; acquirers wait), and publish the coded form, freeing the pages it no longer needs.
-        An entry deleted or replaced meanwhile is left to its fate (its pages return when our pin
-        goes); one a reader holds is queued again (``_CODER_RETRIES`` times)."""
+        """Code one committed raw entry in place: encode it (lock not held), then, if it is still
+        live and no reader holds it, mark it moving, copy the coded bytes into its first pages
+        (lock not held; acquirers wait) and publish the coded form, freeing the pages it no
+        longer needs. The encode holds no pin: an eviction or delete meanwhile frees the pages at
+        once (a pin would hide them from the store, which would evict one entry more), and the
+        work is dropped (what was read from reused pages is never written anywhere). An entry a
+        reader holds is queued again (``_CODER_RETRIES`` times)."""
         with self._lock:
             entry = self._entries.get(key)
-            if entry is None or entry.codec or entry.dead:
+            if entry is None or entry.codec:
                 return
-            entry.readers += 1
-        try:
-            raw = self._contiguous(entry.extents, entry.length, "raw")
-            coded = self.codec.encode(memoryview(raw), self._element_bytes)
-            need = -(-len(coded) // self._page) if coded is not None else 0
+            extents, length = list(entry.extents), entry.length
+        raw = self._contiguous(extents, length, "raw")
+        coded = self.codec.encode(memoryview(raw), self._element_bytes)
+        need = -(-len(coded) // self._page) if coded is not None else 0
+        digest = checksum(raw) if coded is not None else 0
+        with self._lock:
+            if entry.dead or self._entries.get(key) is not entry:
+                return  # evicted, deleted or replaced while it was encoded: ``raw`` may be another's
             if coded is None or need >= len(entry.pages):  # too small, or no page saved
-                with self._lock:
-                    self._coder_counts["kept_raw"] += 1
+                self._coder_counts["kept_raw"] += 1
                 return
-            digest = checksum(raw)
-            with self._lock:
-                if entry.dead or self._entries.get(key) is not entry:
-                    return
-                if entry.readers != 1:
-                    self._coder_counts["busy"] += 1
-                    if attempt < _CODER_RETRIES and not self._stop:
-                        self._enqueue(key, attempt + 1)
-                    return
-                entry.moving = True
-            self._move(entry, coded, need, digest)
-        finally:
-            self._release(entry)
+            if entry.readers:
+                self._coder_counts["busy"] += 1
+                if attempt < _CODER_RETRIES and not self._stop:
+                    self._enqueue(key, attempt + 1)
+                return
+            entry.moving = True
+        self._move(entry, coded, need, digest)
 
     def _move(self, entry: _Entry, coded: bytes, need: int, digest: int) -> None:
-        """Copy ``coded`` into ``entry``'s first ``need`` pages (it is moving: nobody else reads
-        them, our pin keeps them) and publish the coded form unless it died meanwhile."""
+        """Copy ``coded`` into ``entry``'s first ``need`` pages (it is moving: nobody reads them
+        and they stay its own even if it dies meanwhile) and publish the coded form, unless it
+        died: then every page goes back."""
         extents = _extents(entry.pages[:need], self._page, len(coded))
         try:
             src = np.frombuffer(coded, dtype=np.uint8)
@@ -709,7 +708,10 @@ class RamTier(ArenaTier):
         finally:
             with self._lock:
                 entry.moving = False
-                if not entry.dead:
+                if entry.dead:
+                    if entry.readers == 0:
+                        self._free_pages(entry)
+                else:
                     for page in entry.pages[need:]:
                         heapq.heappush(self._free, page)
                     entry.pages = entry.pages[:need]

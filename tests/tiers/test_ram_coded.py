@@ -203,3 +203,32 @@ def test_a_codec_a_ram_tier_does_not_take_is_one_line_listing_the_valid_ones(val
         build(RamConfig, {"codec": value}, "ram")
     message = str(info.value)
     assert "\n" not in message and "none" in message and "lossless" in message
+
+
+def test_an_entry_evicted_while_the_coder_encodes_it_frees_its_pages_at_once(coded, monkeypatch):
+    """Defect found by the arena benchmark: the coder pinned the entry it encoded, so an eviction
+    of it freed nothing until the encode ended, and the store evicted one entry more."""
+    from kvtier.codecs import Codec
+
+    started, go = threading.Event(), threading.Event()
+    encode = Codec.encode
+
+    def slow_encode(self, raw, itemsize):  # fault injection: hold the coder inside its encode
+        started.set()
+        go.wait(10)
+        return encode(self, raw, itemsize)
+
+    monkeypatch.setattr(Codec, "encode", slow_encode)
+    tier = coded(capacity=4 * MiB)
+    assert tier.put(_key(1), _kv(1))
+    assert started.wait(10)
+    free = tier.free_bytes()
+    assert tier.delete(_key(1))
+    assert tier.free_bytes() == free + MiB  # back now, not when the encode ends
+    assert tier.put(_key(2), _kv(2))  # may take the freed pages while the coder still reads them
+    go.set()
+    assert tier.drain(30)
+    out = np.empty(MiB, dtype=np.uint8)
+    assert tier.get_into(_key(2), out) == MiB and np.array_equal(out, _kv(2))
+    assert tier.delete(_key(2)) and tier.drain(30)
+    assert tier.free_bytes() == tier.arena_bytes and tier.used_bytes() == 0
