@@ -57,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def model_kv(variant: str, tokens: int, chunk_tokens: int) -> list[np.ndarray]:
     """Chunks (uint16 views of bf16) of the random model's K/V for ``tokens`` random ids."""
+    return model_docs(variant, 1, tokens, chunk_tokens)[0]
+
+
+def model_docs(variant: str, docs: int, tokens: int, chunk_tokens: int) -> list[list[np.ndarray]]:
+    """``docs`` documents of ``tokens`` random ids each (document d seeded ``1 + d``), run
+    through the random model one at a time (loaded once); per document its K/V chunks (uint16
+    views of bf16), laid out as the connector stores them (per chunk: every layer's K then V)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -64,16 +71,19 @@ def model_kv(variant: str, tokens: int, chunk_tokens: int) -> list[np.ndarray]:
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(make_random_model(variant), dtype=torch.bfloat16)
-    ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        cache = model(ids, use_cache=True).past_key_values
-    layers = [(layer.keys, layer.values) for layer in cache.layers]  # [1, kv_heads, tokens, head_dim]
-    chunks = []
-    for lo in range(0, tokens - chunk_tokens + 1, chunk_tokens):
-        parts = [t[:, :, lo:lo + chunk_tokens].contiguous().view(torch.uint16).numpy().ravel()
-                 for kv in layers for t in kv]
-        chunks.append(np.concatenate(parts))
-    return chunks
+    out = []
+    for d in range(docs):
+        ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1 + d))
+        with torch.no_grad():
+            cache = model(ids, use_cache=True).past_key_values
+        layers = [(layer.keys, layer.values) for layer in cache.layers]  # [1, kv_heads, tokens, head_dim]
+        chunks = []
+        for lo in range(0, tokens - chunk_tokens + 1, chunk_tokens):
+            parts = [t[:, :, lo:lo + chunk_tokens].contiguous().view(torch.uint16).numpy().ravel()
+                     for kv in layers for t in kv]
+            chunks.append(np.concatenate(parts))
+        out.append(chunks)
+    return out
 
 
 def fp8_error(chunks: list[np.ndarray], repeat: int) -> dict:

@@ -219,8 +219,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--work-dir", default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    arenas = parser.add_argument_group("--arenas: a raw and a lossless arena of the same capacity "
+                                       "(kvtier.bench.server_arena)")
+    arenas.add_argument("--arenas", action="store_true", help="run the arena comparison instead")
+    arenas.add_argument("--kv", choices=("model", "synthetic"), default="model", help="KV source (model)")
+    arenas.add_argument("--variant", default="small", help="random test model variant (small)")
+    arenas.add_argument("--docs", type=int, default=12, help="documents written (12)")
+    arenas.add_argument("--doc-tokens", type=int, default=4096, help="tokens per document (4096)")
+    arenas.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (256)")
+    arenas.add_argument("--capacity-fraction", type=float, default=0.5,
+                        help="each arena's capacity as a fraction of the documents' bytes (0.5)")
+    arenas.add_argument("--page", default="16KiB", help="arena page size (16KiB)")
+    arenas.add_argument("--throughput-chunks", type=int, default=64, help="chunks per throughput pass (64)")
     args = parser.parse_args(argv)
     try:
+        args.page = parse_size(args.page, "--page")
+        if args.arenas and (args.docs < 1 or args.chunk_tokens < 1 or args.doc_tokens < args.chunk_tokens
+                            or not 0 < args.capacity_fraction <= 1 or args.page % 4096):
+            raise ConfigError("--arenas: --docs >= 1, --doc-tokens >= --chunk-tokens >= 1, "
+                              "--capacity-fraction in (0, 1], --page a multiple of 4 KiB")
         sizes = [parse_size(s.strip(), "--sizes") for s in args.sizes.split(",") if s.strip()]
         total = parse_size(args.total, "--total")
         if not sizes or min(sizes) <= 0 or args.rounds < 1:
@@ -230,9 +247,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     workdir = tempfile.mkdtemp(prefix="kvtier-bench-server-", dir=args.work_dir)
     try:
-        report = compare_writes(sizes, total, args.rounds, workdir)
+        if args.arenas:
+            from kvtier.bench.server_arena import compare_arenas
+
+            report = compare_arenas(args, workdir)
+        else:
+            report = compare_writes(sizes, total, args.rounds, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    if args.arenas:
+        return _print_arenas(report, args.json)
     if args.json:
         emit_json(report)
     else:
@@ -240,6 +264,24 @@ def main(argv: list[str] | None = None) -> int:
                     [[f"{r['entry_bytes'] / MiB:g} MiB", r["path"], r["op"], r["gb_per_s"], r["vs_memcpy"],
                       r["vs_memcpy_min"], r["vs_memcpy_max"]] for r in report["results"]])
     return 0
+
+
+def _print_arenas(report: dict, as_json: bool) -> int:
+    """The arena comparison as JSON or two tables; 0 when the capacity target is met, else 1."""
+    from kvtier.output import emit_json, print_table
+
+    if as_json:
+        emit_json(report)
+    else:
+        print_table(["codec", "paced", "docs held", "chunks held", "stored MiB", "raw MiB"],
+                    [[r["codec"], r["paced"], r["docs_held"], r["chunks_held"],
+                      round((r["stored_bytes"] or 0) / MiB, 1), round((r["raw_bytes"] or 0) / MiB, 1)]
+                     for r in report["capacity"]],
+                    title=f"arenas of {report['capacity_bytes'] / MiB:.0f} MiB, {report['kv_source']}: docs ratio "
+                          f"{report['docs_ratio_paced']} paced, {report['docs_ratio_burst']} burst (target 1.25)")
+        print_table(["path", "op", "GB/s (median)", "vs memcpy"],
+                    [[r["path"], r["op"], r["gb_per_s"], r.get("vs_memcpy", "")] for r in report["throughput"]])
+    return 0 if report["met"] else 1
 
 
 if __name__ == "__main__":
