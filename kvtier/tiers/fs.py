@@ -30,7 +30,10 @@ reached. Several nodes may scan at once; removing a file twice is harmless. Temp
 than ``stale_tmp_s`` (a writer that crashed) are removed by the scan. A background thread scans
 every ``usage_refresh_s`` seconds (the first scan right after start; 0: no thread, one scan at
 start); a put scans on its own thread when this process's count goes over ``capacity`` or the
-last scan is older than ``scan_interval_s``. ``used_bytes`` never scans: it answers from a
+last scan is older than ``scan_interval_s``. The walk of a scan (a stat per entry) runs in a
+helper process at the lowest CPU priority (``fs_scan.py``), never on this process's interpreter
+lock: the scanning thread waits for its listing, sums it with numpy and removes what the budget
+says; only when no helper can start does it walk here, pausing every ``_PACE_EVERY`` entries. ``used_bytes`` never scans: it answers from a
 counter, the last scan's total plus this process's puts and deletes since (exact for this
 process's own changes, including those made while a scan ran; other nodes' changes appear at
 the next scan).
@@ -47,15 +50,18 @@ import contextlib
 import errno
 import logging
 import os
-import re
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
+
+import numpy as np
 
 from kvtier import entry
 from kvtier.codecs import CodecName
@@ -63,17 +69,19 @@ from kvtier.config import Size, ranged, validate
 from kvtier.errors import CorruptEntry, TierUnavailable
 from kvtier.fileio import (NotRegularFile, ShortRead, create_exclusive_at, dir_mode_for, make_dir_at, open_dir_at,
                            open_regular_at, parse_mode, read_exact, resolve_group, unlink_at, write_all)
+from kvtier.tiers import fs_scan
 from kvtier.tiers.base import Key, Tier, check_file_modes
 
 log = logging.getLogger(__name__)
 
-_TMP = ".tmp"
-_PACE_EVERY = 256  # entries a usage scan walks between pauses
+_TMP = fs_scan.TMP
+_PACE_EVERY = 256  # entries a walk in this process (or removals by a scan) between pauses
 _PACE_S = 0.001  # each pause: ~0.4 s more per 100,000 entries
 
-_FANOUT = re.compile(r"^[0-9a-f]{2}$")
-_ENTRY = re.compile(r"^[0-9a-f]{64}$")
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_FANOUT = fs_scan.FANOUT
+_DIR_FLAGS = fs_scan.DIR_FLAGS
+# one record of a scan's listing (fs_scan.RECORD), sorted by key
+_LISTING = np.dtype([("key", "S32"), ("size", "<i8"), ("mtime", "<f8"), ("ino", "<u8"), ("dev", "<u8")])
 _STUCK_RESCAN_S = 1.0  # least time between put-triggered scans while a scan could not get under budget
 
 
@@ -112,12 +120,38 @@ class FsConfig:
         check_file_modes(self, where)
 
 
-class _ForeignDir(Exception):
-    """A fan-out name that is not a real directory, or (``unsafe``) one every user may write."""
+_ForeignDir = fs_scan.ForeignDir
 
-    def __init__(self, why: str, unsafe: bool = False):
-        super().__init__(why)
-        self.unsafe = unsafe
+
+class _ScanFailed(Exception):
+    """A scan's listing could not be taken (counted): the usage counter keeps its value."""
+
+
+class _Ident(NamedTuple):
+    """The identity of a file a scan listed: what ``unlink_at``'s ``same_as`` compares."""
+
+    st_ino: int
+    st_dev: int
+
+
+class _Listing:
+    """What one scan found: a record array (``_LISTING``) of entry files sorted by key, and the
+    payload bytes of each (``_payload`` of its size)."""
+
+    def __init__(self, records: np.ndarray):
+        self.records = records
+        self.payload = np.maximum(records["size"] - (entry.FIXED_BYTES + 8), 0)
+
+    def total(self) -> int:
+        return int(self.payload.sum())
+
+    def payload_of(self, name: str) -> int:
+        """Payload bytes listed for entry ``name`` (key hex); 0 when it was not listed."""
+        keys = self.records["key"]
+        # compared as S32 arrays: a scalar taken out of one loses its trailing NUL bytes
+        k = np.array([bytes.fromhex(name)], dtype=keys.dtype)
+        i = int(np.searchsorted(keys, k)[0])
+        return int(self.payload[i]) if i < len(keys) and keys[i:i + 1] == k else 0
 
 
 class FsTier(Tier):
@@ -149,6 +183,8 @@ class FsTier(Tier):
         self._last_scan = time.monotonic()
         self._stuck_until = 0.0  # a scan that could not get under budget: no put-triggered rescan before
         self._stop = threading.Event()
+        self._helper: subprocess.Popen | None = None  # a scan's helper process while it runs
+        self._helper_lock = threading.Lock()  # guards _helper (close kills it)
         self._thread: threading.Thread | None = None
         if config.usage_refresh_s > 0:
             self._thread = threading.Thread(target=_refresh_loop, name=f"kvtier-{name}-usage", daemon=True,
@@ -193,12 +229,7 @@ class FsTier(Tier):
     def _open_problem(self, st: os.stat_result) -> str | None:
         """Why a directory with status ``st`` is refused, or None: every user may write it, it
         has no sticky bit, and ``mode`` does not grant others write (sharing with everyone)."""
-        mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o002 and not mode & stat.S_ISVTX and not self._mode & 0o002:
-            return (f"is writable by every user (mode {mode:04o}) without the sticky bit, so any local user "
-                    f"could replace or remove entries; restrict it (e.g. chmod 1777 or 0770 with a group), or "
-                    f"set mode to grant others write (e.g. \"0666\") if sharing with every user is deliberate")
-        return None
+        return fs_scan.open_problem(st, bool(self._mode & 0o002))
 
     # -- paths ------------------------------------------------------------------------------
 
@@ -437,8 +468,11 @@ class FsTier(Tier):
         return iter([bytes.fromhex(name) for _sub, name, _st in self._walk()])
 
     def close(self) -> None:
-        """Stop the background scan (waits briefly for one in progress to notice)."""
+        """Stop the background scan (its helper process is killed; waits briefly for the thread)."""
         self._stop.set()
+        with self._helper_lock:
+            if self._helper is not None:
+                self._helper.kill()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5.0)
@@ -492,11 +526,10 @@ class FsTier(Tier):
                     return
                 self._pending = {}
             try:
-                seen = {name: (st.st_mtime, _payload(st.st_size), sub, st)
-                        for sub, name, st in self._walk(now=time.time(), stoppable=True)}
-                if self._stop.is_set():
-                    return  # closed mid-walk: a partial walk says nothing (the counter keeps its value)
-                total = sum(v[1] for v in seen.values())
+                seen = self._listing()
+                if seen is None:
+                    return  # failed, or closed mid-walk: a partial walk says nothing (the counter keeps its value)
+                total = seen.total()
                 evicted = self._evict(seen, total) if total > self.config.capacity else {}
                 total -= sum(evicted.values())
             finally:
@@ -506,19 +539,69 @@ class FsTier(Tier):
                 for name, new in pending.items():  # this process's changes while the walk ran
                     if name in evicted:
                         continue
-                    total += new - (seen[name][1] if name in seen else 0)
+                    total += new - seen.payload_of(name)
                 for name in self._inflight:  # changes still under way: what this total counted for them
-                    self._scanned[name] = (pending[name] if name in pending and name not in evicted else
-                                           seen[name][1] if name in seen and name not in evicted else 0)
+                    self._scanned[name] = (0 if name in evicted else pending[name] if name in pending else
+                                           seen.payload_of(name))
                 self._used = total
                 self._last_scan = time.monotonic()
                 # files this process cannot remove (another user's, a read-only share) keep the
                 # count over budget: without this every put would walk the directory again
                 self._stuck_until = self._last_scan + _STUCK_RESCAN_S if total > self.config.capacity else 0.0
 
-    def _evict(self, seen: dict, total: int) -> dict[str, int]:
+    def _listing(self) -> _Listing | None:
+        """The entry files now, from a walk in the helper process (or here, paced, when none can
+        start); None when the walk failed (counted) or the tier was closed meanwhile."""
+        try:
+            data = self._list_in_helper()
+            if data is None:
+                data = fs_scan.pack([(name, st) for _sub, name, st in self._walk(now=time.time(), stoppable=True)])
+        except _ScanFailed:
+            self.stats.add(errors=1)
+            return None
+        if self._stop.is_set():
+            return None
+        return _Listing(np.frombuffer(data, dtype=_LISTING))
+
+    def _list_in_helper(self) -> bytes | None:
+        """The helper's listing (``fs_scan.RECORD``s); None when no helper could start (the
+        caller walks here). _ScanFailed when it ran and failed."""
+        script = fs_scan.__file__
+        if not sys.executable or not script or not script.endswith(".py"):
+            return None
+        cmd = [sys.executable, "-I", script, self._root, "1" if self._mode & 0o002 else "0",
+               repr(float(self.config.stale_tmp_s))]
+        with self._helper_lock:
+            if self._stop.is_set():
+                raise _ScanFailed("closed")
+            try:
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, close_fds=True)
+            except OSError as exc:
+                if "helper" not in self._warned:
+                    self._warned.add("helper")
+                    log.warning("fs tier %s: scans walk in this process (no helper process: %s)", self.name, exc)
+                return None
+            self._helper = proc
+        try:
+            out, err = proc.communicate()  # the wait releases the interpreter lock
+        finally:
+            with self._helper_lock:
+                self._helper = None
+        if proc.returncode != 0 or len(out) % fs_scan.RECORD.size:
+            if not self._stop.is_set():
+                log.warning("fs tier %s: scan failed: %s", self.name,
+                            err.decode(errors="replace").strip()[-500:] or f"exit {proc.returncode}")
+            raise _ScanFailed(proc.returncode)
+        for line in err.decode(errors="replace").splitlines():
+            sub, _unsafe, why = (line.split("\t", 2) + ["", ""])[:3]
+            self._foreign(sub, why)
+        return out
+
+    def _evict(self, seen: _Listing, total: int) -> dict[str, int]:
         """Remove the oldest entries of ``seen`` (still the same files) until ``total`` is under
-        the low watermark; {name: payload} of those gone (removed here or by another node)."""
+        the low watermark; {name: payload} of those gone (removed here or by another node).
+        Pauses every ``_PACE_EVERY`` removals (this runs on the process's interpreter lock)."""
         goal = self.config.capacity * self.config.low_watermark
         gone: dict[str, int] = {}
         dirs: dict[str, int] = {}
@@ -528,10 +611,16 @@ class FsTier(Tier):
         except OSError:
             self.stats.add(errors=1)
             return gone
+        records = seen.records
         try:
-            for name, (_mtime, size, sub, st) in sorted(seen.items(), key=lambda kv: kv[1][0]):
+            for n, i in enumerate(np.argsort(records["mtime"], kind="stable")):
                 if total <= goal:
                     break
+                if n and n % _PACE_EVERY == 0:
+                    time.sleep(_PACE_S)
+                rec = records[i]
+                name = bytes(rec["key"]).ljust(32, b"\0").hex()
+                sub, size, st = name[:2], int(seen.payload[i]), _Ident(int(rec["ino"]), int(rec["dev"]))
                 if sub not in dirs:
                     try:
                         dirs[sub] = self._open_fanout(root, sub, create=False)
@@ -556,66 +645,22 @@ class FsTier(Tier):
 
     def _walk(self, now: float | None = None, stoppable: bool = False):
         """Yield (fan-out name, key-hex name, lstat) of the regular entry files in real fan-out
-        directories, each where its key puts it; remove stale temps when ``now``. When
-        ``stoppable`` (a usage scan), stops early once the tier is closed and pauses
-        ``_PACE_S`` every ``_PACE_EVERY`` entries: a scan runs in the engine's process, and an
-        unpaced walk of 100,000 entries raised a RAM hit's p99 from 0.8 to 8.4 ms (``kvtier bench
-        store --lower fs``)."""
-        walked = 0
+        directories, each where its key puts it (``fs_scan.walk``, in this process); remove stale
+        temps when ``now``. When ``stoppable`` (a scan that could not use the helper process),
+        stops early once the tier is closed and pauses ``_PACE_S`` every ``_PACE_EVERY``
+        entries to hand the interpreter lock back to the engine's threads."""
+
+        def pause(walked: int) -> None:
+            if stoppable and walked % _PACE_EVERY == 0:
+                time.sleep(_PACE_S)
+
         try:
-            root = os.open(self._root, _DIR_FLAGS)
+            yield from fs_scan.walk(self._root, bool(self._mode & 0o002),
+                                    self.config.stale_tmp_s if now is not None else None,
+                                    lambda sub, exc: self._foreign(sub, str(exc)),
+                                    stop=lambda: stoppable and self._stop.is_set(), pause=pause)
         except OSError:
             self.stats.add(errors=1)
-            return
-        try:
-            with os.scandir(root) as it:
-                subs = sorted(e.name for e in it if _FANOUT.match(e.name))
-            for sub in subs:
-                if stoppable and self._stop.is_set():
-                    return
-                try:
-                    dfd = self._open_fanout(root, sub, create=False)
-                except _ForeignDir as exc:
-                    self._foreign(sub, str(exc))
-                    continue
-                except OSError:
-                    continue  # removed by another node meanwhile
-                try:
-                    for item in self._walk_fanout(dfd, sub, now):
-                        yield item
-                        walked += 1
-                        if stoppable and walked % _PACE_EVERY == 0:
-                            time.sleep(_PACE_S)  # hand the GIL and the core back to the engine's threads
-                finally:
-                    os.close(dfd)
-        except OSError:
-            self.stats.add(errors=1)
-        finally:
-            os.close(root)
-
-    def _walk_fanout(self, dfd: int, sub: str, now: float | None):
-        with os.scandir(dfd) as it:  # streamed, never listed whole: junk names cost no memory
-            for name in (e.name for e in it):
-                if name.endswith(_TMP):
-                    if now is not None:
-                        self._maybe_drop_tmp(dfd, name, now)
-                    continue
-                if not _ENTRY.match(name) or not name.startswith(sub):
-                    continue  # not where this tier would keep that key: not ours
-                try:
-                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    yield sub, name, st
-
-    def _maybe_drop_tmp(self, dfd: int, name: str, now: float) -> None:
-        try:
-            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-        except OSError:
-            return
-        if stat.S_ISREG(st.st_mode) and now - st.st_mtime > self.config.stale_tmp_s:
-            unlink_at(dfd, name, same_as=st)
 
     def __repr__(self) -> str:
         return f"FsTier(name={self.name!r}, path={self._root!r})"

@@ -96,13 +96,20 @@ def test_fs_used_bytes_reflects_other_writers_after_a_refresh_and_the_thread_sto
     assert not [t for t in set(threading.enumerate()) - before if t.name == "kvtier-fs-usage"]
 
 
-def test_fs_own_changes_during_scans_are_counted_exactly(tmp_path):
-    """Puts, overwrites and deletes racing a scan that never stops: the count stays exact."""
+def test_fs_own_changes_during_scans_are_counted_exactly(tmp_path, monkeypatch):
+    """Puts, overwrites and deletes racing a scan that never stops: the count stays exact. The
+    changes go on until three scans have ended (a scan's walk runs in a helper process, which
+    may take a while to start on a busy machine), so the last ones saw the other writer's files."""
     tier = FsTier(FsConfig(path=str(tmp_path / "shared"), usage_refresh_s=0.001), name="fs")
+    scans = []
+    listing = tier._listing
+    monkeypatch.setattr(tier, "_listing", lambda: (lambda got: scans.append(got is not None) or got)(listing()))
     try:
         fill(tmp_path / "shared", 200, 10)  # make each scan take a while
         expected = {}
-        for r in range(300):
+        r = 0
+        while (r < 300 or sum(scans) < 3) and r < 1_000_000:
+            r += 1
             k = key(r % 40)
             if r % 7 == 3:
                 if tier.delete(k):
@@ -187,8 +194,8 @@ def test_fs_files_it_cannot_remove_do_not_make_every_put_walk(tmp_path, monkeypa
     try:
         assert tier.used_bytes() == 50_000
         walks = []
-        real_walk = tier._walk
-        monkeypatch.setattr(tier, "_walk", lambda *a, **kw: walks.append(1) or real_walk(*a, **kw))
+        real_listing = tier._listing
+        monkeypatch.setattr(tier, "_listing", lambda: walks.append(1) or real_listing())
         start = time.monotonic()
         for i in range(40):
             assert tier.put(key(i), b"n" * 100)
@@ -197,3 +204,107 @@ def test_fs_files_it_cannot_remove_do_not_make_every_put_walk(tmp_path, monkeypa
         assert tier.used_bytes() >= 50_000
     finally:
         tier.close()
+
+
+# ------------------------------------------------------------------------------ fs scans off the GIL (issue 25)
+
+
+def test_fs_scan_walks_in_a_helper_process_not_on_this_interpreter(tmp_path, monkeypatch):
+    """A usage scan of 100,000 entries cost ~0.5 s of this process's CPU, mostly holding the
+    interpreter lock the engine's threads need (``kvtier bench store --lower fs``: RAM-hit p99
+    over 5 x alone's). The walk's stat calls now run in a helper process: none in this one, and
+    the count is the same."""
+    root = tmp_path / "shared"
+    tier = FsTier(FsConfig(path=str(root), usage_refresh_s=0), name="fs")
+    try:
+        total = fill(root, 300, 10)
+        assert tier.put(key(1), b"m" * 500)
+        stats_here = []
+        real_stat = os.stat
+        me = threading.get_ident()
+
+        def counting_stat(*args, **kwargs):
+            if threading.get_ident() == me and kwargs.get("dir_fd") is not None:
+                stats_here.append(args[0])
+            return real_stat(*args, **kwargs)
+
+        monkeypatch.setattr(os, "stat", counting_stat)
+        tier._scan()
+        monkeypatch.setattr(os, "stat", real_stat)
+        assert tier.used_bytes() == total + 500
+        assert len(stats_here) < 10, f"{len(stats_here)} stat calls in this process for 301 entries"
+    finally:
+        tier.close()
+
+
+def test_fs_scan_walks_here_when_no_helper_can_start(tmp_path, monkeypatch):
+    """A fault: the helper process cannot be started (fork refused). The scan walks in this
+    process instead, with the same count, stale temps removed and foreign names counted."""
+    root = tmp_path / "shared"
+    tier = FsTier(FsConfig(path=str(root), usage_refresh_s=0, stale_tmp_s=0), name="fs")
+    try:
+        total = fill(root, 50, 10)
+        stale = root / f"{key(10_000)[0]:02x}" / ".junk.tmp"
+        stale.write_bytes(b"x")
+        os.utime(stale, (1, 1))
+        (root / "zz").mkdir()  # not a fan-out name: ignored
+        os.symlink(str(tmp_path), str(root / "ff"))  # a foreign fan-out name: skipped, counted
+
+        def refuse(*args, **kwargs):
+            raise OSError(11, "Resource temporarily unavailable")
+
+        monkeypatch.setattr("kvtier.tiers.fs.subprocess.Popen", refuse)
+        errors = tier.stats.errors
+        tier._scan()
+        assert tier.used_bytes() == total
+        assert not stale.exists()
+        assert tier.stats.errors == errors + 1
+    finally:
+        tier.close()
+
+
+def test_fs_scan_through_the_helper_removes_stale_temps_and_counts_foreign_names(tmp_path):
+    root = tmp_path / "shared"
+    tier = FsTier(FsConfig(path=str(root), usage_refresh_s=0, stale_tmp_s=0), name="fs")
+    try:
+        total = fill(root, 50, 10)
+        stale = root / f"{key(10_000)[0]:02x}" / ".junk.tmp"
+        stale.write_bytes(b"x")
+        os.utime(stale, (1, 1))
+        os.symlink(str(tmp_path), str(root / "ff"))
+        errors = tier.stats.errors
+        tier._scan()
+        assert tier.used_bytes() == total
+        assert not stale.exists()
+        assert tier.stats.errors == errors + 1
+    finally:
+        tier.close()
+
+
+def test_fs_close_stops_a_scan_under_way_and_its_helper(tmp_path, monkeypatch):
+    """``close`` during a scan: the helper is killed, the partial scan is discarded (the count
+    keeps its value) and no helper process is left behind."""
+    import kvtier.tiers.fs as fs_mod
+
+    root = tmp_path / "shared"
+    tier = FsTier(FsConfig(path=str(root), usage_refresh_s=0), name="fs")
+    fill(root, 20, 10)
+    started = threading.Event()
+    helpers = []
+    real_popen = fs_mod.subprocess.Popen
+
+    def slow_helper(cmd, **kwargs):  # the helper, held back by a sleep before it walks
+        proc = real_popen([sys.executable, "-I", "-c", "import time; time.sleep(60)"], **kwargs)
+        helpers.append(proc)
+        started.set()
+        return proc
+
+    monkeypatch.setattr(fs_mod.subprocess, "Popen", slow_helper)
+    scan = threading.Thread(target=tier._scan)
+    scan.start()
+    assert started.wait(10.0)
+    tier.close()
+    scan.join(10.0)
+    assert not scan.is_alive()
+    assert helpers[0].poll() is not None
+    assert tier.used_bytes() == 0  # the scan at start saw an empty directory; the killed one counts nothing
