@@ -33,9 +33,10 @@ blocks vLLM keeps to resume at ``n * block_size`` tokens, ``[max(0, n*B - w + 1)
   ``mla_attention`` and ``sink_full_attention`` *name* the prefix (``holders``: a medium counts
   for an engine once every naming group of that engine holds the key in it); ``sliding_window``
   and ``sliding_window_mla`` with a window are *window* groups (``window_run`` cuts a prefix to
-  where every window group holds its window). An event without a kind counts as naming for
-  ``group_idx`` None or 0 (dense engines and producers that predate the kinds) and, for any other
-  group, takes the role the group's earlier events gave it;
+  where every window group holds its window, all in the engine's pool or all in kvtier's
+  tiers). An event without a kind counts as naming for ``group_idx`` None or 0 (dense engines
+  and producers that predate the kinds) and, for any other group, takes the role the group's
+  earlier events gave it;
 * events of any other group (chunked local attention, whose chunk size events do not carry;
   Mamba state; a kind this index does not know; a kind-less group it never saw) are ignored and
   counted in ``ignored``: never indexed as something they are not. A removal names its group by
@@ -166,25 +167,30 @@ class PrefixIndex:
                    also: Callable[[int], bool] | None = None) -> int:
         """The largest ``n <= run`` at which every window group of ``engine`` holds its window
         before block ``n`` of ``keys`` (``run``: how many leading ``keys`` the naming groups
-        hold). A window block counts when the engine's group holds it in any medium, when any
-        engine's group of the same index holds it in one of ``shared_media`` (a pool every
-        engine loads), or when ``also(i)`` says so (a block just routed to the engine)."""
+        hold), from one source: the engine's own pool (``GPU``, or ``also(i)``: a block just
+        routed there), or kvtier's tiers (any other medium of the engine, or one of
+        ``shared_media`` held by any engine's group of the same index). A window split between
+        the two is not loadable: vLLM resumes from its own pool, kvtier's lookup from its tiers."""
         windows = self.windows(engine)
         if not windows or run <= 0 or self.block_size <= 0:
             return run
         bs = self.block_size
-        held: dict[tuple[int, int], bool] = {}
+        held: dict[tuple[int, int], tuple[bool, bool]] = {}
 
-        def has(group: int, i: int) -> bool:
+        def sources(group: int, i: int) -> tuple[bool, bool]:
+            """(in the engine's pool, in kvtier's tiers) for window block ``i`` of ``group``."""
             if (group, i) not in held:
                 entry = self._windows.get(keys[i], {})
-                ok = bool(entry.get((engine, group))) or (also is not None and also(i)) or any(
-                    g == group and media & shared_media for (_, g), media in entry.items())
-                held[(group, i)] = ok
+                own = entry.get((engine, group), set())
+                pool = GPU in own or (also is not None and also(i))
+                tiers = bool(own - {GPU}) or any(g == group and media & shared_media
+                                                  for (_, g), media in entry.items())
+                held[(group, i)] = (pool, tiers)
             return held[(group, i)]
 
         for n in range(run, 0, -1):
-            if all(has(g, i) for g, w in windows.items() for i in range(max(0, n * bs - w + 1) // bs, n)):
+            need = [(g, i) for g, w in windows.items() for i in range(max(0, n * bs - w + 1) // bs, n)]
+            if all(sources(g, i)[0] for g, i in need) or all(sources(g, i)[1] for g, i in need):
                 return n
         return 0
 

@@ -6,6 +6,8 @@ score(e) = prefix_weight * prefix(e) + load_weight * load(e), both terms in [0, 
   weighted by the best place it is in for e (its own pool > its kvtier RAM > its disk > a shared
   medium, which counts for every engine), divided by the prompt's block count. A block the router
   sent to e moments ago (a speculative entry, alive ``speculative_ttl_s``) counts as in e's pool.
+  On a hybrid model the run ends where some sliding-window group of e no longer holds its window
+  (``PrefixIndex.window_run``): every group must load the prefix at the same token count.
 * ``load(e)``: 1 - min(1, (L(e) - min L) / P), with L = requests in flight + queued prefill
   tokens / ``prefill_norm_tokens`` (both tracked by the router), min L over the candidates, and
   P = the prompt's tokens / ``prefill_norm_tokens``: how much longer e's queue is than the

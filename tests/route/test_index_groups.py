@@ -168,3 +168,22 @@ def test_group_fields_cross_the_wire():
     assert index.windows("A") == {0: WINDOW} and index.ignored == 0
     assert _run(index, toks) == {"A": 1}  # n = 2 needs window blocks 0, 1 (1 is gone); n = 1 needs 0
     assert all(index.holders(k) == {"A": {"GPU"}} for k in chunk_keys(toks, BS))
+
+
+def test_a_window_split_between_the_pool_and_kvtiers_tiers_is_not_loadable():
+    """vLLM resumes a window from its own pool, kvtier's lookup from its tiers: the window at the
+    boundary must be whole in one of them."""
+    index, toks = _hybrid(6, window_blocks=range(0))
+    hashes = _hashes(6)
+
+    def window(b, medium):
+        index.apply_stored("A", [hashes[b]], hashes[b - 1], toks[b * BS:(b + 1) * BS], BS, medium, **SWA)
+
+    window(4, "GPU")
+    window(5, "CPU")
+    assert _run(index, toks) == {"A": 0}  # n = 6 needs 4 and 5: one in each; shorter n need blocks not held
+    window(4, "CPU")
+    assert _run(index, toks) == {"A": 6}
+    index.apply_removed("A", [hashes[4]], "CPU", group=0)
+    window(5, "GPU")
+    assert _run(index, toks) == {"A": 6}  # 4 and 5 both in the pool
