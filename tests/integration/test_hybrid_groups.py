@@ -1,5 +1,6 @@
 """Every KV cache group (issue 26): sliding-window and chunked-local groups beside full attention,
-MLA, recurrent state refused, group specs in the namespace.
+MLA, recurrent state (Mamba2 / gated delta net state in vLLM's "align" mode stored per chunk
+boundary, refused without it), group specs in the namespace.
 
 The KV cache configs are built by vLLM's own code (``get_kv_cache_configs``) from a random
 Gemma-3-like model's config; the connector's scheduler side plans and its worker side copies on
@@ -408,7 +409,7 @@ def test_mla_latent_pages_and_one_copy_under_tensor_parallelism(tmp_path):
             w.close()
 
 
-def test_recurrent_state_is_refused_at_start_in_one_line():
+def test_recurrent_state_without_prefix_caching_is_refused_at_start_in_one_line():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
     from kvtier.errors import ConfigError
@@ -422,3 +423,203 @@ def test_recurrent_state_is_refused_at_start_in_one_line():
         groups_of(kcc, "qwen3_next")
     message = str(err.value)
     assert "\n" not in message and "qwen3_next" in message and "MambaSpec" in message and "recurrent" in message
+    assert "mamba_cache_mode 'none'" in message and "--enable-prefix-caching" in message
+
+
+# --------------------------------------------------------------------------- recurrent state (align mode)
+
+STATE_SHAPES = ((3, 40), (2, 8, 8))  # (conv state, SSM state) of one layer, as vLLM's MambaSpec
+STATE_DTYPES = (torch.bfloat16, torch.float32)
+PAGE = BLOCK * HEADS * HEAD * 2 * 2  # the attention page; vLLM pads the state page to it
+
+
+def mamba_spec(**kw):
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    args = dict(block_size=BLOCK, shapes=STATE_SHAPES, dtypes=STATE_DTYPES, mamba_cache_mode="align",
+                page_size_padded=PAGE)
+    return MambaSpec(**{**args, **kw})
+
+
+def state_config(tmp: Path, **kw):
+    """A hybrid of two Mamba2 layers and one attention layer, its KV cache config built by vLLM's
+    own code (``get_kv_cache_configs``: one group per Mamba2 layer, one attention group), and the
+    connector's config with chunks of one block (what a state group needs)."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from tests.integration._vllm_config import make_tiny_model
+
+    model = tmp / "tiny"
+    if not model.exists():
+        make_tiny_model(model)
+    cfg = vllm_config(model, extra={"chunk_tokens": BLOCK})
+    cfg.cache_config.kv_cache_layout = "LBHNC"
+    attn = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+    specs = {"model.layers.0.mixer": mamba_spec(**kw), "model.layers.1.self_attn.attn": attn,
+             "model.layers.2.mixer": mamba_spec(**kw)}
+    return cfg, get_kv_cache_configs(cfg, [specs], [NUM_BLOCKS * PAGE * len(specs)])[0]
+
+
+def state_pages(num_blocks: int) -> torch.Tensor:
+    """A Mamba layer's tensor as vLLM hands it to a connector on CPU: ``[num_blocks, 1, 1, state
+    bytes]`` int8 over pages of the padded size (block stride ``PAGE``, not contiguous)."""
+    content = sum(torch.Size(s).numel() * torch.tensor([], dtype=d).element_size()
+                  for s, d in zip(STATE_SHAPES, STATE_DTYPES))
+    raw = torch.randint(-128, 127, (num_blocks * PAGE,), dtype=torch.int8)
+    return raw.as_strided((num_blocks, 1, 1, content), (PAGE, content, content, 1))
+
+
+class StateEngine(Engine):
+    """``Engine`` with the Mamba layers' tensors in vLLM's padded state layout, prefilling in
+    steps of one block as vLLM does in align mode and offering each step's boundary state the
+    way vLLM's scheduler does (``kv_connector_block_state.boundary_state_offloads``)."""
+
+    def __init__(self, cfg, kcc):
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        self.kcc = kcc
+        from kvtier.integrations.vllm.connector import KVConnectorRole, KVTierConnector
+
+        self.sched = KVTierConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
+        self.work = KVTierConnector(cfg, KVConnectorRole.WORKER, kcc)
+        torch.manual_seed(0)
+        self.kv = {}
+        for g in kcc.kv_cache_groups:
+            for name in g.layer_names:
+                if isinstance(g.kv_cache_spec, MambaSpec):
+                    self.kv[name] = state_pages(kcc.num_blocks)
+                else:
+                    self.kv[name] = torch.randn(kcc.num_blocks, HEADS, BLOCK, 2 * HEAD).to(torch.bfloat16)
+        for t in self.kv.values():
+            t[NULL].zero_()
+        self.work.register_kv_caches(self.kv)
+        self.groups = self.sched.groups
+        self._next = 1
+
+    def prefill_offering(self, req, offers):
+        """Plan the whole prompt's saves (the attention groups' blocks positionally) and run this
+        step's ``build_connector_meta`` with vLLM's boundary-state ``offers`` (``(group, block,
+        boundary tokens)``); the worker then saves. The tables and the metadata."""
+        from vllm.v1.core.sched.output import KVConnectorBlockState
+
+        from kvtier.integrations.vllm.connector import KVTierMetadata
+
+        n = -(-len(req.prompt_token_ids) // BLOCK)
+        tables = [self.fresh(n) for _ in self.groups]
+        state = self.sched._request_state(req)
+        self.sched.scheduler._set_blocks(state, tables)
+        meta = KVTierMetadata()
+        self.sched.scheduler._plan(meta, req.request_id, state, len(req.prompt_token_ids))
+        step = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+                               kv_connector_block_state=KVConnectorBlockState(
+                                   req_ids={req.request_id}, resolve_block_ids=lambda _: tuple(tables),
+                                   boundary_state_offloads={req.request_id: offers}))
+        meta.saves += self.sched.build_connector_meta(step).saves
+        self.work.bind_connector_metadata(meta)
+        self.work.wait_for_save()
+        self.work.clear_connector_metadata()
+        self.sync_events()
+        return tables, meta
+
+
+def test_recurrent_state_groups_in_align_mode_are_stored_and_keyed_by_their_spec(tmp_path):
+    from kvtier.integrations.vllm.groups import FULL, STATE, groups_of, namespace_groups
+
+    cfg, kcc = state_config(tmp_path)
+    groups = groups_of(kcc, "nemotron_h")
+    assert sorted(g.kind for g in groups) == [FULL, STATE, STATE]
+    space = namespace_groups(groups)
+    assert "shapes=((3, 40), (2, 8, 8))" in space and "torch.float32" in space and "MAMBA2" in space
+    # a state of another shape or dtype (e.g. --mamba-ssm-cache-dtype) is another namespace
+    _, other = state_config(tmp_path, dtypes=(torch.bfloat16, torch.bfloat16))
+    assert namespace_groups(groups_of(other)) != space
+    # GroupSpec follows vLLM's MambaManager: only the state after the last computed token is kept
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    state = next(g for g in groups if g.kind == STATE)
+    for t in range(1, 300, 7):
+        assert state.skipped_tokens(t) == MambaManager.get_num_skipped_tokens(None, t)
+
+
+def test_a_recurrent_state_needs_chunks_of_one_block(tmp_path):
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.vllm.connector import KVConnectorRole, KVTierConnector
+
+    cfg, kcc = state_config(tmp_path)
+    cfg.kv_transfer_config.kv_connector_extra_config["chunk_tokens"] = 2 * BLOCK
+    with pytest.raises(ConfigError) as err:
+        KVTierConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
+    assert "\n" not in str(err.value) and "recurrent state" in str(err.value) and "block size (16)" in str(err.value)
+
+
+def test_recurrent_state_round_trips_from_the_offered_block_beside_the_attention_kv(tmp_path):
+    """Saves: the attention group every chunk (its blocks positionally); each state group only the
+    state at the prompt's last chunk boundary, from the block vLLM offers for it (not the table's
+    block at that position), and never a boundary off a chunk or before it. Re-read: a hit of that
+    boundary in every group; each state loaded bit-exactly into the block at index ``hit / block
+    - 1`` (the table before it null, never written); the attention pages loaded bit-exactly."""
+    from kvtier.integrations.vllm.groups import STATE
+
+    cfg, kcc = state_config(tmp_path)
+    eng = StateEngine(cfg, kcc)
+    try:
+        tokens = _prompt(20 * BLOCK + 9)
+        resume = (len(tokens) - 1) // BLOCK
+        states = [g for g in eng.groups if g.kind == STATE]
+        offered = {g.index: eng.fresh(1)[0] for g in states}  # vLLM's exact blocks for the boundary
+        offers = [(g.index, offered[g.index], resume * BLOCK) for g in states]
+        offers += [(g.index, eng.fresh(1)[0], (resume - 3) * BLOCK) for g in states]  # an earlier boundary
+        offers += [(g.index, eng.fresh(1)[0], resume * BLOCK - 5) for g in states]  # not on a chunk boundary
+        offers += [(99, 1, resume * BLOCK)]  # not a state group kvtier knows
+        src, meta = eng.prefill_offering(request(tokens), offers)
+        for g in eng.groups:
+            saves = [s for s in meta.saves if s.group == g.index]
+            if g.kind == STATE:
+                assert [(s.chunk_index, s.block_ids) for s in saves] == [(resume - 1, [offered[g.index]])]
+            else:
+                assert sorted(s.chunk_index for s in saves) == list(range(20))
+
+        req = request(tokens)
+        hit, background = eng.sched.get_num_new_matched_tokens(req, 0)
+        assert hit == resume * BLOCK and background and hit >= 0.95 * len(tokens)
+        null_pages = {g.index: eng.page(g.index, NULL) for g in eng.groups}
+        dst, loads, results = eng.load(req, hit)
+        assert not results.failed_recving and not eng.work.get_block_ids_with_load_errors()
+        for g in eng.groups:
+            (load,) = [spec for spec in loads if spec.group == g.index]
+            if g.kind == STATE:
+                assert load.first_chunk == resume - 1 and dst[g.index][: resume - 1] == [NULL] * (resume - 1)
+                pairs = [(dst[g.index][resume - 1], offered[g.index])]
+            else:
+                pairs = [(dst[g.index][b], src[g.index][b]) for b in range(resume)]
+            for d, s_ in pairs:
+                assert all(torch.equal(a, b) for a, b in zip(eng.page(g.index, d), eng.page(g.index, s_)))
+            assert all(torch.equal(a, b) for a, b in zip(eng.page(g.index, NULL), null_pages[g.index]))
+    finally:
+        eng.close()
+
+
+def test_a_recurrent_hit_is_a_hit_only_where_every_state_was_stored(tmp_path):
+    """The attention KV of a longer prompt's whole run is there, but states only at the stored
+    boundary: the hit is that boundary; one state group's entry gone: no hit at all."""
+    from kvtier.integrations.vllm.groups import STATE
+    from kvtier.keys import group_key
+
+    cfg, kcc = state_config(tmp_path)
+    eng = StateEngine(cfg, kcc)
+    try:
+        tokens = _prompt(12 * BLOCK + 3)
+        resume = (len(tokens) - 1) // BLOCK
+        states = [g for g in eng.groups if g.kind == STATE]
+        eng.prefill_offering(request(tokens), [(g.index, eng.fresh(1)[0], resume * BLOCK) for g in states])
+        longer = tokens + _prompt(5 * BLOCK, seed=1)
+        assert eng.sched.get_num_new_matched_tokens(request(longer), 0)[0] == resume * BLOCK
+        shorter = tokens[: (resume - 1) * BLOCK + 1]  # its boundary has the attention KV, no state
+        assert eng.sched.get_num_new_matched_tokens(request(shorter), 0) == (0, False)
+        key = group_key(eng.sched._request_state(request(tokens)).keys[resume - 1], states[1].index)
+        assert eng.work.worker.store.delete(key)
+        eng.sync_events()
+        assert eng.sched.get_num_new_matched_tokens(request(tokens), 0) == (0, False)
+    finally:
+        eng.close()

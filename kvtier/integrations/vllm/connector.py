@@ -45,7 +45,9 @@ same on every TP rank), stored once under rank 0's key and loaded by every rank.
 KV cache groups: the connector declares ``SupportsHMA``, so vLLM keeps its hybrid KV cache
 manager on (sliding-window layers hold only their window). Every group is saved and loaded with
 its own block ids (``kvtier.integrations.vllm.groups``); each group's spec is in the namespace.
-A model with a group kvtier cannot store (recurrent state) is refused at engine start.
+Recurrent state (Mamba2, gated delta net) is stored once per chunk boundary beside the
+attention groups' KV when vLLM runs it in mamba_cache_mode "align" (prefix caching on); a model
+with a group kvtier cannot store is refused at engine start in one line.
 
 vLLM versions: ``SUPPORTED_VLLM`` (the connector API these versions share); another version
 gets one warning line at engine start.
@@ -71,7 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import ConnectorConfig, check_load_failure_policy
-from kvtier.integrations.vllm.groups import GroupSpec, groups_of, namespace_groups
+from kvtier.integrations.vllm.groups import STATE, GroupSpec, groups_of, namespace_groups
 from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics
 from kvtier.integrations.vllm.pages import ENTRY_FORMAT
@@ -143,8 +145,15 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         parallel = vllm_config.parallel_config
         self.tp_size, self.pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         hf = getattr(vllm_config.model_config, "hf_config", None)
-        # ConfigError for a group kvtier cannot store (recurrent state): the engine does not start
-        self.groups: list[GroupSpec] = groups_of(kv_cache_config, str(getattr(hf, "model_type", "") or ""))
+        model_type = str(getattr(hf, "model_type", "") or "")
+        # ConfigError for a group kvtier cannot store (e.g. recurrent state without prefix caching):
+        # the engine does not start
+        self.groups: list[GroupSpec] = groups_of(kv_cache_config, model_type)
+        if any(g.kind == STATE for g in self.groups) and self.geometry.blocks_per_chunk != 1:
+            raise ConfigError(
+                f"kvtier: model type {model_type or '?'} holds recurrent state, stored once per chunk: "
+                f"kv_connector_extra_config.chunk_tokens ({self.geometry.chunk_tokens}) must equal the engine's "
+                f"block size ({self.geometry.block_size})")
         self.replicated = self.tp_size > 1 and bool(self.groups) and (
             all(g.replicated for g in self.groups)
             or getattr(kv_cache_config, "kv_tp_replicas", 1) == self.tp_size)

@@ -11,12 +11,26 @@ entry of its own (``kvtier.keys.group_key``), copied with that group's layers an
   ``ChunkedLocalAttentionManager.get_num_skipped_tokens``), so resuming at ``T`` needs exactly
   the group's blocks ``[first_block(T), T // block_size)``.
 
-A prefix hit of ``n`` chunks needs every full group's chunks ``0..n-1`` and every window group's
-chunks that hold a block in ``[first_block(n * chunk), n * blocks_per_chunk)``; the hit is the
-largest such ``n`` (the same token count for every group).
+- ``state`` groups (recurrent state: Mamba, Mamba2, gated delta net; vLLM's ``MambaSpec``): one
+  state per sequence, not per token. With prefix caching vLLM runs them in ``mamba_cache_mode``
+  "align": the state after each block boundary is kept in that block (``MambaManager``), and the
+  scheduler hands a connector the exact block holding each committed boundary state
+  (``SchedulerOutput.kv_connector_block_state.boundary_state_offloads``: ``(group, block id,
+  boundary tokens)``; the block table cannot be read positionally, its other states are null or
+  scratch). kvtier stores the state at a chunk boundary as the group's entry of the chunk ending
+  there, and resuming at ``T`` tokens needs only that one entry, loaded into the block at index
+  ``T // block_size - 1`` (vLLM's ``get_num_skipped_tokens`` for Mamba is ``T - 1``). A state
+  group needs one block per chunk (``chunk_tokens`` equal to the block size, as vLLM's own
+  offloading has for Mamba).
 
-Groups kvtier cannot store (recurrent state: Mamba2, gated delta net, and any spec it does not
-know) are refused at engine start: ``groups_of`` raises ConfigError naming the model type.
+A prefix hit of ``n`` chunks needs every full group's chunks ``0..n-1``, every window group's
+chunks that hold a block in ``[first_block(n * chunk), n * blocks_per_chunk)`` and every state
+group's chunk ``n - 1``; the hit is the largest such ``n`` (the same token count for every group).
+
+Groups kvtier cannot store are refused at engine start (``groups_of`` raises ConfigError naming
+the model type and the reason): recurrent state without prefix caching (``mamba_cache_mode``
+"none": vLLM keeps one running state per request and no state at any boundary), recurrent state
+with speculative blocks, and any spec kvtier does not know.
 """
 
 from __future__ import annotations
@@ -28,11 +42,12 @@ from kvtier.errors import ConfigError
 
 FULL = "full"
 WINDOW = "window"
+STATE = "state"  # recurrent state (MambaSpec in mamba_cache_mode "align")
 
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """One KV cache group: ``kind`` (FULL or WINDOW), its layers, its block size and, for a
+    """One KV cache group: ``kind`` (FULL, WINDOW or STATE), its layers, its block size and, for a
     window group, ``sliding_window`` (tokens; 0 if none), ``extra_retained`` and
     ``attention_chunk`` (chunked local attention's chunk size; 0 if none). ``describe`` is the
     group's spec as it enters the key namespace."""
@@ -61,6 +76,8 @@ class GroupSpec:
     def skipped_tokens(self, computed: int) -> int:
         """Tokens before ``computed`` that vLLM no longer keeps for this group (its null
         blocks): vLLM's ``get_num_skipped_tokens`` for the group's attention type."""
+        if self.kind == STATE:  # MambaManager: only the state after the last computed token
+            return max(0, computed - 1)
         if self.sliding_window:
             return max(0, computed - self.sliding_window + 1 - self.extra_retained)
         if self.attention_chunk:
@@ -74,7 +91,8 @@ class GroupSpec:
 
 def window_chunks(group: GroupSpec, boundary_chunks: int, blocks_per_chunk: int) -> range:
     """The chunks of ``group`` needed to resume at ``boundary_chunks`` whole chunks: all of
-    them for a full group, the ones holding a block vLLM keeps for a window group."""
+    them for a full group, the ones holding a block vLLM keeps for a window group (for a state
+    group: the last one, whose end holds the state)."""
     if group.kind == FULL:
         return range(0, boundary_chunks)
     first = group.first_block(boundary_chunks * blocks_per_chunk * group.block_size)
@@ -90,6 +108,7 @@ def groups_of(kv_cache_config: Any, model_type: str = "") -> list[GroupSpec]:
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
         UniformTypeKVCacheSpecs,
@@ -115,12 +134,15 @@ def groups_of(kv_cache_config: Any, model_type: str = "") -> list[GroupSpec]:
             out.append(GroupSpec(kind=WINDOW, attention_chunk=int(spec.attention_chunk_size), **common))
         elif type(spec) in (FullAttentionSpec, MLAAttentionSpec):
             out.append(GroupSpec(kind=FULL, replicated=isinstance(spec, MLAAttentionSpec), **common))
+        elif isinstance(spec, MambaSpec) and (reason := _state_refusal(spec)) is None:
+            out.append(GroupSpec(kind=STATE, **common))
         else:
-            reason = ("recurrent state (Mamba2 / gated delta net) that kvtier does not save or restore"
-                      if "Mamba" in name else "a KV cache type kvtier does not store")
+            if not isinstance(spec, MambaSpec):
+                reason = "a KV cache type kvtier does not store"
             raise ConfigError(
                 f"kvtier cannot serve model type {model_type or '?'}: KV cache group {i} is {name}, {reason}; "
-                f"supported: full attention, MLA, sliding window, chunked local attention (run this model "
+                f"supported: full attention, MLA, sliding window, chunked local attention, recurrent state in "
+                f"mamba_cache_mode align (run this model "
                 f"without the kvtier connector)")
     return out
 
@@ -133,11 +155,32 @@ def namespace_groups(groups: list[GroupSpec]) -> str:
     return ";".join(g.describe for g in groups)
 
 
+def _state_refusal(spec: Any) -> str | None:
+    """Why kvtier cannot store a ``MambaSpec`` group's state (None: it can)."""
+    kind = _state_kind(spec)
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        return (f"{kind} recurrent state in mamba_cache_mode {mode!r}: vLLM keeps no state at block boundaries "
+                f"to save or restore (start vLLM with --enable-prefix-caching, which sets mamba_cache_mode align)")
+    if getattr(spec, "num_speculative_blocks", 0):
+        return f"{kind} recurrent state with speculative decoding blocks, which kvtier does not store"
+    return None
+
+
+def _state_kind(spec: Any) -> str:
+    """The recurrent kind of a ``MambaSpec`` (Mamba2, gated delta net, ...) in words."""
+    mamba_type = getattr(spec, "mamba_type", None)
+    name = str(getattr(mamba_type, "name", mamba_type or "")).lower()
+    return {"mamba1": "Mamba", "mamba2": "Mamba2", "gdn_attn": "gated delta net", "gdn": "gated delta net",
+            "linear": "linear attention", "short_conv": "short conv"}.get(name, name or "Mamba")
+
+
 def _describe(index: int, spec: Any, layers: list[str]) -> str:
     """A canonical string of what in a group's spec changes its KV bytes or their meaning."""
     fields = [str(index), type(spec).__name__, f"bs{spec.block_size}"]
     for name in ("num_kv_heads", "head_size", "head_size_v", "dtype", "sliding_window", "extra_retained_tokens",
-                 "attention_chunk_size", "cache_dtype_str", "page_size_padded", "kv_quant_mode"):
+                 "attention_chunk_size", "cache_dtype_str", "page_size_padded", "kv_quant_mode",
+                 "shapes", "dtypes", "mamba_type", "mamba_cache_mode", "tp_replicated"):
         value = getattr(spec, name, None)
         if value is not None:
             fields.append(f"{name}={value}")

@@ -503,10 +503,18 @@ def _wrap(name: str, t: torch.Tensor, num_blocks: int) -> _Layer:
         block_dim = 1
     else:
         raise ConfigError(f"layer {name}: cannot find the block dimension in shape {tuple(t.shape)}")
-    if not t.is_contiguous():
+    if t.is_contiguous():
+        pre = int(np.prod(t.shape[:block_dim])) if block_dim else 1
+        u8 = t.view(torch.uint8).reshape(pre, num_blocks, -1)
+    elif block_dim == 0 and t.dim() >= 2 and t[0].is_contiguous() and t.stride(0) >= t[0].numel():
+        # blocks of padded pages (vLLM's recurrent state: [num_blocks, ..., state bytes] with a
+        # block stride of the group's padded page size): a page is each block's leading bytes
+        item = t.element_size()
+        page, stride = t[0].numel() * item, t.stride(0) * item
+        storage = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        u8 = storage.as_strided((1, num_blocks, page), (num_blocks * stride, stride, 1), t.storage_offset() * item)
+    else:
         raise ConfigError(f"layer {name}: KV tensor is not contiguous; kvtier copies whole pages")
-    pre = int(np.prod(t.shape[:block_dim])) if block_dim else 1
-    u8 = t.view(torch.uint8).reshape(pre, num_blocks, -1)
     word = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8) if u8.shape[2] % d.itemsize == 0)
     rows = u8.transpose(0, 1).view(word)  # [num_blocks, pieces, words]: wide elements copy faster
     array = u8.numpy() if t.device.type == "cpu" else None

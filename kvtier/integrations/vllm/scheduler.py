@@ -36,6 +36,13 @@ the largest such count (the same for every group). With several groups every hit
 background: vLLM reports a failed load of such a model per request (``failed_recving``), only
 for requests waiting for their load, never per block.
 
+Recurrent state groups (Mamba2, gated delta net; vLLM's ``mamba_cache_mode`` "align", see
+``groups.py``): a chunk's state entry is the state at the chunk's end, saved from the exact block
+vLLM offers for that boundary in ``SchedulerOutput.kv_connector_block_state`` (the step that
+commits it; the worker copies it after that step's forward), only at chunk boundaries, from the
+prompt's last chunk boundary on (the point a re-read resumes at). A hit of ``n`` chunks loads
+state chunk ``n - 1`` into the group's block at index ``n - 1``.
+
 Events for routers (when vLLM publishes KV events): ``take_events`` turns the worker's store
 events into vLLM ``BlockStored``/``BlockRemoved`` events shaped as the engine's own (its block
 hashes, block size, token ids and extra keys; each group's entries with that group's
@@ -54,7 +61,7 @@ from vllm.distributed.kv_events import KVCacheEvent
 from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.events import ChunkEvents
-from kvtier.integrations.vllm.groups import FULL, GroupSpec, window_chunks
+from kvtier.integrations.vllm.groups import FULL, STATE, GroupSpec, window_chunks
 from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, KVTierWorkerMetadata, LoadSpec, SaveSpec
 from kvtier.keys import ROOT, MMItem, Namespace, WorkerShare, chunk_keys, group_key, lora_identity, weights_digest
 from kvtier.tiers.base import SchedulerView
@@ -84,6 +91,7 @@ class RequestState:
     local_tokens: int = 0  # tokens vLLM's own prefix cache had
     load: tuple[int, int, int] | None = None  # (first_chunk, end_chunk, skip_blocks) pending
     saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or being stored
+    saved_states: set[tuple[int, int]] = field(default_factory=set)  # (state group, chunk) saved
 
 
 class KVTierScheduler:
@@ -99,8 +107,11 @@ class KVTierScheduler:
         self._auth_key = config.store.auth_secret("kv_connector_extra_config")  # keys the chunk keys
         # vLLM's KV cache groups; none given: one full-attention group (a dense model)
         self.groups = list(groups) or [GroupSpec(0, FULL, (), geometry.block_size)]
-        self._hybrid = len(self.groups) > 1  # failures per request only: every hit loads in the background
+        # failures per request only: every hit loads in the background (a state group also with one
+        # group: vLLM allocates its state block at the hit's end only for an asynchronous load)
+        self._hybrid = len(self.groups) > 1 or any(g.kind == STATE for g in self.groups)
         self._per_group = self._hybrid or any(g.kind != FULL for g in self.groups)  # hits need each group's window
+        self._states = {g.index: g for g in self.groups if g.kind == STATE}  # recurrent state groups
         self.namespace = namespace
         self._share = share.of(0, 0)  # worker rank 0 of stage 0 speaks for all
         self._lora_ids: dict[tuple[str, str], str] = {}  # (name, path) -> identity, read once
@@ -194,7 +205,31 @@ class KVTierScheduler:
                     table.extend(ids)
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             self._plan(meta, req_id, state, done)
+        if self._states:
+            block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+            self._plan_states(meta, getattr(block_state, "boundary_state_offloads", None) or {})
         return meta
+
+    def _plan_states(self, meta: KVTierMetadata, offers: dict[str, list[tuple[int, int, int]]]) -> None:
+        """Saves of recurrent states from vLLM's boundary-state offers of this step
+        (``{req_id: [(group, block id, boundary tokens)]}``): a state at a chunk boundary whose
+        chunk is stored (``_saves_chunk``), keyed and not saved before, from the exact block
+        offered (one block: ``chunk_tokens`` is the block size with a state group)."""
+        chunk = self.geometry.chunk_tokens
+        for req_id, entries in offers.items():
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            for group_idx, block_id, boundary in entries:
+                group = self._states.get(group_idx)
+                c = boundary // chunk - 1
+                if group is None or boundary <= 0 or boundary % chunk or not state.hit_chunks <= c < len(state.keys):
+                    continue  # not a state group, not a chunk boundary, found in the store, or not keyed yet
+                if (group_idx, c) in state.saved_states or not self._saves_chunk(group, state, c):
+                    continue
+                state.saved_states.add((group_idx, c))
+                parent = state.keys[c - 1] if c else None
+                meta.saves.append(SaveSpec(req_id, state.keys[c], parent, c, [block_id], group=group_idx))
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Apply the worker's store events to the mirror (and keep them for ``take_events``)."""
@@ -320,12 +355,13 @@ class KVTierScheduler:
             state.keys += chunk_keys(state.token_ids[: full * chunk], state.namespace, chunk,
                                      start=len(state.keys), prev=prev, mm=state.mm, auth_key=self._auth_key)
         bpc = self.geometry.blocks_per_chunk
+        paged = [g for g in self.groups if g.kind != STATE]  # state groups: saved from vLLM's offers
         for c in range(state.saved_chunks, full):
-            tables = [self.geometry.chunk_blocks(self._blocks(state, g.index), c) for g in self.groups]
+            tables = [self.geometry.chunk_blocks(self._blocks(state, g.index), c) for g in paged]
             if any(len(blocks) < bpc for blocks in tables):
                 break
             parent = state.keys[c - 1] if c else None
-            for group, blocks in zip(self.groups, tables):
+            for group, blocks in zip(paged, tables):
                 if self._saves_chunk(group, state, c):
                     meta.saves.append(SaveSpec(req_id, state.keys[c], parent, c, blocks, group=group.index))
             self._remember_chunk(state, c)
