@@ -194,3 +194,19 @@ def test_fp8_stays_refused_by_serve_and_lossless_on_the_arena_is_taken():
     assert "\n" not in str(info.value) and "lossless" in str(info.value)
     config = ServeConfig.from_mapping({"listen": "unix:///tmp/x.sock", "store": {"tiers": _arena()}})
     assert config.store.tiers[0].config.codec == "lossless"
+
+
+def test_a_coded_arena_over_an_fs_tier_demotes_and_promotes_raw_bytes(make_server, tmp_path):
+    tiers = _arena("4MiB") + [{"type": "fs", "path": str(tmp_path / "fs"), "capacity": "64MiB"}]
+    server = make_server(tiers=tiers)
+    with ServerStore(server.address) as c:
+        for i in range(10):  # more than the arena holds: the oldest go down to fs only
+            assert c.put(_key(i), _kv(i))
+            assert c.flush(30)
+        tiers_seen = set()
+        for i in reversed(range(10)):  # newest first: the arena's own before promotions evict them
+            got = []
+            tiers_seen.add(c.read(_key(i), lambda segs: got.append(b"".join(bytes(s) for s in segs))))
+            assert got == [_kv(i).tobytes()]  # from fs (written from decoded bytes) or the arena
+        assert tiers_seen == {"ram", "fs"}
+        assert c.stats()["client"]["corrupt"] == 0

@@ -232,3 +232,17 @@ def test_an_entry_evicted_while_the_coder_encodes_it_frees_its_pages_at_once(cod
     assert tier.get_into(_key(2), out) == MiB and np.array_equal(out, _kv(2))
     assert tier.delete(_key(2)) and tier.drain(30)
     assert tier.free_bytes() == tier.arena_bytes and tier.used_bytes() == 0
+
+
+def test_an_entry_in_several_runs_of_pages_is_coded_and_read_back(coded):
+    tier = coded(capacity=4 * MiB, page=64 * 1024)
+    assert tier.put(_key(1), _kv(1, 256 * 1024)) and tier.put(_key(2), _kv(2, 256 * 1024))
+    assert tier.put(_key(3), _kv(3, 256 * 1024)) and tier.drain(30)
+    assert tier.delete(_key(2))  # a hole between 1 and 3: the next entry takes it and pages after 3
+    assert tier.put(_key(4), _kv(4, 2 * MiB)) and tier.drain(30)
+    with tier.borrow_stored(_key(4)) as stored:
+        assert stored.codec == 1
+    out = np.empty(2 * MiB, dtype=np.uint8)
+    assert tier.get_into(_key(4), out) == 2 * MiB and np.array_equal(out, _kv(4, 2 * MiB))
+    for i in (1, 3):
+        assert np.array_equal(tier.views(_key(i))[0], _kv(i, 256 * 1024))
