@@ -35,7 +35,8 @@ Its contract:
   ``footprint``/``free_bytes``/``delete`` are page operations in this process's memory. A
   top-tier hit pins its pages under the lock (``borrow``) and runs ``consume`` after it; a write
   reserves pages under it, runs ``fill`` after it and publishes under it again (a delete that
-  came meanwhile wins: the pages are freed). Promotions copy into the arena under the lock.
+  came meanwhile wins: the pages are freed). A write-through copy pins the entry's pages under
+  the lock and reads them after it. Promotions copy into the arena under the lock.
 - No other tier method of any tier runs under it: reads, puts, deletes, sizes, usage,
   listings of lower tiers (and of a top tier without an arena) run after the lock is released,
   on decisions taken under it. ``stats`` takes the lock for the index's figures only; a
@@ -511,29 +512,55 @@ class TieredStore(KVStore):
 
     def _copy_down(self, i: int, copy: Copy) -> None:
         """Carry a queued copy out into tier ``i`` (a writer thread), unless the key was deleted
-        since it was queued."""
+        since it was queued. A write-through copy pins the top entry's pages under the lock and
+        reads them after it (one segment is put as it is; more are gathered into this thread's
+        scratch), so no copy of the entry runs under the lock."""
         if copy.data is not None:  # a demotion (or a copy from a top tier without an arena) carries its bytes
             self._put_level(i, copy.key, copy.parent, np.frombuffer(copy.data, dtype=np.uint8), copy.gen)
             return
-        with self._lock:
-            try:
-                deleted = self._ledger.deleted_since(copy.key, copy.gen)
-                data = None if deleted else self._snapshot_top(copy.key)
-            finally:  # a failed snapshot must not pin the key's orphan bytes forever
-                self._ledger.read_top(copy.key)
-            if deleted:
-                self._counters.cancelled_writes += 1
-                return
-            if data is not None:  # until the put below lands, an eviction must not demote it again
-                self._ledger.begin_in_flight(copy.key)
-        if data is None:
-            self._levels[i].tier.stats.add(dropped=1)
-            return
-        try:
-            self._put_level(i, copy.key, copy.parent, data, copy.gen)
-        finally:
+        pinned = ExitStack()
+        with pinned:
             with self._lock:
-                self._ledger.end_in_flight(copy.key)
+                try:
+                    deleted = self._ledger.deleted_since(copy.key, copy.gen)
+                    source = None if deleted else self._pin_top(copy.key, pinned)
+                finally:  # a failed pin must not keep the key's orphan bytes forever
+                    self._ledger.read_top(copy.key)
+                if deleted:
+                    self._counters.cancelled_writes += 1
+                    return
+                if source is not None:  # until the put below lands, an eviction must not demote it again
+                    self._ledger.begin_in_flight(copy.key)
+            if source is None:
+                self._levels[i].tier.stats.add(dropped=1)
+                return
+            try:
+                self._put_level(i, copy.key, copy.parent, self._contiguous(source), copy.gen)
+            finally:
+                with self._lock:
+                    self._ledger.end_in_flight(copy.key)
+
+    def _pin_top(self, key: Key, pinned: ExitStack) -> "np.ndarray | Sequence | None":
+        """A top-tier entry's bytes for a copy down (lock held): its orphan bytes, or its arena
+        pages pinned in ``pinned`` (valid until it closes, whatever happens to the key); None
+        when the top tier no longer holds it."""
+        orphan = self._ledger.orphan(key)
+        if orphan is not None:
+            return np.frombuffer(orphan, dtype=np.uint8)
+        top = self._levels[0]
+        if top.arena is None or not self._index.holds(0, key):
+            return None
+        return pinned.enter_context(top.arena.borrow(key, count=False))
+
+    def _contiguous(self, source: "np.ndarray | Sequence") -> np.ndarray:
+        """``source`` as one uint8 array (lock not held): an array, or a single segment, as it
+        is; more segments gathered into this thread's scratch."""
+        if isinstance(source, np.ndarray):
+            return source
+        if len(source) == 1:
+            return np.asarray(source[0]).reshape(-1).view(np.uint8)
+        buf = self._scratch.get(sum(int(seg.nbytes) for seg in source), "snap")
+        return buf[: gather_into(source, buf)]
 
     def _put_level(self, i: int, key: Key, parent: Key | None, data: np.ndarray, gen: int,
                    queue_lower: bool = False) -> bool:

@@ -4,8 +4,8 @@ A file is ``<path>/<first key byte hex>/<key hex>`` holding the entry header fol
 payload. Nothing is cached about which keys exist: another node may add or remove files at any
 time, so ``contains``, ``size_of``, ``keys`` and ``get_into`` ask the file system each time.
 
-Atomic publish: a writer writes a temp file named ``.<key hex>.<host>.<pid>.<random>.tmp`` in the
-same directory and renames it over the final name (``os.replace``). Concurrent writers of one key
+Atomic publish: a writer writes a temp file named ``.<key hex>.<host>.<pid>.<tier>.<n>.tmp`` (``tier``
+random per tier object, ``n`` its sequence; created exclusively) in the same directory and renames it over the final name (``os.replace``). Concurrent writers of one key
 (on one node or many) each publish a complete entry; the last rename wins, and a reader sees one
 whole entry or none, never a torn one. A file that fails its header or checksum (a truncated copy,
 bit rot, a foreign file) is a counted miss and is removed, but only if it is still the same file
@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import socket
@@ -171,7 +172,10 @@ class FsTier(Tier):
         self._dir_mode = dir_mode_for(self._mode)
         self._gid = resolve_group(config.group)
         self._root = os.path.abspath(config.path)
-        self._tag = f"{socket.gethostname()}.{os.getpid()}"
+        # temp names: host, process, this tier and a sequence (no random read per put); O_EXCL
+        # makes a clash an error, never a shared file
+        self._tag = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        self._seq = itertools.count()
         self._warned: set[str] = set()
         self._prepare_root()
         self._usage_lock = threading.Lock()  # guards _used/_pending/_last_scan; never held across I/O
@@ -245,7 +249,12 @@ class FsTier(Tier):
         with ``mode`` when ``create``). _ForeignDir when the name is a symlink or not a directory
         or the directory is refused (``_open_problem``); FileNotFoundError when absent."""
         try:
-            fd = make_dir_at(root, sub, self._dir_mode, self._gid) if create else open_dir_at(root, sub)
+            try:  # opened first: a mkdir that fails with EEXIST is a system call on every put
+                fd = open_dir_at(root, sub)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                fd = make_dir_at(root, sub, self._dir_mode, self._gid)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise _ForeignDir("is not a real directory (a symbolic link or a file)") from exc
@@ -410,7 +419,7 @@ class FsTier(Tier):
             self.stats.add(dropped=1)
             return False
         name = bytes(key).hex()
-        tmp = f".{name}.{self._tag}.{uuid.uuid4().hex[:12]}{_TMP}"
+        tmp = f".{name}.{self._tag}.{next(self._seq)}{_TMP}"
         try:
             with self._fanout(name, create=True) as dfd:
                 try:

@@ -154,8 +154,9 @@ class ArenaTier(Tier):
         (the caller keeps that from happening meanwhile); None when absent."""
 
     @abstractmethod
-    def borrow(self, key: Key) -> AbstractContextManager[list[np.ndarray] | None]:
-        """Like ``views``, but the pages stay untouched until the ``with`` block ends."""
+    def borrow(self, key: Key, count: bool = True) -> AbstractContextManager[list[np.ndarray] | None]:
+        """Like ``views``, but the pages stay untouched until the ``with`` block ends. Counts a
+        hit or a miss unless ``count`` is False (the store's copies down to a lower tier)."""
 
     @abstractmethod
     def reserve(self, key: Key, nbytes: int, dtype: str = "uint8",
@@ -477,16 +478,19 @@ class RamTier(ArenaTier):
         return [out]
 
     @contextmanager
-    def borrow(self, key: Key) -> Iterator[list[np.ndarray] | None]:
+    def borrow(self, key: Key, count: bool = True) -> Iterator[list[np.ndarray] | None]:
         """Like ``views``, but the pages stay untouched until the ``with`` block ends, even if
-        another thread deletes or replaces the key meanwhile. Yields None on a miss."""
+        another thread deletes or replaces the key meanwhile. Yields None on a miss. Counts a
+        hit or a miss unless ``count`` is False."""
         entry = self._acquire(key)
         if entry is None:
-            self.stats.add(misses=1)
+            if count:
+                self.stats.add(misses=1)
             yield None
             return
         try:
-            self.stats.add(hits=1, bytes_read=entry.length)
+            if count:
+                self.stats.add(hits=1, bytes_read=entry.length)
             if entry.codec:
                 yield _DecodedOnUse(self, entry)
             else:
