@@ -10,8 +10,12 @@ they put; another scrapes ``stats()`` every ``--stats-interval`` s (what ``kvtie
   (``--delay-ms`` per request, the proxy in a child process so its threads do not share this
   interpreter), or ``fs``, a shared directory holding ``--fs-entries`` entries.
 
-Reported per setting: RAM-hit p50/p99 (us), puts, deletes, stats() calls and their p50/p99
-(ms); and the p99 (and p50) ratio slow / alone. Target (issue 25): p99 ratio <= 1.2: nothing
+With ``--via serve`` the store is a ``kvtier serve`` process (one per round, its own
+interpreter), each client thread and the deleter have their own connection (``ServerStore``) and
+the scraper fetches the server's ``/metrics`` over HTTP instead of calling ``stats()``.
+
+Reported per setting: RAM-hit p50/p99 (us), puts, deletes, stats() calls (or scrapes) and their
+p50/p99 (ms); and the p99 (and p50) ratio slow / alone. Target (issue 25): p99 ratio <= 1.2: nothing
 slow runs under the store's lock. Clients pause ``--think-ms`` between operations (an engine
 does work between its store calls), so a hit's latency is the store's, not the interpreter's
 thread switching.
@@ -124,9 +128,12 @@ def _key(i: int, ns: bytes) -> bytes:
 
 
 def run_phase(store, setting: str, args: argparse.Namespace, hot: list[bytes], blob: np.ndarray,
-              ns: bytes) -> Phase:
-    """``args.clients`` readers/putters, one deleter and one stats scraper for ``args.duration`` s."""
+              ns: bytes, clients_stores: list | None = None, scrape=None) -> Phase:
+    """``args.clients`` readers/putters, one deleter and one stats scraper for ``args.duration`` s.
+    ``clients_stores[c]``: client ``c``'s own store handle (default: ``store`` for all);
+    ``scrape``: what the scraper calls (default: ``store.stats``)."""
     phase = Phase(setting)
+    scrape = scrape or store.stats
     top = store.tier_names[0]
     deadline = time.monotonic() + args.duration
     think = args.think_ms / 1e3
@@ -136,6 +143,7 @@ def run_phase(store, setting: str, args: argparse.Namespace, hot: list[bytes], b
     stop = threading.Event()
 
     def client(c: int) -> None:
+        mine = clients_stores[c] if clients_stores else store
         rng = np.random.default_rng(c)
         out = np.empty(blob.size, dtype=np.uint8)
         hits, puts, misses, wrong, n = [], [], 0, 0, 0
@@ -146,7 +154,7 @@ def run_phase(store, setting: str, args: argparse.Namespace, hot: list[bytes], b
         while time.monotonic() < deadline:
             k = hot[int(rng.integers(len(hot)))]
             t0 = time.perf_counter_ns()
-            tier = store.read(k, consume)
+            tier = mine.read(k, consume)
             t1 = time.perf_counter_ns()
             if tier != top:  # evicted meanwhile, or served from below: not a RAM hit
                 misses += 1
@@ -158,7 +166,7 @@ def run_phase(store, setting: str, args: argparse.Namespace, hot: list[bytes], b
             if n % put_every == 0:
                 k2 = _key(n, ns + bytes([c]))
                 t0 = time.perf_counter_ns()
-                store.put(k2, blob)
+                mine.put(k2, blob)
                 puts.append(time.perf_counter_ns() - t0)
                 doomed.append(k2)
             time.sleep(think)
@@ -181,7 +189,7 @@ def run_phase(store, setting: str, args: argparse.Namespace, hot: list[bytes], b
     def scraper() -> None:
         while not stop.is_set():
             t0 = time.perf_counter_ns()
-            store.stats()
+            scrape()
             phase.stats_ns.append(time.perf_counter_ns() - t0)
             stop.wait(args.stats_interval)
 
@@ -275,6 +283,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--put-every", type=int, default=10, help="a client puts one chunk per N reads (default 10)")
     parser.add_argument("--think-ms", type=float, default=1.0, help="pause between a client's operations (default 1)")
     parser.add_argument("--stats-interval", type=float, default=0.1, help="seconds between stats() calls (default 0.1)")
+    parser.add_argument("--via", choices=("store", "serve"), default="store",
+                        help="store: a TieredStore in this process; serve: a kvtier serve process, one "
+                             "connection per client, /metrics scraped over HTTP")
     parser.add_argument("--work-dir", default=None, help="directory for redis/fs files (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -310,6 +321,9 @@ def measure(args: argparse.Namespace, entry: int, work: str) -> dict:
             tiers = [ram] if setting == "alone" else [ram, lower]
             ns = f"{r}:".encode()
             hot = [_key(i, ns + b"hot") for i in range(args.hot)]
+            if args.via == "serve":
+                phases.append(_serve_round(args, work, r, setting, tiers, hot, blob, ns))
+                continue
             with TieredStore.from_config({"tiers": tiers, "write_queue_depth": 64}) as store:
                 if len(store.tiers) != len(tiers):
                     raise KVTierError(f"the {args.lower} tier did not start (see the warnings above)")
@@ -318,12 +332,59 @@ def measure(args: argparse.Namespace, entry: int, work: str) -> dict:
                 phases.append(run_phase(store, setting, args, hot, blob, ns))
                 store.close(timeout=5.0)  # queued slow copies are dropped, not waited for
     out = summarize(phases)
-    out.update({"clients": args.clients, "lower": args.lower, "entry_bytes": entry, "duration_s": args.duration,
+    out.update({"clients": args.clients, "lower": args.lower, "via": args.via, "entry_bytes": entry, "duration_s": args.duration,
                 "rounds": args.rounds, "think_ms": args.think_ms, "stats_interval_s": args.stats_interval,
                 "delay_ms": args.delay_ms if args.lower == "redis" else None,
                 "fs_entries": args.fs_entries if args.lower == "fs" else None,
                 "fs_refresh_s": args.fs_refresh_s if args.lower == "fs" else None})
     return out
+
+
+def _serve_round(args: argparse.Namespace, work: str, r: int, setting: str, tiers: list, hot: list[bytes],
+                 blob: np.ndarray, ns: bytes) -> Phase:
+    """One round through a ``kvtier serve`` process holding ``tiers``: a connection per client
+    and one for the deleter, ``/metrics`` scraped over HTTP."""
+    import urllib.request
+
+    from kvtier.bench.server import _connect
+    from kvtier.harness.procs import spawn
+
+    where = os.path.join(work, f"serve-{r}")
+    os.makedirs(where, exist_ok=True)
+    sock, path, log = (os.path.join(where, n) for n in ("kvtier.sock", "serve.json", "serve.log"))
+    with open(path, "w") as f:
+        json.dump({"listen": f"unix://{sock}", "metrics": "127.0.0.1:0", "staging": 64 << 20,
+                   "store": {"tiers": tiers, "write_queue_depth": 64}}, f)
+    child = spawn([sys.executable, "-m", "kvtier.cli", "serve", "--config", path, "--log-level", "WARNING"],
+                  name="kvtier serve", log=log)
+    handles = []
+    try:
+        handles.append(_connect(child, sock, 60.0))
+        if len(handles[0].tier_names) != len(tiers):
+            raise KVTierError(f"the {args.lower} tier did not start in kvtier serve (see {log})")
+        handles += [_connect(child, sock, 60.0) for _ in range(args.clients)]
+        found: list[str] = []
+        deadline = time.monotonic() + 30.0
+        while not found and time.monotonic() < deadline:  # "ready on ..., metrics http://H:P" may trail the socket
+            with open(log) as f:
+                found = [w for line in f for w in line.split() if w.startswith("http://")]
+            if not found:
+                time.sleep(0.05)
+        if not found:
+            raise KVTierError(f"kvtier serve printed no metrics address (see {log})")
+        url = found[-1].rstrip(",") + "/metrics"
+
+        def scrape() -> None:
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                reply.read()
+
+        for k in hot:
+            handles[0].put(k, blob)
+        return run_phase(handles[0], setting, args, hot, blob, ns, clients_stores=handles[1:], scrape=scrape)
+    finally:
+        for h in handles:
+            h.close()
+        child.stop(grace=5.0)
 
 
 def run(args: argparse.Namespace) -> int:
