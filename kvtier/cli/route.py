@@ -142,23 +142,54 @@ class _LoopErrors:
     one log line without a traceback, and the same message at most once per second, the repeats
     counted in its next line. Past the file-descriptor limit asyncio retries ``accept`` up to its
     backlog in one tick and reports each failure: without this, one burst of clients writes a
-    hundred lines."""
+    hundred lines.
 
-    def __init__(self, logger: logging.Logger, interval_s: float = 1.0) -> None:
+    Bounded: at most ``max_messages`` distinct messages (each cut to ``MESSAGE_CHARS``) are
+    remembered, those not logged for ``interval_s`` are forgotten first; past that (asyncio's
+    "Exception in callback <handle>" names objects by address, so messages can all differ), an
+    error is counted, not logged, and the count is said at most once per ``interval_s`` (and in
+    the next line logged)."""
+
+    MESSAGE_CHARS = 500
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 1.0, max_messages: int = 64) -> None:
         self._log = logger
         self._interval_s = interval_s
+        self.max_messages = max_messages
         self._last: dict[str, float] = {}  # message -> when it was last logged
         self._quiet: dict[str, int] = {}  # message -> repeats not logged since
+        self._dropped = 0  # errors not logged past the bound (and repeats of forgotten messages)
+        self._dropped_said = -interval_s  # when the dropped count was last logged
 
     def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
-        message = str(context.get("message", "event loop error"))
+        message = str(context.get("message", "event loop error"))[:self.MESSAGE_CHARS]
         now = time.monotonic()
+        if message not in self._last and len(self._last) >= self.max_messages:
+            self._forget(now)
+            if len(self._last) >= self.max_messages:
+                self._dropped += 1
+                if now - self._dropped_said >= self._interval_s:
+                    self._dropped_said = now
+                    self._log.error("%d event loop errors not logged (more than %d distinct messages)",
+                                    self._dropped, self.max_messages)
+                    self._dropped = 0
+                return
         if now - self._last.get(message, -self._interval_s) < self._interval_s:
             self._quiet[message] = self._quiet.get(message, 0) + 1
             return
         exc = context.get("exception")
-        detail = f": {type(exc).__name__}: {exc}" if exc is not None else ""
+        detail = f": {type(exc).__name__}: {str(exc)[:self.MESSAGE_CHARS]}" if exc is not None else ""
         quiet = self._quiet.pop(message, 0)
         more = f" ({quiet} more since the last line)" if quiet else ""
+        if self._dropped:
+            more += f" ({self._dropped} other event loop errors not logged)"
+            self._dropped = 0
         self._last[message] = now
         self._log.error("%s%s%s", message, detail, more)
+
+    def _forget(self, now: float) -> None:
+        """Forget the messages not logged for ``interval_s`` (their repeats join ``_dropped``)."""
+        for message, when in list(self._last.items()):
+            if now - when >= self._interval_s:
+                del self._last[message]
+                self._dropped += self._quiet.pop(message, 0)

@@ -94,6 +94,14 @@ def _optional(ev: dict[str, Any], name: str, kind: type) -> Any:
     return value
 
 
+def _group(ev: dict[str, Any]) -> int | None:
+    """An event's ``group_idx``: None or an int >= 0 (vLLM's group list position); ValueError else."""
+    group = _optional(ev, "group_idx", int)
+    if group is not None and group < 0:
+        raise ValueError("group_idx is negative")
+    return group
+
+
 def _apply_one(index: PrefixIndex, engine: str, kind: str, ev: dict[str, Any]) -> None:
     """Apply one decoded event (checked before the index changes); raises on a malformed one.
     Its KV cache group (``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``)
@@ -111,7 +119,7 @@ def _apply_one(index: PrefixIndex, engine: str, kind: str, ev: dict[str, Any]) -
         lora = ev.get("lora_name") or ""
         if not isinstance(lora, str):
             raise ValueError("lora_name is not a string")
-        group = _optional(ev, "group_idx", int)
+        group = _group(ev)
         spec_kind = _optional(ev, "kv_cache_spec_kind", str)
         window = _optional(ev, "kv_cache_spec_sliding_window", int)
         index.apply_stored(engine, hashes, parent, tokens, block_size, medium, lora, group=group, kind=spec_kind,
@@ -121,7 +129,7 @@ def _apply_one(index: PrefixIndex, engine: str, kind: str, ev: dict[str, Any]) -
         hashes = [_hashable(h) for h in ev.get("block_hashes") or ()]
         for h in hashes:
             hash(h)
-        index.apply_removed(engine, hashes, medium, group=_optional(ev, "group_idx", int))
+        index.apply_removed(engine, hashes, medium, group=_group(ev))
     elif kind == "AllBlocksCleared":
         index.clear_engine(engine)
 

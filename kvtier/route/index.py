@@ -9,7 +9,12 @@ the same keys from a tokenized prompt (``chunk_keys``).
 Contracts
 ---------
 * Bounded: at most ``max_keys`` content keys (LRU; a lookup refreshes a key) and at most
-  ``max_keys`` engine hashes remembered per engine (LRU).
+  ``max_keys`` engine hashes remembered per engine (LRU); per engine at most ``MAX_GROUPS`` KV
+  cache groups and ``MAX_MEDIA`` media (events of others are counted in ``ignored``, not
+  indexed), so one key's holding is at most engines x ``MAX_MEDIA`` x ``MAX_GROUPS`` entries
+  whatever a producer sends. A negative ``group_idx`` is ignored (counted).
+* ``window_run`` is linear in the prompt's blocks (each window block of each window group is
+  looked up at most once per request), whatever the windows a producer claims.
 * ``apply_stored`` with a parent hash the index never saw (a missed event) adds nothing for that
   event and counts it in ``orphans``; removals of unknown hashes are ignored.
 * A block whose event ``block_size`` is a multiple k of the index block size becomes k keys;
@@ -44,6 +49,10 @@ blocks vLLM keeps to resume at ``n * block_size`` tokens, ``[max(0, n*B - w + 1)
 * roles are learned per engine, from its own events: until an engine's window group has
   published once, that engine counts as dense (vLLM publishes every group's blocks of a prefill
   in one batch, so this lasts no longer than its first batch);
+* an engine with window groups and no naming group (a model whose every layer has a sliding
+  window: vLLM makes it one ``sliding_window`` group 0) is scored by its windows alone: a prefix
+  of ``n`` blocks is loadable where every window group holds its window before block ``n``
+  (``naming_free``, ``window_hit``), as vLLM's ``SlidingWindowManager`` finds its hit;
 * engine hashes are shared by all groups (vLLM hashes a block by content), so one map per engine
   turns any group's hashes into content keys. A window group's ``BlockStored`` may name fewer
   blocks than its tokens cover (vLLM skips the null blocks before the window): its hashes are the
@@ -70,6 +79,10 @@ WINDOW_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
 NAME = "name"
 WINDOW = "window"
 IGNORE = "ignore"
+#: KV cache groups remembered per engine (vLLM's hybrid models have a handful); others ignored
+MAX_GROUPS = 256
+#: distinct media indexed per engine (vLLM's and kvtier's are a few); others ignored
+MAX_MEDIA = 32
 
 
 @dataclass(frozen=True)
@@ -132,6 +145,8 @@ class PrefixIndex:
         self._windows: OrderedDict[bytes, dict[tuple[str, int], set[str]]] = OrderedDict()
         self._hashes: dict[str, OrderedDict[Hashable, tuple[bytes, ...]]] = {}
         self._roles: dict[str, dict[int, GroupRole]] = {}  # engine -> group index -> role
+        self._named: dict[str, set[int]] = {}  # engine -> its naming groups (cache of ``_roles``)
+        self._media: dict[str, set[str]] = {}  # engine -> media its events named (at most MAX_MEDIA)
         self.orphans = 0
         self.evicted = 0
         self.ignored = 0  # events of groups not indexed (see the module docstring)
@@ -163,6 +178,13 @@ class PrefixIndex:
         """``engine``'s window groups: group index -> window (tokens); {} for a dense engine."""
         return {g: r.window for g, r in self._roles.get(engine, {}).items() if r.role == WINDOW}
 
+    def naming_free(self, engine: str) -> bool:
+        """Whether ``engine`` has window groups and no group naming the prefix (every layer of
+        its model has a sliding window): its prefix is whatever its windows can load."""
+        roles = self._roles.get(engine, {})
+        return (any(r.role == WINDOW for r in roles.values())
+                and not any(r.role == NAME for r in roles.values()))
+
     def window_run(self, engine: str, keys: Sequence[bytes], run: int, shared_media: frozenset[str] = frozenset(),
                    also: Callable[[int], bool] | None = None) -> int:
         """The largest ``n <= run`` at which every window group of ``engine`` holds its window
@@ -171,9 +193,20 @@ class PrefixIndex:
         routed there), or kvtier's tiers (any other medium of the engine, or one of
         ``shared_media`` held by any engine's group of the same index). A window split between
         the two is not loadable: vLLM resumes from its own pool, kvtier's lookup from its tiers."""
+        return self.window_hit(engine, keys, run, shared_media, also)[0]
+
+    def window_hit(self, engine: str, keys: Sequence[bytes], run: int, shared_media: frozenset[str] = frozenset(),
+                   also: Callable[[int], bool] | None = None) -> tuple[int, str | None]:
+        """``(window_run, source)``: source ``"pool"`` or ``"tiers"`` (where the windows are
+        whole), None when ``engine`` has no window group (then ``run`` is returned as is) or
+        the run is 0. Linear in ``run``: scanning down from ``run``, a block missing at ``i``
+        rules out every ``n`` in ``(i, run]`` at once (their windows all contain ``i``: a
+        window's start never decreases with ``n``), and a block found held is never looked at
+        again for that group."""
         windows = self.windows(engine)
         if not windows or run <= 0 or self.block_size <= 0:
-            return run
+            return run, None
+        run = min(run, len(keys))
         bs = self.block_size
         held: dict[tuple[int, int], tuple[bool, bool]] = {}
 
@@ -188,11 +221,35 @@ class PrefixIndex:
                 held[(group, i)] = (pool, tiers)
             return held[(group, i)]
 
-        for n in range(run, 0, -1):
-            need = [(g, i) for g, w in windows.items() for i in range(max(0, n * bs - w + 1) // bs, n)]
-            if all(sources(g, i)[0] for g, i in need) or all(sources(g, i)[1] for g, i in need):
-                return n
-        return 0
+        best: tuple[int, str | None] = (0, None)
+        for which, name in ((0, "pool"), (1, "tiers")):
+            n = run
+            verified = {g: run for g in windows}  # blocks [verified[g], n) of group g are held
+            while n > 0:
+                for g, w in windows.items():
+                    lo = max(0, n * bs - w + 1) // bs
+                    i = min(verified[g], n) - 1
+                    while i >= lo and sources(g, i)[which]:
+                        i -= 1
+                    if i >= lo:  # block i missing: no n' in (i, n] has its window whole
+                        verified[g] = n = i
+                        break
+                    verified[g] = min(verified[g], lo)
+                else:
+                    break
+            if n > best[0]:
+                best = (n, name)
+        return best
+
+    def window_media(self, engine: str, group: int, key: bytes, shared_media: frozenset[str] = frozenset()) -> set[str]:
+        """Media of kvtier's tiers where ``engine``'s window group ``group`` holds ``key``: its
+        own media other than the pool, and ``shared_media`` any engine's group ``group`` holds."""
+        entry = self._windows.get(key, {})
+        out = set(entry.get((engine, group), set())) - {GPU}
+        for (_, g), media in entry.items():
+            if g == group:
+                out |= media & shared_media
+        return out
 
     # --- updates ---------------------------------------------------------------------------
     def apply_stored(self, engine: str, block_hashes: Sequence[Hashable], parent_hash: Hashable | None,
@@ -203,7 +260,7 @@ class PrefixIndex:
         ``kv_cache_spec_kind``/``kv_cache_spec_sliding_window``); returns how many content keys
         it added or refreshed (0 for a group not indexed, counted in ``ignored``)."""
         gid, role = self._role(engine, group, kind, window)
-        if role is None:
+        if role is None or not self._medium_ok(engine, medium):
             self.ignored += 1
             return 0
         hashes = self._hashes.setdefault(engine, OrderedDict())
@@ -248,7 +305,7 @@ class PrefixIndex:
         it dropped (0 for a group not indexed, counted in ``ignored``)."""
         gid = 0 if group is None else group
         role = self._roles.get(engine, {}).get(gid, GroupRole(NAME) if gid == 0 else GroupRole(IGNORE))
-        if role.role == IGNORE:
+        if role.role == IGNORE or gid < 0:
             self.ignored += 1
             return 0
         hashes = self._hashes.get(engine)
@@ -265,6 +322,8 @@ class PrefixIndex:
         many (naming) keys it held."""
         self._hashes.pop(engine, None)
         self._roles.pop(engine, None)
+        self._named.pop(engine, None)
+        self._media.pop(engine, None)
         gone = 0
         for key in list(self._keys):
             entry = self._keys[key]
@@ -283,7 +342,20 @@ class PrefixIndex:
     # --- internals -------------------------------------------------------------------------
     def _naming(self, engine: str) -> set[int]:
         """The engine's naming groups ({0} until its events say otherwise)."""
-        return {g for g, r in self._roles.get(engine, {}).items() if r.role == NAME} or {0}
+        named = self._named.get(engine)
+        if named is None:
+            named = self._named[engine] = {g for g, r in self._roles.get(engine, {}).items() if r.role == NAME} or {0}
+        return named
+
+    def _medium_ok(self, engine: str, medium: str) -> bool:
+        """Whether ``medium`` is one of the (at most ``MAX_MEDIA``) media indexed for ``engine``."""
+        media = self._media.setdefault(engine, set())
+        if medium in media:
+            return True
+        if len(media) >= MAX_MEDIA:
+            return False
+        media.add(medium)
+        return True
 
     def _role(self, engine: str, group: int | None, kind: str | None,
               window: int | None) -> tuple[int, GroupRole | None]:
@@ -291,16 +363,21 @@ class PrefixIndex:
         from the event's kind (see the module docstring)."""
         gid = 0 if group is None else group
         roles = self._roles.setdefault(engine, {})
+        if gid < 0 or (gid not in roles and len(roles) >= MAX_GROUPS):
+            return gid, None  # not a group vLLM has, or one past the bound: not indexed
         if kind is None:
             role = roles.get(gid)
             if role is None and gid == 0:
-                role = roles[gid] = GroupRole(NAME)
+                role = GroupRole(NAME)
         elif kind in NAMING_KINDS:
-            role = roles[gid] = GroupRole(NAME)
+            role = GroupRole(NAME)
         elif kind in WINDOW_KINDS and type(window) is int and window > 0:
-            role = roles[gid] = GroupRole(WINDOW, window)
+            role = GroupRole(WINDOW, window)
         else:
-            role = roles[gid] = GroupRole(IGNORE)
+            role = GroupRole(IGNORE)
+        if role is not None and roles.get(gid) != role:
+            roles[gid] = role
+            self._named.pop(engine, None)
         return gid, role if role is not None and role.role != IGNORE else None
 
     def _add_known(self, engine: str, hashes: OrderedDict, block_hashes: Sequence[Hashable], medium: str,

@@ -7,7 +7,10 @@ score(e) = prefix_weight * prefix(e) + load_weight * load(e), both terms in [0, 
   medium, which counts for every engine), divided by the prompt's block count. A block the router
   sent to e moments ago (a speculative entry, alive ``speculative_ttl_s``) counts as in e's pool.
   On a hybrid model the run ends where some sliding-window group of e no longer holds its window
-  (``PrefixIndex.window_run``): every group must load the prefix at the same token count.
+  (``PrefixIndex.window_run``): every group must load the prefix at the same token count. An
+  engine whose every group is a sliding window (no group names the prefix) is scored by its
+  windows alone: the longest prefix whose windows it holds, each block at the weight of where
+  the window is (its pool, or the window's worst block in kvtier's tiers).
 * ``load(e)``: 1 - min(1, (L(e) - min L) / P), with L = requests in flight + queued prefill
   tokens / ``prefill_norm_tokens`` (both tracked by the router), min L over the candidates, and
   P = the prompt's tokens / ``prefill_norm_tokens``: how much longer e's queue is than the
@@ -197,10 +200,12 @@ def prefix_matches(keys: Sequence[bytes], engines: Sequence[str], index: PrefixI
 
     On an engine with sliding-window KV cache groups (a hybrid model) the run is what every
     group can load at the same token count: the naming (full-attention) groups' run, cut back
-    to where every window group holds its window (``PrefixIndex.window_run``)."""
+    to where every window group holds its window (``PrefixIndex.window_run``); an engine with
+    no naming group at all, by its windows alone (``PrefixIndex.window_hit``)."""
     result = {e: (0.0, 0) for e in engines}
-    hybrid = {e: [] for e in engines if index.windows(e)}  # per-block weights, to cut the run back
-    alive = set(engines)
+    free = [e for e in engines if index.naming_free(e)]  # scored by their windows alone (below)
+    hybrid = {e: [] for e in engines if index.windows(e) and e not in free}  # per-block weights, to cut back
+    alive = set(engines) - set(free)
     for i, key in enumerate(keys):
         holders = index.holders(key) or {}
         spec = speculative.engines(key) if speculative is not None else set()
@@ -226,6 +231,22 @@ def prefix_matches(keys: Sequence[bytes], engines: Sequence[str], index: PrefixI
         run = index.window_run(engine, keys, result[engine][1], shared_media, routed)
         if run < result[engine][1]:
             result[engine] = (sum(weights[:run]), run)
+    for engine in free:
+        def routed(i: int, engine: str = engine) -> bool:
+            return speculative is not None and engine in speculative.engines(keys[i])
+
+        run, source = index.window_hit(engine, keys, len(keys), shared_media, routed)
+        if run <= 0:
+            continue
+        if source == "pool":
+            weight = weight_of(GPU)
+        else:  # the window's worst block, each at its best tier
+            bs = index.block_size
+            weight = min((max((weight_of(m) for m in index.window_media(engine, g, keys[i], shared_media)),
+                              default=0.0)
+                          for g, w in index.windows(engine).items()
+                          for i in range(max(0, run * bs - w + 1) // bs, run)), default=0.0)
+        result[engine] = (weight * run, run) if weight > 0 else (0.0, 0)
     return result
 
 
