@@ -38,7 +38,8 @@ the lease goes back, and hands that to ``consume``. The reply is not trusted: th
 frame's own declared size equal to it before a byte is decoded, and the xxh3-64 of the decoded
 bytes equal to the checksum. Any failure is a miss (``corrupt``), never an exception or a large
 allocation, and the client deletes the key on the server (a garbled entry would miss for every
-reader). Decoding costs this process a core for the read (Blosc2 LZ4 decodes ~2.4 GB/s on one).
+reader), unless the read outlasted its lease: then the pages may hold another entry, and it is a
+``lease_expired`` miss that deletes nothing. Decoding costs this process a core for the read (Blosc2 LZ4 decodes ~2.4 GB/s on one).
 
 Deadlines: every call has a total deadline, lock wait included: ``lookup_timeout`` for the calls
 on the engine's scheduling path (``lookup``, ``take_events``), ``timeout`` for data transfer and
@@ -406,17 +407,20 @@ class ServerStore(KVStore):
                 return None
             lease_timeout = self._map.lease_timeout_s
             copy_start = time.monotonic()
-            corrupt = direct = False
+            direct, problem = False, None
             try:
                 if answer.get("codec") is not None:
-                    views, direct = self._decode(answer, views, into)
-                    corrupt = views is None
-                if not (corrupt or direct):
+                    views, direct, problem = self._decode(answer, views, into)
+                if not (problem or direct):
                     consume(views)
             finally:
                 copied = time.monotonic()
                 self._call({"op": "release", "lease": answer["lease"]}, deadline + (copied - copy_start), reply=False)
-            if corrupt:
+            # past the lease first: the pages may hold another entry by then, which is no sign
+            # that the key's entry is garbled (a delete could remove a good one written since)
+            if problem and copied - started < lease_timeout:
+                log.warning("kvtier: cache server %s: a coded entry fails its checks (%s); a miss, and deleted",
+                            self.address, problem)
                 self._counters.corrupt += 1
                 self._counters.misses += 1
                 self._call({"op": "delete", "key": bytes(key)}, deadline + (copied - copy_start))
@@ -430,10 +434,11 @@ class ServerStore(KVStore):
             self._counters.hits += 1
             return answer["tier"]
 
-    def _decode(self, answer: dict, views: list[np.ndarray], into) -> tuple[list | None, bool]:
+    def _decode(self, answer: dict, views: list[np.ndarray], into) -> tuple[list | None, bool, str | None]:
         """The raw bytes of a coded entry leased as ``views`` (see the module notes): (one
-        read-only segment, False), or ([], True) when decoded into ``into``'s buffer (its
-        callback told), or (None, False) when a check fails or it does not decode (logged)."""
+        read-only segment, False, None), or ([], True, None) when decoded into ``into``'s buffer
+        (its callback told), or (None, False, the problem) when a check fails or it does not
+        decode (the caller logs it)."""
         from kvtier.codecs import LOSSLESS_ID, decode_into
         from kvtier.entry import checksum
 
@@ -464,14 +469,12 @@ class ServerStore(KVStore):
             except CorruptEntry as exc:
                 problem = str(exc)
         if problem is not None:
-            log.warning("kvtier: cache server %s: a coded entry fails its checks (%s); a miss, and deleted",
-                        self.address, problem)
-            return None, False
+            return None, False, problem
         self._counters.decoded += 1
         if direct:
             into[1](raw)
-            return [], True
-        return [_readonly(target)], False
+            return [], True, None
+        return [_readonly(target)], False, None
 
     def _arena_views(self, answer: dict) -> list[np.ndarray] | None:
         """Read-only views of the extents a ``get`` answered; None (an error) when one lies

@@ -588,11 +588,12 @@ class CacheServer:
             self.staging.abort(item[4])
 
     def flush(self, timeout: float) -> bool:
-        """Wait until the arena's coder and the store's queued lower-tier writes are done
-        (``timeout`` seconds in all); False on timeout."""
+        """Wait until the store's queued lower-tier writes and then the arena's coder are done
+        (``timeout`` seconds in all); False on timeout. The writes first: a write-through copy
+        pins its entry, which the coder then codes after it."""
         deadline = time.monotonic() + timeout
-        drained = self.arena.drain(timeout)
-        return self.store.flush(timeout=max(0.0, deadline - time.monotonic())) and drained
+        flushed = self.store.flush(timeout=timeout)
+        return self.arena.drain(max(0.0, deadline - time.monotonic())) and flushed
 
     def stats(self) -> dict[str, Any]:
         """The store's stats plus the server's counters and open staging bytes."""

@@ -681,6 +681,8 @@ class TieredStore(KVStore):
         # A paged tier (RAM) rounds each entry up to whole pages: payload bytes under capacity
         # do not mean a free run for the new entry, so ask the tier what the entry takes.
         need = arena.footprint(nbytes)
+        if need > arena.arena_bytes:  # never fits, whatever goes (a coded arena's raw budget is 16 x its pages)
+            return False
         while True:
             step = self._index.plan_room(0, nbytes, need, arena.free_bytes)
             if step is Room.FITS:

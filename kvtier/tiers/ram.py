@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 CODED_BUDGET = 16  # a coded arena's raw-byte budget (capacity_bytes) over its arena bytes
 DEFAULT_ELEMENT_BYTES = 2  # the shuffle width while the KV dtype is unknown (uint8): bf16/fp16 KV
 _CODER_QUEUE = 65536  # keys waiting for the coder; more are left raw (counted as queue_full)
-_CODER_RETRIES = 3  # an entry held by a reader when its turn comes is tried again this often
+_CODER_RETRIES = 3  # encodes of an entry a reader took while it was encoded, before it stays raw
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class _Entry:
     """One stored (or reserved) entry: its byte extents in the arena and its metadata."""
 
     __slots__ = ("pages", "extents", "length", "dtype", "shape", "readers", "dead", "codec", "stored",
-                 "checksum", "moving")
+                 "checksum", "moving", "deferred")
 
     def __init__(self, pages: list[int], extents: list[tuple[int, int]], length: int,
                  dtype: str, shape: tuple[int, ...]):
@@ -105,6 +105,7 @@ class _Entry:
         self.codec = 0  # 0 raw, else the codec id of the stored bytes (kvtier.codecs)
         self.checksum = 0  # xxh3-64 of the raw bytes (set when coded)
         self.moving = False  # the coder is rewriting its pages: acquirers wait, its pages stay
+        self.deferred: tuple[Key, int] | None = None  # (key, attempt) for the coder once its readers are gone
         self.dtype = dtype
         self.shape = shape
         self.readers = 0  # copies in progress outside the lock; pages are freed only at 0
@@ -609,6 +610,10 @@ class RamTier(ArenaTier):
     def _release(self, entry: _Entry) -> None:
         with self._lock:
             entry.readers -= 1
+            if entry.readers == 0 and entry.deferred is not None:  # the coder skipped it for a reader
+                deferred, entry.deferred = entry.deferred, None
+                if not (entry.dead or self._stop):
+                    self._enqueue(*deferred)
             if entry.dead and entry.readers == 0 and not entry.moving:
                 self._free_pages(entry)
 
@@ -674,10 +679,15 @@ class RamTier(ArenaTier):
         longer needs. The encode holds no pin: an eviction or delete meanwhile frees the pages at
         once (a pin would hide them from the store, which would evict one entry more), and the
         work is dropped (what was read from reused pages is never written anywhere). An entry a
-        reader holds is queued again (``_CODER_RETRIES`` times)."""
+        reader holds is deferred (counted as busy): the last reader's release queues it again, so
+        a lease held for long costs no encode meanwhile; one a reader took while it was encoded
+        is encoded again at most ``_CODER_RETRIES`` times."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or entry.codec:
+                return
+            if entry.readers:
+                self._defer(key, entry, attempt)
                 return
             extents, length = list(entry.extents), entry.length
         raw = self._contiguous(extents, length, "raw")
@@ -691,12 +701,19 @@ class RamTier(ArenaTier):
                 self._coder_counts["kept_raw"] += 1
                 return
             if entry.readers:
-                self._coder_counts["busy"] += 1
-                if attempt < _CODER_RETRIES and not self._stop:
-                    self._enqueue(key, attempt + 1)
+                if attempt < _CODER_RETRIES:
+                    self._defer(key, entry, attempt + 1)
+                else:
+                    self._coder_counts["busy"] += 1
                 return
             entry.moving = True
         self._move(entry, coded, need, digest)
+
+    def _defer(self, key: Key, entry: _Entry, attempt: int) -> None:
+        """Leave ``entry``, which a reader holds, for its last reader's release to queue again
+        (lock held; counted as busy)."""
+        self._coder_counts["busy"] += 1
+        entry.deferred = (key, attempt)
 
     def _move(self, entry: _Entry, coded: bytes, need: int, digest: int) -> None:
         """Copy ``coded`` into ``entry``'s first ``need`` pages (it is moving: nobody reads them

@@ -1,0 +1,128 @@
+"""Attacks on a coded server arena (``codec: lossless`` on ``kvtier serve``'s RAM tier).
+
+Real ``kvtier serve`` processes and real clients (no engines). Each test is a defect found by
+a hostile client, a careless operator or a racing workload, kept as a regression test:
+
+- an entry larger than the arena (but under the coded arena's raw-byte budget, 16 x) must be
+  refused at once, not after evicting every entry the arena holds;
+- an entry a reader holds when the coder reaches it must be coded once the reader lets go,
+  not re-encoded back to back and then left raw for good;
+- a reader whose lease ran out while it decoded (the pages may hold another entry by then) has
+  a ``lease_expired`` miss: it must not count the entry corrupt nor delete the key, which may
+  hold a good entry written since.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier.server import ServerStore
+from kvtier.server import protocol as P
+
+from .test_coded_arena import MiB, _arena, _coded, _key, _kv, _raw_decoding
+from .test_direct_write import _ask, _wait
+
+pytest.importorskip("blosc2")
+
+
+def test_an_entry_larger_than_the_arena_is_refused_without_evicting_the_arena(make_server):
+    server = make_server(tiers=_arena("4MiB"))  # staging 32 MiB: a 6 MiB write is within quota
+    with ServerStore(server.address) as c:
+        for i in range(3):
+            assert c.put(_key(i), _kv(i))
+        assert c.flush(30)
+        held = [i for i in range(3) if _key(i) in c]
+        assert held == [0, 1, 2]
+        assert not c.put(_key(99), _kv(99, 6 * MiB))  # never fits the 4 MiB arena
+        assert [i for i in range(3) if _key(i) in c] == held  # nothing evicted for it
+        assert c.stats()["tiers"][0]["evictions"] == 0
+        for i in held:
+            assert c.get(_key(i)) == _kv(i).tobytes()
+
+
+def _lease_before_coding(c: ServerStore, address: str):
+    """A raw-protocol connection holding a lease on a raw (not yet coded) arena entry: its key,
+    the socket and the reply. The entry is a promotion from the fs tier: the server promotes it
+    into the arena and leases it in the same ``get``, before the coder can have coded it (tried
+    on further keys when it did)."""
+    for i in range(8):
+        assert c.put(_key(i), _kv(i))
+        assert c.flush(30)
+    for i in range(4):  # the oldest: demoted to fs only
+        busy_before = _coded(c)["busy"]
+        s = _raw_decoding(address)
+        reply = _ask(s, {"op": "get", "key": _key(i)})
+        if reply.get("tier") == "fs" and "codec" not in reply:
+            return _key(i), s, reply, busy_before
+        if reply.get("lease") is not None:
+            P.send(s, {"op": "release", "lease": reply["lease"]})
+        s.close()
+        assert c.flush(30)
+    pytest.skip("the coder always coded the promoted entry before its lease")
+
+
+def test_an_entry_leased_when_the_coder_reaches_it_is_coded_after_the_release(make_server, tmp_path):
+    server = make_server(tiers=_arena("4MiB") + [{"type": "fs", "path": str(tmp_path / "fs"), "capacity": "64MiB"}])
+    with ServerStore(server.address) as c:
+        key, s, reply, busy_before = _lease_before_coding(c, server.address)
+        try:
+            assert c.flush(60)  # the coder went past the leased entry
+            busy = _coded(c)["busy"] - busy_before
+            assert busy >= 1
+            assert busy <= 2  # not re-encoded back to back while the lease is held
+            P.send(s, {"op": "release", "lease": reply["lease"]})
+            _wait(lambda: c.stats()["server"]["leases_open"] == 0, what="the lease's release")
+            assert c.flush(60)
+            again = _ask(s, {"op": "get", "key": key})
+            assert again.get("tier") == "ram" and again.get("codec") == 1, again  # coded once the reader let go
+            P.send(s, {"op": "release", "lease": again["lease"]})
+        finally:
+            s.close()
+        assert c.get(key) == _kv(int.from_bytes(key[:4], "little")).tobytes()
+
+
+def test_a_reader_whose_lease_expired_while_decoding_neither_counts_corrupt_nor_deletes(make_server, monkeypatch):
+    server = make_server(tiers=_arena("4MiB"), lease_timeout_s=1.0)
+    import kvtier.codecs as codecs
+
+    real_decode = codecs.decode_into
+    with ServerStore(server.address) as reader, ServerStore(server.address) as other:
+        assert other.put(_key(1), _kv(1)) and other.flush(30)
+        assert _coded(other)["entries_coded"] == 1
+        calls = []
+
+        def slow_decode(codec_id, stored, out, itemsize, dtype=None):  # a reader stalled past its lease
+            if not calls:
+                calls.append(1)
+                _wait(lambda: other.stats()["server"]["leases_expired"] >= 1, timeout=30, what="the lease's expiry")
+                assert other.delete(_key(1))
+                for i in range(2, 8):  # the arena turns over: the leased pages now hold other entries
+                    assert other.put(_key(i), _kv(i))
+                assert other.put(_key(1), _kv(101))  # and the key a new, good entry
+                assert other.flush(30)
+            return real_decode(codec_id, stored, out, itemsize, dtype)
+
+        monkeypatch.setattr(codecs, "decode_into", slow_decode)
+        out = np.empty(MiB, dtype=np.uint8)
+        assert reader.get_into(_key(1), out) is None  # past its lease: a miss
+        assert calls
+        stats = reader.stats()["client"]
+        assert stats["lease_expired"] == 1 and stats["corrupt"] == 0
+        monkeypatch.setattr(codecs, "decode_into", real_decode)
+        assert other.get(_key(1)) == _kv(101).tobytes()  # the new entry was not deleted
+
+
+def test_entries_over_an_fs_tier_are_coded_though_their_write_through_copy_pins_them(make_server, tmp_path):
+    # the store's write-through copy to fs pins the new entry while it writes the file, just
+    # when the coder reaches it: the entry must be coded after that copy, not left raw
+    server = make_server(tiers=_arena("64MiB") + [{"type": "fs", "path": str(tmp_path / "fs"), "capacity": "256MiB"}])
+    with ServerStore(server.address) as c:
+        for i in range(12):
+            assert c.put(_key(i), _kv(i))
+        assert c.flush(60)
+        state = _coded(c)
+        assert state["pending"] == 0
+        assert state["entries_coded"] == 12, state
+        for i in range(12):
+            assert c.get(_key(i)) == _kv(i).tobytes()
