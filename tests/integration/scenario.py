@@ -52,8 +52,8 @@ def main(spec_path: str, out_path: str) -> int:
         spec = json.load(f)
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, gpu_memory_utilization=0.3,
               num_gpu_blocks_override=spec["pool_blocks"], max_model_len=spec.get("max_model_len", 4096),
-              kv_transfer_config=spec.get("kv_transfer_config"), enable_prefix_caching=True,
-              disable_log_stats=False, seed=0, **spec.get("engine_args", {}))
+              kv_transfer_config=spec.get("kv_transfer_config"),
+              **{"enable_prefix_caching": True, "disable_log_stats": False, "seed": 0, **spec.get("engine_args", {})})
     docs = spec["docs"]
     out: dict = {"results": {}, "rss": {}}
     prompts: dict[str, list[int]] = {}
