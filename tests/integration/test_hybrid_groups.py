@@ -542,6 +542,42 @@ def test_recurrent_state_groups_in_align_mode_are_stored_and_keyed_by_their_spec
         assert state.skipped_tokens(t) == MambaManager.get_num_skipped_tokens(None, t)
 
 
+def test_recurrent_state_with_speculative_blocks_is_refused_in_one_line(tmp_path):
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.vllm.groups import groups_of
+
+    _, kcc = state_config(tmp_path, num_speculative_blocks=1)
+    with pytest.raises(ConfigError) as err:
+        groups_of(kcc, "qwen3_next")
+    assert "\n" not in str(err.value) and "qwen3_next" in str(err.value) and "speculative" in str(err.value)
+
+
+@pytest.mark.parametrize("engine", ["host", "torch"])
+def test_state_pages_are_each_blocks_leading_bytes_and_other_strides_are_refused(engine):
+    """A padded state page is copied as its state bytes only (the padding is never read or
+    written), by both copy engines; a tensor whose blocks are not whole rows (e.g. transposed)
+    is still refused."""
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.vllm.pages import PageLayout
+
+    t = state_pages(8)
+    layout = PageLayout({"m": t}, 8, 1, engine=engine)
+    assert (layout.pieces, layout.piece_bytes) == (1, t.shape[-1])
+    raw = torch.as_strided(t, (8 * PAGE,), (1,), t.storage_offset())
+    before = raw.clone()
+    page = torch.arange(t.shape[-1], dtype=torch.int64).remainder(251).to(torch.uint8).numpy()
+    layout.load([page.tobytes()], [3])
+    assert torch.equal(t[3].reshape(-1).view(torch.uint8), torch.from_numpy(page))
+    changed = (raw != before).nonzero().flatten()
+    assert changed.numel() and int(changed.min()) >= 3 * PAGE and int(changed.max()) < 3 * PAGE + t.shape[-1]
+    saved = bytearray(t.shape[-1])
+    layout.save([3], [memoryview(saved)])
+    assert bytes(saved) == page.tobytes()
+    with pytest.raises(ConfigError):
+        PageLayout({"m": torch.zeros(16, 8).t()}, 8, 1)
+    layout.close()
+
+
 def test_a_recurrent_state_needs_chunks_of_one_block(tmp_path):
     from kvtier.errors import ConfigError
     from kvtier.integrations.vllm.connector import KVConnectorRole, KVTierConnector
