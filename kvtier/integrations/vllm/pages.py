@@ -3,7 +3,9 @@
 Pages. Each layer's KV tensor is seen as uint8 ``[pieces, num_blocks, piece_bytes]``: on the CPU
 backend (``[num_blocks, kv_heads, block_size, 2*head_size]``) and for MLA (``[num_blocks, ...]``)
 a block is one piece; on CUDA FlashAttention layouts (``[2, num_blocks, ...]``) it is two pieces,
-K then V. A piece is opaque bytes and is copied whole, so a round trip is bit-exact (on CPU a
+K then V. A recurrent-state layer (``[num_blocks, 1, 1, state bytes]`` over pages padded to the
+attention page: a block stride larger than its state) is one piece of its state bytes; the padding
+is never read or written. A piece is opaque bytes and is copied whole, so a round trip is bit-exact (on CPU a
 page is K rows then V rows per block; nothing here reads that).
 
 Entry byte order (``ENTRY_FORMAT``): block-major. An entry is ``[blocks_per_chunk, layers,
