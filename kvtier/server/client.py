@@ -39,7 +39,9 @@ frame's own declared size equal to it before a byte is decoded, and the xxh3-64 
 bytes equal to the checksum. Any failure is a miss (``corrupt``), never an exception or a large
 allocation, and the client deletes the key on the server (a garbled entry would miss for every
 reader), unless the read outlasted its lease: then the pages may hold another entry, and it is a
-``lease_expired`` miss that deletes nothing. Decoding costs this process a core for the read (Blosc2 LZ4 decodes ~2.4 GB/s on one).
+``lease_expired`` miss that deletes nothing. A ``blosc2`` that is found but does not import is
+this process's fault, not the entry's: coded entries are misses here (``undecodable``, logged
+once) and nothing is deleted. Decoding costs this process a core for the read (Blosc2 LZ4 decodes ~2.4 GB/s on one).
 
 Deadlines: every call has a total deadline, lock wait included: ``lookup_timeout`` for the calls
 on the engine's scheduling path (``lookup``, ``take_events``), ``timeout`` for data transfer and
@@ -80,7 +82,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from kvtier.buffers import BufferTooSmall, Scratch, byte_view, gather_into
-from kvtier.errors import CorruptEntry, KVTierError
+from kvtier.errors import ConfigError, CorruptEntry, KVTierError
 from kvtier.keys import Key
 from kvtier.server import protocol as P
 from kvtier.store.base import KVStore
@@ -118,6 +120,7 @@ class _ClientCounters:
     direct_writes: int = 0  # writes that took the direct path (one copy into the arena)
     decoded: int = 0  # reads of coded arena entries decoded here
     corrupt: int = 0  # coded entries that failed the checks or did not decode (misses; deleted)
+    undecodable: int = 0  # coded entries this process could not decode: its codec library does not load (misses)
 
 
 @dataclass
@@ -162,6 +165,7 @@ class ServerStore(KVStore):
             raise ValueError(f"ServerStore max_entry_bytes: {max_entry_bytes!r} must be a positive number of bytes")
         self._max_entry = max_entry_bytes
         self._decodes = _can_decode()
+        self._codec_loaded = False  # the codec library imported here (checked at the first coded entry)
         self._scratch = Scratch()
         self.address = address
         self._family, self._where = P.parse_address(address)
@@ -400,6 +404,9 @@ class ServerStore(KVStore):
             started = time.monotonic()
             answer = self._call({"op": "get", "key": bytes(key)}, deadline)
             views = self._arena_views(answer) if answer is not None and answer.get("tier") is not None else None
+            if views is not None and answer.get("codec") is not None and not self._codec_ready():
+                self._counters.undecodable += 1
+                views = None  # this process's fault, not the entry's: a miss that deletes nothing
             if views is None:
                 self._counters.misses += 1
                 if answer is not None and answer.get("lease") is not None:
@@ -433,6 +440,25 @@ class ServerStore(KVStore):
                 return None
             self._counters.hits += 1
             return answer["tier"]
+
+    def _codec_ready(self) -> bool:
+        """Whether this process can decode coded entries: the codec library (found at start)
+        imports. A failure is logged once, and later hellos no longer say that this client
+        decodes (the server then answers coded entries as misses without a lease)."""
+        if self._codec_loaded:
+            return True
+        from kvtier.codecs import get_codec
+
+        try:
+            get_codec("lossless", "kvtier client")
+        except ConfigError as exc:
+            if self._decodes:
+                self._decodes = False
+                log.warning("kvtier: cache server %s: cannot decode the server's coded entries (%s); they are "
+                            "misses here", self.address, exc)
+            return False
+        self._codec_loaded = True
+        return True
 
     def _decode(self, answer: dict, views: list[np.ndarray], into) -> tuple[list | None, bool, str | None]:
         """The raw bytes of a coded entry leased as ``views`` (see the module notes): (one

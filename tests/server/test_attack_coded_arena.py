@@ -126,3 +126,27 @@ def test_entries_over_an_fs_tier_are_coded_though_their_write_through_copy_pins_
         assert state["entries_coded"] == 12, state
         for i in range(12):
             assert c.get(_key(i)) == _kv(i).tobytes()
+
+
+def test_a_client_whose_codec_library_fails_to_load_misses_without_deleting(make_server, monkeypatch):
+    # blosc2 is found (so the client says it decodes) but does not import (a broken install,
+    # an ABI mismatch): that is this client's fault, not the entry's; it must not delete the
+    # entries every other engine reads
+    import kvtier.codecs as codecs
+    from kvtier.errors import ConfigError
+
+    server = make_server(tiers=_arena())
+    with ServerStore(server.address) as writer:
+        assert writer.put(_key(1), _kv(1)) and writer.flush(30)
+        assert _coded(writer)["entries_coded"] == 1
+
+        def broken():
+            raise ConfigError("codec 'lossless' needs the blosc2 package (ImportError: undefined symbol)")
+
+        monkeypatch.setattr(codecs, "_lib", broken)
+        with ServerStore(server.address) as reader:
+            assert reader.get(_key(1)) is None
+            assert reader.get(_key(1)) is None
+            assert reader.stats()["client"]["corrupt"] == 0
+        monkeypatch.undo()
+        assert writer.get(_key(1)) == _kv(1).tobytes()  # still there for the others
