@@ -45,7 +45,7 @@ blocks vLLM keeps to resume at ``n * block_size`` tokens, ``[max(0, n*B - w + 1)
 * events of any other group (chunked local attention, whose chunk size events do not carry;
   Mamba state; a kind this index does not know; a kind-less group it never saw) are ignored and
   counted in ``ignored``: never indexed as something they are not. A removal names its group by
-  index only; it acts on the role that group's stores gave it.
+  index only; it drops that group's holdings of the blocks (under any role its stores had).
 * roles are learned per engine, from its own events: until an engine's window group has
   published once, that engine counts as dense (vLLM publishes every group's blocks of a prefill
   in one batch, so this lasts no longer than its first batch);
@@ -302,19 +302,21 @@ class PrefixIndex:
     def apply_removed(self, engine: str, block_hashes: Iterable[Hashable], medium: str,
                       group: int | None = None) -> int:
         """Record a ``BlockRemoved`` of group ``group``; returns how many (key, medium) holdings
-        it dropped (0 for a group not indexed, counted in ``ignored``)."""
+        it dropped (a group not indexed now is counted in ``ignored``). The group's holdings go
+        whatever role they were recorded under: a group whose kind changed between events (no
+        vLLM engine does that within a run) leaves nothing behind that a later role would count."""
         gid = 0 if group is None else group
-        role = self._roles.get(engine, {}).get(gid, GroupRole(NAME) if gid == 0 else GroupRole(IGNORE))
-        if role.role == IGNORE or gid < 0:
+        role = self._roles.get(engine, {}).get(gid, GroupRole(NAME) if gid == 0 else None)
+        if role is None or role.role == IGNORE or gid < 0:
             self.ignored += 1
-            return 0
         hashes = self._hashes.get(engine)
-        if hashes is None:
+        if hashes is None or role is None or gid < 0:
             return 0
         dropped = 0
         for engine_hash in block_hashes:
             for key in hashes.get(engine_hash, ()):
-                dropped += self._release(key, engine, medium, gid, role)
+                dropped += self._release(key, engine, medium, gid, GroupRole(NAME))
+                dropped += self._release(key, engine, medium, gid, GroupRole(WINDOW))
         return dropped
 
     def clear_engine(self, engine: str) -> int:

@@ -264,3 +264,20 @@ def test_a_hostile_window_does_not_stall_the_router(stub, tmp_path):  # noqa: F8
         r.stop()
         pub.close(linger=0)
         ctx.term()
+
+
+def test_a_group_that_changes_kind_leaves_no_stale_holding():
+    """Group 1 stores a block as full attention, turns into a sliding-window group, removes the
+    block, then is full attention again: the removal acted on the window role only, so the block
+    came back as held by group 1 (the engine no longer has it)."""
+    index = PrefixIndex(max_keys=100, block_size=BS)
+    toks = list(range(BS))
+    key = chunk_keys(toks, BS)[0]
+    _apply(index, _stored([1], None, toks, group_idx=0, kv_cache_spec_kind="full_attention"),
+           _stored([1], None, toks, group_idx=1, kv_cache_spec_kind="full_attention"))
+    assert index.holders(key) == {"A": {"GPU"}}
+    _apply(index, _stored([2], None, list(range(10, 14)), group_idx=1, kv_cache_spec_kind="sliding_window",
+                          kv_cache_spec_sliding_window=8),
+           {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "group_idx": 1},
+           _stored([2], None, list(range(10, 14)), group_idx=1, kv_cache_spec_kind="full_attention"))
+    assert index.holders(key) is None
