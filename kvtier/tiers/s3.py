@@ -99,11 +99,12 @@ class _Answers:
     """A bounded, expiring map key -> found (True) / absent (False). Thread-safe.
 
     At most ``entries`` keys (the least recently set are dropped first); an answer older than
-    ``ttl_s`` is forgotten. No global state: one per tier.
+    ``ttl_s`` is forgotten, by ``clock`` (monotonic seconds). No global state: one per tier.
     """
 
-    def __init__(self, entries: int, ttl_s: float):
+    def __init__(self, entries: int, ttl_s: float, clock: Callable[[], float] = time.monotonic):
         self._entries, self._ttl = entries, ttl_s
+        self._clock = clock
         self._map: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -113,7 +114,7 @@ class _Answers:
             hit = self._map.get(key)
             if hit is None:
                 return None
-            if time.monotonic() >= hit[1]:
+            if self._clock() >= hit[1]:
                 del self._map[key]
                 return None
             return hit[0]
@@ -122,7 +123,7 @@ class _Answers:
         if not self._entries or not self._ttl:
             return
         with self._lock:
-            self._map[key] = (found, time.monotonic() + self._ttl)
+            self._map[key] = (found, self._clock() + self._ttl)
             self._map.move_to_end(key)
             while len(self._map) > self._entries:
                 self._map.popitem(last=False)
