@@ -43,6 +43,7 @@ import logging
 import signal
 import sys
 import time
+from typing import Callable
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -152,8 +153,10 @@ class _LoopErrors:
 
     MESSAGE_CHARS = 500
 
-    def __init__(self, logger: logging.Logger, interval_s: float = 1.0, max_messages: int = 64) -> None:
+    def __init__(self, logger: logging.Logger, interval_s: float = 1.0, max_messages: int = 64,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._log = logger
+        self._clock = clock
         self._interval_s = interval_s
         self.max_messages = max_messages
         self._last: dict[str, float] = {}  # message -> when it was last logged
@@ -163,7 +166,7 @@ class _LoopErrors:
 
     def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
         message = str(context.get("message", "event loop error"))[:self.MESSAGE_CHARS]
-        now = time.monotonic()
+        now = self._clock()
         if message not in self._last and len(self._last) >= self.max_messages:
             self._forget(now)
             if len(self._last) >= self.max_messages:

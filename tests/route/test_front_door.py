@@ -450,14 +450,15 @@ def test_a_burst_of_the_same_loop_error_is_one_line_a_second(caplog):
     says how many it held back in the next line of that message."""
     from kvtier.cli.route import _LoopErrors
 
-    handler = _LoopErrors(logging.getLogger("kvtier.route.test"), interval_s=0.2)
+    now = [0.0]  # the handler's clock, moved by hand
+    handler = _LoopErrors(logging.getLogger("kvtier.route.test"), interval_s=0.2, clock=lambda: now[0])
     exc = OSError(24, "Too many open files")
     with caplog.at_level(logging.ERROR, logger="kvtier.route.test"):
         for _ in range(128):
             handler(None, {"message": "socket.accept() out of system resource", "exception": exc})
         handler(None, {"message": "another error"})
         assert len(caplog.records) == 2
-        time.sleep(0.25)
+        now[0] += 0.25
         handler(None, {"message": "socket.accept() out of system resource", "exception": exc})
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == "socket.accept() out of system resource: OSError: [Errno 24] Too many open files"
