@@ -63,6 +63,8 @@ class Phase:
     misses: int = 0  # hot-set reads not served by the RAM tier (evicted meanwhile: not timed)
     deletes: int = 0
     wrong: int = 0  # reads that returned other bytes than were put (must be none)
+    lower_puts: int = 0  # copies the lower tier took (write-through), from its stats at the round's end
+    lower_dropped: int = 0  # copies it dropped (a full queue, a failed put)
 
 
 def percentile(values: list[int], q: float) -> float | None:
@@ -102,6 +104,7 @@ def summarize(phases: list[Phase]) -> dict:
             "ram_hit_max_us": us(100), "puts": len(puts), "put_p99_us": us(99, puts),
             "deletes": sum(p.deletes for p in mine), "stats_calls": len(stats), "stats_p50_ms": ms(50),
             "stats_p99_ms": ms(99), "misses": sum(p.misses for p in mine), "wrong": sum(p.wrong for p in mine),
+            "lower_puts": sum(p.lower_puts for p in mine), "lower_dropped": sum(p.lower_dropped for p in mine),
         }
     s = out["settings"]
     if "alone" in s and "slow" in s:
@@ -283,6 +286,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--put-every", type=int, default=10, help="a client puts one chunk per N reads (default 10)")
     parser.add_argument("--think-ms", type=float, default=1.0, help="pause between a client's operations (default 1)")
     parser.add_argument("--stats-interval", type=float, default=0.1, help="seconds between stats() calls (default 0.1)")
+    parser.add_argument("--writer-nice", type=int, default=0,
+                        help="the store's writer_nice: lower-tier writers this many steps nicer (default 0)")
     parser.add_argument("--via", choices=("store", "serve"), default="store",
                         help="store: a TieredStore in this process; serve: a kvtier serve process, one "
                              "connection per client, /metrics scraped over HTTP")
@@ -298,6 +303,8 @@ def _check(args: argparse.Namespace) -> int:
     for name in ("duration", "stats_interval"):
         if not getattr(args, name) > 0:
             raise ConfigError(f"--{name.replace('_', '-')}: must be positive, got {getattr(args, name)}")
+    if not 0 <= args.writer_nice <= 19:
+        raise ConfigError(f"--writer-nice: must be in [0, 19], got {args.writer_nice}")
     if args.think_ms < 0 or args.delay_ms < 0 or args.fs_entries < 0:
         raise ConfigError("--think-ms, --delay-ms, --fs-entries: must not be negative")
     size = parse_size(args.entry_bytes, "--entry-bytes")
@@ -324,20 +331,32 @@ def measure(args: argparse.Namespace, entry: int, work: str) -> dict:
             if args.via == "serve":
                 phases.append(_serve_round(args, work, r, setting, tiers, hot, blob, ns))
                 continue
-            with TieredStore.from_config({"tiers": tiers, "write_queue_depth": 64}) as store:
+            with TieredStore.from_config({"tiers": tiers, "write_queue_depth": 64,
+                                          "writer_nice": args.writer_nice}) as store:
                 if len(store.tiers) != len(tiers):
                     raise KVTierError(f"the {args.lower} tier did not start (see the warnings above)")
                 for k in hot:
                     store.put(k, blob)
-                phases.append(run_phase(store, setting, args, hot, blob, ns))
+                phase = run_phase(store, setting, args, hot, blob, ns)
+                _count_lower(phase, store.stats())
+                phases.append(phase)
                 store.close(timeout=5.0)  # queued slow copies are dropped, not waited for
     out = summarize(phases)
-    out.update({"clients": args.clients, "lower": args.lower, "via": args.via, "entry_bytes": entry, "duration_s": args.duration,
-                "rounds": args.rounds, "think_ms": args.think_ms, "stats_interval_s": args.stats_interval,
+    out.update({"clients": args.clients, "lower": args.lower, "via": args.via, "entry_bytes": entry,
+                "duration_s": args.duration,
+                "rounds": args.rounds, "think_ms": args.think_ms, "writer_nice": args.writer_nice,
+                "stats_interval_s": args.stats_interval,
                 "delay_ms": args.delay_ms if args.lower == "redis" else None,
                 "fs_entries": args.fs_entries if args.lower == "fs" else None,
                 "fs_refresh_s": args.fs_refresh_s if args.lower == "fs" else None})
     return out
+
+
+def _count_lower(phase: Phase, stats: dict) -> None:
+    """The lower tiers' puts and drops of a round, from a ``stats()`` taken at its end."""
+    lower = stats.get("tiers", [])[1:]
+    phase.lower_puts = sum(int(t.get("puts", 0)) for t in lower)
+    phase.lower_dropped = sum(int(t.get("dropped", 0)) for t in lower)
 
 
 def _serve_round(args: argparse.Namespace, work: str, r: int, setting: str, tiers: list, hot: list[bytes],
@@ -351,10 +370,12 @@ def _serve_round(args: argparse.Namespace, work: str, r: int, setting: str, tier
 
     where = os.path.join(work, f"serve-{r}")
     os.makedirs(where, exist_ok=True)
-    sock, path, log = (os.path.join(where, n) for n in ("kvtier.sock", "serve.json", "serve.log"))
+    path, log = os.path.join(where, "serve.json"), os.path.join(where, "serve.log")
+    sockdir = tempfile.mkdtemp(prefix="kvtier-bs-")  # a unix socket path must be short (108 bytes)
+    sock = os.path.join(sockdir, "kvtier.sock")
     with open(path, "w") as f:
         json.dump({"listen": f"unix://{sock}", "metrics": "127.0.0.1:0", "staging": 64 << 20,
-                   "store": {"tiers": tiers, "write_queue_depth": 64}}, f)
+                   "store": {"tiers": tiers, "write_queue_depth": 64, "writer_nice": args.writer_nice}}, f)
     child = spawn([sys.executable, "-m", "kvtier.cli", "serve", "--config", path, "--log-level", "WARNING"],
                   name="kvtier serve", log=log)
     handles = []
@@ -380,11 +401,14 @@ def _serve_round(args: argparse.Namespace, work: str, r: int, setting: str, tier
 
         for k in hot:
             handles[0].put(k, blob)
-        return run_phase(handles[0], setting, args, hot, blob, ns, clients_stores=handles[1:], scrape=scrape)
+        phase = run_phase(handles[0], setting, args, hot, blob, ns, clients_stores=handles[1:], scrape=scrape)
+        _count_lower(phase, handles[0].stats())
+        return phase
     finally:
         for h in handles:
             h.close()
         child.stop(grace=5.0)
+        shutil.rmtree(sockdir, ignore_errors=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,8 +4,9 @@ A file is ``<path>/<first key byte hex>/<key hex>`` holding the entry header fol
 payload. Nothing is cached about which keys exist: another node may add or remove files at any
 time, so ``contains``, ``size_of``, ``keys`` and ``get_into`` ask the file system each time.
 
-Atomic publish: a writer writes a temp file named ``.<key hex>.<host>.<pid>.<tier>.<n>.tmp`` (``tier``
-random per tier object, ``n`` its sequence; created exclusively) in the same directory and renames it over the final name (``os.replace``). Concurrent writers of one key
+Atomic publish: a writer writes a temp file named ``.<key hex>.<host>.<pid>.<tier>.<n>.tmp``
+(``tier`` random per tier object, ``n`` its sequence; created exclusively) in the same directory
+and renames it over the final name (``os.replace``). Concurrent writers of one key
 (on one node or many) each publish a complete entry; the last rename wins, and a reader sees one
 whole entry or none, never a torn one. A file that fails its header or checksum (a truncated copy,
 bit rot, a foreign file) is a counted miss and is removed, but only if it is still the same file
@@ -33,10 +34,10 @@ start); a put scans on its own thread when this process's count goes over ``capa
 last scan is older than ``scan_interval_s``. The walk of a scan (a stat per entry) runs in a
 helper process at the lowest CPU priority (``fs_scan.py``), never on this process's interpreter
 lock: the scanning thread waits for its listing, sums it with numpy and removes what the budget
-says; only when no helper can start does it walk here, pausing every ``_PACE_EVERY`` entries. ``used_bytes`` never scans: it answers from a
-counter, the last scan's total plus this process's puts and deletes since (exact for this
-process's own changes, including those made while a scan ran; other nodes' changes appear at
-the next scan).
+says; only when no helper can start does it walk here, pausing every ``_PACE_EVERY`` entries.
+``used_bytes`` never scans: it answers from a counter, the last scan's total plus this process's
+puts and deletes since (exact for this process's own changes, including those made while a scan
+ran; other nodes' changes appear at the next scan).
 
 Faults (EACCES, ENOSPC, EIO, a vanished mount) are counted in ``stats.errors`` and reported as a
 miss / a False put, never raised. ``get_into`` reads straight into ``out`` and then verifies, so on

@@ -68,3 +68,18 @@ def test_a_tiny_run_over_a_crowded_fs_tier(tmp_path, capsys):
         assert s["ram_hits"] > 0 and s["wrong"] == 0 and s["stats_calls"] >= 2 and s["deletes"] > 0
     assert out["p99_ratio"] > 0 and out["lower"] == "fs" and out["fs_entries"] == 50
     assert list(tmp_path.iterdir()) == []  # its work directory is removed
+
+
+def test_a_tiny_run_through_kvtier_serve_scrapes_its_metrics(tmp_path, capsys):
+    """``--via serve``: the store is a ``kvtier serve`` process per round, each client has its
+    own connection, and the scraper fetches ``/metrics`` over HTTP."""
+    args = _args(clients=2, duration=0.5, rounds=1, lower="fs", fs_entries=50, hot=8, entry_bytes="4KiB",
+                 think_ms=0.5, stats_interval=0.05, work_dir=str(tmp_path), via="serve")
+    args.json = True
+    assert bench.run(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["via"] == "serve"
+    for setting in ("alone", "slow"):
+        s = out["settings"][setting]
+        assert s["ram_hits"] > 0 and s["wrong"] == 0 and s["stats_calls"] >= 2 and s["deletes"] > 0
+    assert list(tmp_path.iterdir()) == []
