@@ -33,6 +33,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from abc import abstractmethod
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 CODED_BUDGET = 16  # a coded arena's raw-byte budget (capacity_bytes) over its arena bytes
 DEFAULT_ELEMENT_BYTES = 2  # the shuffle width while the KV dtype is unknown (uint8): bf16/fp16 KV
 _CODER_QUEUE = 65536  # keys waiting for the coder; more are left raw (counted as queue_full)
+_CODER_LOG_EVERY_S = 60.0  # a failing coder logs at most one line this often (the first with its traceback)
 _CODER_RETRIES = 3  # encodes of an entry a reader took while it was encoded, before it stays raw
 
 
@@ -242,7 +244,8 @@ class RamTier(ArenaTier):
         self._coding = False  # the coder is working on a key now
         self._stop = False
         self._element_bytes = DEFAULT_ELEMENT_BYTES
-        self._coder_counts = {"coded": 0, "kept_raw": 0, "busy": 0, "queue_full": 0, "corrupt": 0}
+        self._coder_counts = {"coded": 0, "kept_raw": 0, "busy": 0, "queue_full": 0, "corrupt": 0, "errors": 0}
+        self._coder_logged = (float("-inf"), 0)  # (when the coder last logged a failure, errors counted then)
         self._coder: threading.Thread | None = None
         self._scratch = Scratch()  # per-thread contiguous copies of multi-run entries for the codec
         if config.codec != "none":
@@ -640,8 +643,9 @@ class RamTier(ArenaTier):
     def codec_state(self) -> dict:
         """The codec setting and, for a coded arena, the coder's figures: entries waiting, coded
         now, raw and stored bytes of the entries, and counts of entries kept raw (too small, not
-        smaller by a page), skipped while a reader held them, left raw by a full queue, and
-        stored entries that failed to decode (corrupt)."""
+        smaller by a page), skipped while a reader held them, left raw by a full queue, stored
+        entries that failed to decode (corrupt), and entries left raw by a failure of the coder
+        (errors)."""
         state = super().codec_state()
         if self._coder is None:
             return state
@@ -666,11 +670,27 @@ class RamTier(ArenaTier):
             try:
                 self._code(key, attempt)
             except Exception:  # a bug must leave the entry raw, never stop the coder
-                log.exception("ram tier %s: coding an entry failed; it stays raw", self.name)
+                self._coder_failed()
             finally:
                 with self._lock:
                     self._coding = False
                     self._cond.notify_all()
+
+    def _coder_failed(self) -> None:
+        """Count a failure to code an entry (it stays raw) and log it: the first with its
+        traceback, then at most one line a ``_CODER_LOG_EVERY_S`` with the count since."""
+        with self._lock:
+            self._coder_counts["errors"] += 1
+            errors = self._coder_counts["errors"]
+            last, logged = self._coder_logged
+            now = time.monotonic()
+            if now - last < _CODER_LOG_EVERY_S:
+                return
+            self._coder_logged = (now, errors)
+        if logged == 0:
+            log.exception("ram tier %s: coding an entry failed; it stays raw (counted in codec errors)", self.name)
+        else:
+            log.error("ram tier %s: coding failed for %d more entries; they stay raw", self.name, errors - logged)
 
     def _code(self, key: Key, attempt: int) -> None:
         """Code one committed raw entry in place: encode it (lock not held), then, if it is still

@@ -150,3 +150,33 @@ def test_a_client_whose_codec_library_fails_to_load_misses_without_deleting(make
             assert reader.stats()["client"]["corrupt"] == 0
         monkeypatch.undo()
         assert writer.get(_key(1)) == _kv(1).tobytes()  # still there for the others
+
+
+def test_a_failing_coder_is_counted_and_logged_in_bounded_lines_and_entries_stay_raw(tmp_path, monkeypatch, caplog):
+    # an encoder that raises on every entry (a library bug, a buffer it refuses): the coder
+    # goes on, every entry is served raw, and the log does not get a traceback per write
+    import logging
+
+    from kvtier.codecs import Codec
+    from kvtier.tiers.ram import RamConfig, RamTier
+
+    def broken(self, raw, itemsize):
+        raise RuntimeError("encoder bug")
+
+    monkeypatch.setattr(Codec, "encode", broken)
+    tier = RamTier(RamConfig(capacity=16 * MiB, page_size=16 * 1024, pin_memory=False,
+                             shm_path=str(tmp_path / "arena"), codec="lossless"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvtier.tiers.ram"):
+            for i in range(40):
+                assert tier.put(_key(i), _kv(i, 64 * 1024))
+            assert tier.drain(30)
+        state = tier.codec_state()
+        assert state["errors"] == 40 and state["entries_coded"] == 0
+        assert len([r for r in caplog.records if r.name == "kvtier.tiers.ram"]) <= 2
+        out = np.empty(64 * 1024, dtype=np.uint8)
+        assert tier.get_into(_key(7), out) == out.size and np.array_equal(out, _kv(7, 64 * 1024))
+        assert tier.put(_key(99), _kv(99, 64 * 1024)) and tier.drain(30)  # the coder still runs
+        assert tier.codec_state()["errors"] == 41
+    finally:
+        tier.close()
