@@ -18,7 +18,11 @@ stats), per tier with a ``tier`` label (counters ``tier_hits_total``, ``tier_mis
 ``tier_codec_info{codec}`` and, for ``auto``, ``tier_codec_coding``,
 ``tier_codec_tier_bytes_per_second``, ``tier_codec_tier_latency_seconds``,
 ``tier_codec_encode_bytes_per_second``, ``tier_codec_decode_bytes_per_second``,
-``tier_codec_ratio``) and the server's own counters
+``tier_codec_ratio``; for a coded server arena, gauges ``tier_codec_arena_bytes``,
+``tier_codec_arena_free_bytes``, ``tier_codec_stored_bytes``, ``tier_codec_raw_bytes``,
+``tier_codec_entries_coded``, ``tier_codec_pending`` and counters ``tier_codec_kept_raw_total``,
+``tier_codec_busy_total``, ``tier_codec_queue_full_total``, ``tier_codec_corrupt_total``,
+``tier_codec_errors_total``) and the server's own counters
 (``server_connections_total``, ``server_rejected_total``, ``server_malformed_total``,
 ``server_refused_busy_total``, ``server_hello_timeouts_total``, ``server_leases_expired_total``,
 ``server_lease_quota_total``, ``server_put_quota_total``, ...) and gauges
@@ -150,6 +154,22 @@ _CODEC_GAUGES = {
     "encode_bps": ("encode_bytes_per_second", "The codec's encode speed on one core, as measured here."),
     "decode_bps": ("decode_bytes_per_second", "The codec's decode speed on one core, as measured here."),
     "ratio": ("ratio", "Raw over coded bytes of the chunks the codec coded (moving average)."),
+    # a coded server arena's (``RamTier.codec_state``): its pages, not ``tier_capacity_bytes`` (its
+    # raw-byte budget, 16 x the arena), are the limit
+    "arena_bytes": ("arena_bytes", "Bytes of a coded arena's pages (its tier_capacity_bytes is a raw-byte budget)."),
+    "free_bytes": ("arena_free_bytes", "Bytes in a coded arena's free pages."),
+    "stored_bytes": ("stored_bytes", "Bytes a coded arena's entries take in its pages (coded or raw)."),
+    "raw_bytes": ("raw_bytes", "Raw bytes of a coded arena's entries."),
+    "entries_coded": ("entries_coded", "Entries of a coded arena held coded now."),
+    "pending": ("pending", "Entries waiting for a coded arena's coder."),
+}
+# a coded server arena's coder: key -> help of ``kvtier_tier_codec_<key>_total``
+_CODEC_COUNTERS = {
+    "kept_raw": "Entries a coded arena's coder left raw: under 4 KiB, or no page saved.",
+    "busy": "Times a coded arena's coder found an entry held by a reader (coded after its release).",
+    "queue_full": "Entries a coded arena left raw because its coder's queue was full.",
+    "corrupt": "Coded entries of the arena that failed to decode in the server.",
+    "errors": "Entries a coded arena left raw because its coder failed (logged).",
 }
 
 
@@ -169,6 +189,13 @@ def _codec_families(tiers: list[dict]) -> list[Metric]:
                    if isinstance(state.get(key), (int, float))]  # bool (coding) included: 0/1
         if samples:
             metric = GaugeMetricFamily(f"{PREFIX}tier_codec_{suffix}", doc, labels=["tier"])
+            for tier, value in samples:
+                metric.add_metric([tier], value)
+            out.append(metric)
+    for key, doc in _CODEC_COUNTERS.items():
+        samples = [(tier, state[key]) for tier, state in states if _numeric(state.get(key))]
+        if samples:
+            metric = CounterMetricFamily(f"{PREFIX}tier_codec_{key}", doc, labels=["tier"])
             for tier, value in samples:
                 metric.add_metric([tier], value)
             out.append(metric)

@@ -642,7 +642,7 @@ class RamTier(ArenaTier):
 
     def codec_state(self) -> dict:
         """The codec setting and, for a coded arena, the coder's figures: entries waiting, coded
-        now, raw and stored bytes of the entries, and counts of entries kept raw (too small, not
+        now, raw and stored bytes of the entries, the arena's bytes and its free pages' bytes, and counts of entries kept raw (too small, not
         smaller by a page), skipped while a reader held them, left raw by a full queue, stored
         entries that failed to decode (corrupt), and entries left raw by a failure of the coder
         (errors)."""
@@ -654,7 +654,8 @@ class RamTier(ArenaTier):
             raw_bytes = sum(e.length for e in self._entries.values())
             stored_bytes = sum(e.stored for e in self._entries.values())
             state.update(self._coder_counts, pending=len(self._queue), entries_coded=coded,
-                         raw_bytes=raw_bytes, stored_bytes=stored_bytes)
+                         raw_bytes=raw_bytes, stored_bytes=stored_bytes, arena_bytes=self._capacity,
+                         free_bytes=len(self._free) * self._page)
         return state
 
     def _code_loop(self) -> None:

@@ -180,3 +180,28 @@ def test_a_failing_coder_is_counted_and_logged_in_bounded_lines_and_entries_stay
         assert tier.codec_state()["errors"] == 41
     finally:
         tier.close()
+
+
+def test_metrics_show_a_coded_arenas_pages_and_its_coder(make_server):
+    # tier_capacity_bytes of a coded arena is its raw-byte budget (16 x its pages): an operator
+    # needs the pages, their free bytes and the coder's backlog in /metrics to see it fill
+    import re
+    import urllib.request
+
+    server = make_server(tiers=_arena("16MiB"))
+    with ServerStore(server.address) as c:
+        for i in range(4):
+            assert c.put(_key(i), _kv(i))
+        assert c.flush(30)
+        body = urllib.request.urlopen(f"http://{server.metrics_address}/metrics", timeout=10).read().decode()
+
+    def value(name: str) -> float:
+        found = re.search(rf'^{name}{{tier="ram"}} (\S+)$', body, re.M)
+        assert found, f"{name} missing from /metrics"
+        return float(found.group(1))
+
+    assert value("kvtier_tier_codec_arena_bytes") == 16 * MiB
+    assert 0 < value("kvtier_tier_codec_stored_bytes") < 4 * MiB
+    assert value("kvtier_tier_codec_arena_free_bytes") >= 12 * MiB
+    assert value("kvtier_tier_codec_entries_coded") == 4 and value("kvtier_tier_codec_pending") == 0
+    assert value("kvtier_tier_codec_errors_total") == 0 and value("kvtier_tier_codec_busy_total") >= 0
