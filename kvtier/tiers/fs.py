@@ -260,15 +260,7 @@ class FsTier(Tier):
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise _ForeignDir("is not a real directory (a symbolic link or a file)") from exc
             raise
-        try:
-            problem = self._open_problem(os.fstat(fd))
-        except OSError:
-            os.close(fd)
-            raise
-        if problem:
-            os.close(fd)
-            raise _ForeignDir(problem, unsafe=True)
-        return fd
+        return fs_scan.vetted(fd, bool(self._mode & 0o002))
 
     @contextlib.contextmanager
     def _fanout(self, name: str, create: bool = False):

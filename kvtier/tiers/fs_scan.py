@@ -69,6 +69,12 @@ def open_fanout(root: int, sub: str, others_write: bool) -> int:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             raise ForeignDir("is not a real directory (a symbolic link or a file)") from exc
         raise
+    return vetted(fd, others_write)
+
+
+def vetted(fd: int, others_write: bool) -> int:
+    """``fd``, an open directory, when ``open_problem`` finds nothing wrong with it; otherwise
+    ``fd`` is closed and ForeignDir (``unsafe``) raised (an OSError of ``fstat`` closes it too)."""
     try:
         problem = open_problem(os.fstat(fd), others_write)
     except OSError:
