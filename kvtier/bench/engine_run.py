@@ -9,8 +9,9 @@ does, even on SIGKILL (``kvtier.harness.procs.die_with_parent``).
 
 The spec (JSON): model, docs and hit_docs (lists of token-id lists), warmup (token ids),
 pool_blocks, max_model_len, kv_transfer_config (or null), logprobs, max_tokens (greedy tokens per
-request, default 1). Each answer: TTFT in ms, external and local hit tokens, prompt tokens, the
-generated tokens and the first one's top log-probabilities. ``{"stats": true}`` answers the
+request, default 1), engine_args (more vLLM engine arguments, default none). Each answer: TTFT
+in ms, external and local hit tokens, prompt tokens, the generated tokens and the first one's top
+log-probabilities. ``{"stats": true}`` answers the
 connector's counters (bytes saved, bytes written per tier) as vLLM's metrics hold them.
 """
 
@@ -163,11 +164,13 @@ def command_loop(spec: dict, logprobs: int, handle) -> None:
 
 def make_llm(spec: dict):
     """The benchmark engine of ``spec``: model, pool (``pool_blocks``), ``max_model_len``, an
-    optional ``kv_transfer_config``, ``gpu_memory_utilization`` (0.3) and ``enforce_eager``
-    (False); prefix caching on, stats on, seed 0, no tokenizer."""
+    optional ``kv_transfer_config``, ``gpu_memory_utilization`` (0.3), ``enforce_eager``
+    (False) and ``engine_args`` (more vLLM engine arguments, e.g. ``block_size``); prefix
+    caching on, stats on, seed 0, no tokenizer."""
     from vllm import LLM
 
     return LLM(
+        **spec.get("engine_args", {}),
         model=spec["model"],
         skip_tokenizer_init=True,
         gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.3),

