@@ -147,13 +147,16 @@ def run(args: argparse.Namespace) -> int:
     # item 1's formula (full x tokens + window x min(tokens, window) + state x stored boundaries) at
     # the tokens the connector stores
     working_set = args.docs * summary["formula_bytes"]
+    # RAM tiers are sized on what the documents take in the arena's pages (the capacity curve's
+    # fractions too), so "larger than the working set" holds on models with recurrent state
+    ram_set = args.docs * ram_bytes_per_document(shape, block, summary["formula_bytes"], boundaries)
     args.pool_blocks = pool_blocks(shape, args.pool_tokens, block)
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-", dir=args.work_dir) as work:
-        settings = _settings(settings_names, fractions, working_set, Path(work), args.chunk_tokens)
+        settings = _settings(settings_names, fractions, ram_set, Path(work), args.chunk_tokens)
         _run_settings(settings, model, docs, warmup, hit_docs, args, Path(work))
     doc_bytes = working_set // args.docs
     report = _report(settings, working_set, doc_bytes, memcpy_gbps(doc_bytes))
-    report["model"] = {**summary, "pool_blocks": args.pool_blocks}
+    report["model"] = {**summary, "pool_blocks": args.pool_blocks, "ram_working_set_bytes": ram_set}
     report["stored_bytes"] = stored_bytes(settings, args.docs, report["model"]["formula_bytes"])
     report["first_tokens"] = first_tokens(settings, getattr(args, "compare_tokens", 1))
     if args.plot:
@@ -244,6 +247,20 @@ def engine_block_tokens(shape) -> int:
     if not states or not per_token:
         return BLOCK_TOKENS
     return BLOCK_TOKENS * -(-max(states) // (BLOCK_TOKENS * per_token))
+
+
+def ram_bytes_per_document(shape, block: int, formula_bytes: int, boundaries: int) -> int:
+    """What one document takes in kvtier's RAM tier, whose arena pages are the engine's pages
+    (one layer's block): the formula's bytes, with each recurrent layer's state of each stored
+    boundary rounded up to whole pages (a state entry is smaller than the attention page vLLM
+    pads it to). Attention chunks are whole blocks, so their bytes fill whole pages. An upper
+    bound: a state group of several layers shares its pages."""
+    per_token = max((k.bytes_per_token for k in shape.kinds if k.bytes_per_token), default=0)
+    page = block * per_token
+    if not page or not boundaries:
+        return formula_bytes
+    padding = sum(k.layers * (-(-k.state_bytes // page) * page - k.state_bytes) for k in shape.kinds if k.state_bytes)
+    return formula_bytes + boundaries * padding
 
 
 def engine_args(shape, block: int) -> dict:
