@@ -288,17 +288,14 @@ def test_first_tokens_are_compared_per_document_with_the_equal_prefix():
     json.dumps(report)  # the rest of the report still builds from these results
 
 
-# -- one small engine run ----------------------------------------------------------------------
-@pytest.mark.vllm
-def test_demo_variant_swa_json_on_a_real_engine(tmp_path, capsys):
-    """``kvtier demo --variant swa --json``, tiny: 2 documents of 1,536 tokens (past the 1,024-token
-    window) through a pool of 1,792 tokens per KV cache group (one document), vLLM alone beside a
-    RAM tier, engines eager. Checked: the figures are there and consistent (stored bytes within
-    1.1 x the formula at the stored token count, the re-read loads every whole chunk but the
-    last token's, every request generated --compare-tokens tokens); token equality and times
-    are printed, not asserted (near-ties on random weights; a loaded machine)."""
-    rc = main(["demo", "--variant", "swa", "--json", "--docs", "2", "--tokens", "1536", "--pool-tokens", "1792",
-               "--settings", "vllm,kvtier-ram", "--capacity-fractions", "", "--compare-tokens", "16",
+# -- one small engine run per family ----------------------------------------------------------
+def _tiny_demo(tmp_path, capsys, variant: str, pool_tokens: int):
+    """``kvtier demo --variant VARIANT --json`` with 2 documents of 1,536 tokens, vLLM alone beside
+    a RAM tier, engines eager; prints its figures (times and token equality are printed, not
+    asserted) and returns (report, rows by (setting, pass), first_tokens' settings, the RAM
+    setting's stored bytes)."""
+    rc = main(["demo", "--variant", variant, "--json", "--docs", "2", "--tokens", "1536", "--pool-tokens",
+               str(pool_tokens), "--settings", "vllm,kvtier-ram", "--capacity-fractions", "", "--compare-tokens", "16",
                "--max-engines", "2", "--settle-ms", "500", "--enforce-eager", "--work-dir", str(tmp_path)])
     captured = capsys.readouterr()
     assert rc == 0, captured.err[-3000:]
@@ -313,6 +310,18 @@ def test_demo_variant_swa_json_on_a_real_engine(tmp_path, capsys):
                                          for (s, p), r in rows.items()},
                           "first_tokens": {k: v["equal"] for k, v in first.items()},
                           "equal_prefix": {k: [d["equal_prefix"] for d in v["docs"]] for k, v in first.items()}}))
+    return report, rows, first, stored
+
+
+@pytest.mark.vllm
+def test_demo_variant_swa_json_on_a_real_engine(tmp_path, capsys):
+    """``kvtier demo --variant swa --json``, tiny: 2 documents of 1,536 tokens (past the 1,024-token
+    window) through a pool of 1,792 tokens per KV cache group (one document), vLLM alone beside a
+    RAM tier, engines eager. Checked: the figures are there and consistent (stored bytes within
+    1.1 x the formula at the stored token count, the re-read loads every whole chunk but the
+    last token's, every request generated --compare-tokens tokens); token equality and times
+    are printed, not asserted (near-ties on random weights; a loaded machine)."""
+    report, rows, first, stored = _tiny_demo(tmp_path, capsys, "swa", 1792)
     model = report["model"]
     assert model["variant"] == "swa" and model["model_type"] == "gemma3_text" and model["kv_cache_groups"] == 6
     assert model["stored_prefix_tokens"] == 1536  # 1,536 + 16 - 1 computed tokens: 12 whole chunks
@@ -337,22 +346,7 @@ def test_demo_variant_hybrid_json_on_a_real_engine(tmp_path, capsys):
     state lets it), the stored bytes are item 1's formula with the state once per document
     (within 1.1 x), every request generated --compare-tokens tokens; token equality and times
     are printed, not asserted (near-ties on random weights; a loaded machine)."""
-    rc = main(["demo", "--variant", "hybrid", "--json", "--docs", "2", "--tokens", "1536", "--pool-tokens", "2048",
-               "--settings", "vllm,kvtier-ram", "--capacity-fractions", "", "--compare-tokens", "16",
-               "--max-engines", "2", "--settle-ms", "500", "--enforce-eager", "--work-dir", str(tmp_path)])
-    captured = capsys.readouterr()
-    assert rc == 0, captured.err[-3000:]
-    report = json.loads(captured.out)
-    rows = {(r["setting"], r["pass"]): r for r in report["rows"]}
-    first = report["first_tokens"]["settings"]
-    stored = report["stored_bytes"]["kvtier-ram"]
-    with capsys.disabled():
-        print(json.dumps({"ttft_p50_ms": {f"{s}/{p}": round(r["ttft_p50_ms"], 1) for (s, p), r in rows.items()},
-                          "engine_hit_ms": report["engine_hit_ttft_p50_ms"], "stored": stored,
-                          "hit_tokens": {f"{s}/{p}": f"{r['hit_tokens']}+{r['local_hit_tokens']} local/{r['query_tokens']}"
-                                         for (s, p), r in rows.items()},
-                          "first_tokens": {k: v["equal"] for k, v in first.items()},
-                          "equal_prefix": {k: [d["equal_prefix"] for d in v["docs"]] for k, v in first.items()}}))
+    report, rows, first, stored = _tiny_demo(tmp_path, capsys, "hybrid", 2048)
     model = report["model"]
     assert model["variant"] == "hybrid" and model["model_type"] == "qwen3_next"
     assert model["block_tokens"] == model["chunk_tokens"] == 256 and model["kv_cache_groups"] == 4

@@ -14,10 +14,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.keys import KEY_BYTES
 from kvtier.server import ServerStore
 from kvtier.server import protocol as P
 from kvtier.server.server import ServeConfig
+
+from tests.tiers.test_ram_coded import _key, _kv
 
 from .test_direct_write import _ask, _raw, _wait
 
@@ -25,15 +26,6 @@ pytest.importorskip("blosc2")
 
 MiB = 1 << 20
 
-
-def _key(i: int) -> bytes:
-    return i.to_bytes(4, "little") * (KEY_BYTES // 4)
-
-
-def _kv(i: int, nbytes: int = MiB) -> np.ndarray:
-    """bf16-like KV bytes (normal values, the upper 16 bits of float32)."""
-    x = np.random.default_rng(i).normal(0, 1, nbytes // 2).astype(np.float32)
-    return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
 
 
 def _arena(capacity: str = "16MiB", codec: str = "lossless", page: str = "16KiB") -> list[dict]:
