@@ -43,7 +43,7 @@ from typing import Iterator, Literal, NamedTuple
 
 import numpy as np
 
-from kvtier.buffers import Scratch
+from kvtier.buffers import Scratch, gather_into, scatter
 from kvtier.codecs import LOSSLESS_ID, decode_into
 from kvtier.config import Size, out_of_range, ranged, validate
 from kvtier.entry import DTYPES, MAX_NDIM, checksum
@@ -364,11 +364,7 @@ class RamTier(ArenaTier):
                     self.stats.add(misses=1)
                     return None
             else:
-                pos = 0
-                for start, end in entry.extents:
-                    n = end - start
-                    dst[pos : pos + n] = self._arena[start:end]
-                    pos += n
+                gather_into(self._spans(entry.extents), dst)
         finally:
             self._release(entry)
         self.stats.add(hits=1, bytes_read=entry.length)
@@ -387,11 +383,7 @@ class RamTier(ArenaTier):
         if entry is None:
             self.stats.add(dropped=1)
             return False
-        pos = 0
-        for start, end in entry.extents:
-            n = end - start
-            self._arena[start:end] = src[pos : pos + n]
-            pos += n
+        scatter(src, self._spans(entry.extents))
         self._publish(key, entry)
         self.stats.add(puts=1, bytes_written=length)
         return True
@@ -470,10 +462,7 @@ class RamTier(ArenaTier):
                 if not self._decode(entry, out):
                     return None
             else:
-                pos = 0
-                for start, end in entry.extents:
-                    out[pos : pos + end - start] = self._arena[start:end]
-                    pos += end - start
+                gather_into(self._spans(entry.extents), out)
         finally:
             self._release(entry)
         if count:
@@ -539,7 +528,7 @@ class RamTier(ArenaTier):
                 self.stats.add(dropped=1)
                 return None
             self._reserved[key] = entry
-        return [self._arena[start:end] for start, end in entry.extents]
+        return self._spans(entry.extents)
 
     def commit(self, key: Key) -> bool:
         """Publish ``key``'s reservation (replacing any entry under that key); False if none."""
@@ -742,11 +731,7 @@ class RamTier(ArenaTier):
         died: then every page goes back."""
         extents = _extents(entry.pages[:need], self._page, len(coded))
         try:
-            src = np.frombuffer(coded, dtype=np.uint8)
-            pos = 0
-            for start, end in extents:
-                self._arena[start:end] = src[pos : pos + end - start]
-                pos += end - start
+            scatter(coded, self._spans(extents))
         finally:
             with self._lock:
                 entry.moving = False
@@ -771,11 +756,12 @@ class RamTier(ArenaTier):
             start, end = extents[0]
             return self._arena[start:end]
         buf = self._scratch.get(nbytes, slot)
-        pos = 0
-        for start, end in extents:
-            buf[pos : pos + end - start] = self._arena[start:end]
-            pos += end - start
+        gather_into(self._spans(extents), buf)
         return buf
+
+    def _spans(self, extents: list[tuple[int, int]]) -> list[np.ndarray]:
+        """Writable arena views of byte runs ``extents``, in order."""
+        return [self._arena[start:end] for start, end in extents]
 
     def _decode(self, entry: _Entry, out: np.ndarray) -> bool:
         """Decode a pinned coded entry into ``out`` (exactly its raw length) and verify its
