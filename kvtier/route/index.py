@@ -399,25 +399,22 @@ class PrefixIndex:
 
     def _hold(self, key: bytes, engine: str, medium: str, group: int = 0, role: GroupRole = GroupRole(NAME)) -> None:
         if role.role == WINDOW:
-            wentry = self._windows.get(key)
-            if wentry is None:
-                wentry = self._windows[key] = {}
-                while len(self._windows) > self.max_keys:
-                    self._windows.popitem(last=False)
-                    self.evicted += 1
-            else:
-                self._windows.move_to_end(key)
-            wentry.setdefault((engine, group), set()).add(medium)
+            self._touch(self._windows, key).setdefault((engine, group), set()).add(medium)
             return
-        entry = self._keys.get(key)
+        self._touch(self._keys, key).setdefault(engine, {}).setdefault(medium, set()).add(group)
+
+    def _touch(self, table: OrderedDict, key: bytes) -> dict:
+        """``table[key]`` (a new dict when absent) as the most recent; the least recent keys past
+        ``max_keys`` are dropped (counted in ``evicted``)."""
+        entry = table.get(key)
         if entry is None:
-            entry = self._keys[key] = {}
-            while len(self._keys) > self.max_keys:
-                self._keys.popitem(last=False)
+            entry = table[key] = {}
+            while len(table) > self.max_keys:
+                table.popitem(last=False)
                 self.evicted += 1
         else:
-            self._keys.move_to_end(key)
-        entry.setdefault(engine, {}).setdefault(medium, set()).add(group)
+            table.move_to_end(key)
+        return entry
 
     def _release(self, key: bytes, engine: str, medium: str, group: int = 0,
                  role: GroupRole = GroupRole(NAME)) -> int:
