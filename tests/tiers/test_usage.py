@@ -237,9 +237,11 @@ def test_fs_scan_walks_in_a_helper_process_not_on_this_interpreter(tmp_path, mon
         tier.close()
 
 
-def test_fs_scan_walks_here_when_no_helper_can_start(tmp_path, monkeypatch):
-    """A fault: the helper process cannot be started (fork refused). The scan walks in this
-    process instead, with the same count, stale temps removed and foreign names counted."""
+@pytest.mark.parametrize("helper", [True, False], ids=["through-the-helper", "no-helper-walks-here"])
+def test_fs_scan_counts_removes_stale_temps_and_counts_foreign_names(tmp_path, monkeypatch, helper):
+    """A scan through the helper process, and (a fault: the helper cannot be started, fork
+    refused) one that walks in this process instead: the same count, stale temps removed and
+    foreign names counted."""
     root = tmp_path / "shared"
     tier = FsTier(FsConfig(path=str(root), usage_refresh_s=0, stale_tmp_s=0), name="fs")
     try:
@@ -249,29 +251,11 @@ def test_fs_scan_walks_here_when_no_helper_can_start(tmp_path, monkeypatch):
         os.utime(stale, (1, 1))
         (root / "zz").mkdir()  # not a fan-out name: ignored
         os.symlink(str(tmp_path), str(root / "ff"))  # a foreign fan-out name: skipped, counted
+        if not helper:
+            def refuse(*args, **kwargs):
+                raise OSError(11, "Resource temporarily unavailable")
 
-        def refuse(*args, **kwargs):
-            raise OSError(11, "Resource temporarily unavailable")
-
-        monkeypatch.setattr("kvtier.tiers.fs.subprocess.Popen", refuse)
-        errors = tier.stats.errors
-        tier._scan()
-        assert tier.used_bytes() == total
-        assert not stale.exists()
-        assert tier.stats.errors == errors + 1
-    finally:
-        tier.close()
-
-
-def test_fs_scan_through_the_helper_removes_stale_temps_and_counts_foreign_names(tmp_path):
-    root = tmp_path / "shared"
-    tier = FsTier(FsConfig(path=str(root), usage_refresh_s=0, stale_tmp_s=0), name="fs")
-    try:
-        total = fill(root, 50, 10)
-        stale = root / f"{key(10_000)[0]:02x}" / ".junk.tmp"
-        stale.write_bytes(b"x")
-        os.utime(stale, (1, 1))
-        os.symlink(str(tmp_path), str(root / "ff"))
+            monkeypatch.setattr("kvtier.tiers.fs.subprocess.Popen", refuse)
         errors = tier.stats.errors
         tier._scan()
         assert tier.used_bytes() == total
