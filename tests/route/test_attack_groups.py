@@ -228,6 +228,7 @@ def test_a_hostile_window_does_not_stall_the_router(stub, tmp_path):  # noqa: F8
                "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 2**40}]
     stop = threading.Event()
     worst = [0.0]
+    probes = [0]  # health probes answered (or failed) so far
 
     def watch():
         while not stop.is_set():
@@ -237,7 +238,8 @@ def test_a_hostile_window_does_not_stall_the_router(stub, tmp_path):  # noqa: F8
             except requests.RequestException:
                 pass
             worst[0] = max(worst[0], time.monotonic() - t0)
-            time.sleep(0.05)
+            probes[0] += 1
+            time.sleep(0.05)  # the probe's own pace, not a wait for anything
 
     try:
         seq = 0
@@ -251,10 +253,11 @@ def test_a_hostile_window_does_not_stall_the_router(stub, tmp_path):  # noqa: F8
         _until(indexed, 30, "the publisher's blocks indexed")
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
-        time.sleep(0.3)
+        _until(lambda: probes[0] >= 1, 30, "the health watcher probing")
         resp = requests.post(r.base + "/v1/completions", json={"prompt": toks, "max_tokens": 1}, timeout=120)
         assert resp.status_code == 200
-        time.sleep(0.3)
+        after = probes[0]
+        _until(lambda: probes[0] >= after + 2, 60, "a health probe after the request")
         stop.set()
         watcher.join(60)
         assert worst[0] < 3.0, f"/health waited {worst[0]:.1f} s behind one request's scoring"
