@@ -236,6 +236,12 @@ def _vocab_size(config: dict) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 32000
 
 
+def _attention_bytes_per_token(shape) -> int:
+    """One attention layer's KV bytes per token, the largest kind's (0 without attention): an
+    engine page, one layer's block, is ``block`` of them."""
+    return max((k.bytes_per_token for k in shape.kinds if k.bytes_per_token), default=0)
+
+
 def engine_block_tokens(shape) -> int:
     """The block size (tokens) of the demo's engines for ``shape``: 128 (vLLM's CPU default), or
     for a model with recurrent state the attention block vLLM 0.32 raises it to so one layer's
@@ -243,7 +249,7 @@ def engine_block_tokens(shape) -> int:
     ceil(state page / (128 x attention bytes per token)); 256 on the Qwen3-Next-like test model,
     384 on the Nemotron-H-like one). The demo passes it to vLLM, so both agree."""
     states = [k.state_bytes for k in shape.kinds if k.state_bytes]
-    per_token = max((k.bytes_per_token for k in shape.kinds if k.bytes_per_token), default=0)
+    per_token = _attention_bytes_per_token(shape)
     if not states or not per_token:
         return BLOCK_TOKENS
     return BLOCK_TOKENS * -(-max(states) // (BLOCK_TOKENS * per_token))
@@ -255,8 +261,7 @@ def ram_bytes_per_document(shape, block: int, formula_bytes: int, boundaries: in
     boundary rounded up to whole pages (a state entry is smaller than the attention page vLLM
     pads it to). Attention chunks are whole blocks, so their bytes fill whole pages. An upper
     bound: a state group of several layers shares its pages."""
-    per_token = max((k.bytes_per_token for k in shape.kinds if k.bytes_per_token), default=0)
-    page = block * per_token
+    page = block * _attention_bytes_per_token(shape)
     if not page or not boundaries:
         return formula_bytes
     padding = sum(k.layers * (-(-k.state_bytes // page) * page - k.state_bytes) for k in shape.kinds if k.state_bytes)
