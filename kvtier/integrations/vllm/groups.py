@@ -43,6 +43,8 @@ from kvtier.errors import ConfigError
 FULL = "full"
 WINDOW = "window"
 STATE = "state"  # recurrent state (MambaSpec in mamba_cache_mode "align")
+# a group's ``kv_cache_spec_kind`` (vLLM's ``KVCacheSpecKind`` values) when built without a vLLM spec
+_EVENT_KIND = {FULL: "full_attention", WINDOW: "sliding_window", STATE: "mamba"}
 
 
 @dataclass(frozen=True)
@@ -69,9 +71,9 @@ class GroupSpec:
 
     @property
     def kv_event_kind(self) -> str:
-        """``kv_cache_spec_kind`` of the group's KV events: vLLM's own value, else
-        ``full_attention`` for a full group (a dense model) and ``sliding_window`` for a window."""
-        return self.event_kind or ("full_attention" if self.kind == FULL else "sliding_window")
+        """``kv_cache_spec_kind`` of the group's KV events: vLLM's own value, else by the group's
+        kind (``full_attention`` for a full group, a dense model; ``sliding_window``; ``mamba``)."""
+        return self.event_kind or _EVENT_KIND[self.kind]
 
     def skipped_tokens(self, computed: int) -> int:
         """Tokens before ``computed`` that vLLM no longer keeps for this group (its null
