@@ -230,8 +230,7 @@ class CacheServer:
             self.store.close()
             raise ConfigError("serve: the shared RAM tier could not start; see the warnings above")
         self.store.enable_events()
-        if hasattr(self.arena, "set_element_dtype"):  # a coded arena shuffles by the KV's element width
-            self.arena.set_element_dtype(self.store.config.element_dtype)
+        self.arena.set_element_dtype(self.store.config.element_dtype)  # a coded arena shuffles by its width
         page = int(self.arena.config.page_size)
         try:  # both files are reserved in full at start (OutOfSpace: one line, no SIGBUS later)
             self.staging = RamTier(RamConfig(capacity=config.staging, page_size=page, pin_memory=False,

@@ -151,6 +151,10 @@ class ArenaTier(Tier):
         timeout. The default: nothing runs in the background."""
         return True
 
+    def set_element_dtype(self, dtype: str) -> None:
+        """The KV's element type, for a tier that codes by element width (a coded arena's
+        shuffle). The default: an arena that stores every entry raw ignores it."""
+
     @abstractmethod
     def views(self, key: Key, count: bool = True) -> list[np.ndarray] | None:
         """Read-only views of ``key``'s extents, valid until the key is deleted or replaced
