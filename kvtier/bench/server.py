@@ -32,12 +32,12 @@ class ServerTarget:
     """
 
     def __init__(self, workdir: str, capacity: int, page_size: int = 256 * 1024, timeout: float = 30.0,
-                 direct_writes: bool = True):
+                 direct_writes: bool = True, codec: str = "none", element_dtype: str | None = None):
         os.makedirs(workdir, exist_ok=True)
         sock = os.path.join(workdir, "kvtier.sock")
         path = os.path.join(workdir, "serve.json")
         with open(path, "w") as f:
-            json.dump(_serve_config(sock, capacity, page_size), f)
+            json.dump(_serve_config(sock, capacity, page_size, codec, element_dtype), f)
         self._child: Child = spawn([sys.executable, "-m", "kvtier.cli", "serve", "--config", path,
                                     "--log-level", "WARNING"], name="kvtier serve",
                                    log=os.path.join(workdir, "serve.log"))
@@ -65,11 +65,15 @@ class ServerTarget:
         self._child.stop(grace=10.0)
 
 
-def _serve_config(sock: str, capacity: int, page_size: int) -> dict:
-    """``kvtier serve``'s configuration: one LRU RAM arena of ``capacity`` bytes on ``sock``."""
-    return {"listen": f"unix://{sock}", "staging": max(64 * MiB, capacity // 4),
-            "store": {"tiers": [{"type": "ram", "capacity": capacity, "page_size": page_size,
-                                 "policy": "lru"}]}}
+def _serve_config(sock: str, capacity: int, page_size: int, codec: str = "none",
+                  element_dtype: str | None = None) -> dict:
+    """``kvtier serve``'s configuration: one LRU RAM arena of ``capacity`` bytes on ``sock``
+    (coded with ``codec``; ``element_dtype``: the store's KV element type, when given)."""
+    store: dict = {"tiers": [{"type": "ram", "capacity": capacity, "page_size": page_size, "policy": "lru",
+                              "codec": codec}]}
+    if element_dtype is not None:
+        store["element_dtype"] = element_dtype
+    return {"listen": f"unix://{sock}", "staging": max(64 * MiB, capacity // 4), "store": store}
 
 
 def _connect(child: Child, sock: str, timeout: float, direct_writes: bool = True) -> ServerStore:

@@ -26,16 +26,13 @@ each path's ratio to the memcpy pass of the same round.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
-from kvtier.harness.procs import Child, spawn
-from kvtier.server.client import ServerStore
+from kvtier.bench.server import ServerTarget
 
 MiB = 1024 * 1024
 CODECS = ("none", "lossless")
@@ -70,42 +67,16 @@ def _keys(docs: list[list[np.ndarray]]) -> list[list[bytes]]:
     return out
 
 
-class _Server:
-    """A ``kvtier serve`` subprocess with one LRU RAM arena, and a direct-write client."""
-
-    def __init__(self, workdir: str, capacity: int, page: int, codec: str, timeout: float = 60.0):
-        from kvtier.bench.server import _connect
-
-        os.makedirs(workdir, exist_ok=True)
-        sock = os.path.join(workdir, "kvtier.sock")
-        config = {"listen": f"unix://{sock}", "staging": 64 * MiB,
-                  "store": {"element_dtype": "bfloat16",
-                            "tiers": [{"type": "ram", "capacity": capacity, "page_size": page, "policy": "lru",
-                                       "codec": codec}]}}
-        path = os.path.join(workdir, "serve.json")
-        with open(path, "w") as f:
-            json.dump(config, f)
-        self._child: Child = spawn([sys.executable, "-m", "kvtier.cli", "serve", "--config", path,
-                                    "--log-level", "WARNING"], name="kvtier serve",
-                                   log=os.path.join(workdir, "serve.log"))
-        try:
-            self.client: ServerStore = _connect(self._child, sock, timeout)
-        except BaseException:
-            self._child.stop()
-            raise
-
-    def arena_state(self) -> dict:
-        return self.client.stats()["tiers"][0]
-
-    def close(self) -> None:
-        self.client.close()
-        self._child.stop(grace=10.0)
+def _server(workdir: str, capacity: int, page: int, codec: str) -> ServerTarget:
+    """A ``kvtier serve`` subprocess with one LRU RAM arena coded with ``codec`` (bf16 KV), and a
+    direct-write client (``.client``)."""
+    return ServerTarget(workdir, capacity, page_size=page, timeout=60.0, codec=codec, element_dtype="bfloat16")
 
 
 def capacity(docs: list[list[np.ndarray]], cap: int, page: int, codec: str, paced: bool, workdir: str) -> dict:
     """Write every document into a fresh arena of ``cap`` bytes; what it holds afterwards."""
     keys = _keys(docs)
-    server = _Server(os.path.join(workdir, f"cap-{codec}-{'paced' if paced else 'burst'}"), cap, page, codec)
+    server = _server(os.path.join(workdir, f"cap-{codec}-{'paced' if paced else 'burst'}"), cap, page, codec)
     try:
         c = server.client
         for doc, chain in zip(docs, keys):
@@ -125,7 +96,7 @@ def capacity(docs: list[list[np.ndarray]], cap: int, page: int, codec: str, pace
                 wrong += n is not None and not np.array_equal(out[:n], chunk)
         if wrong:
             raise RuntimeError(f"arena ({codec}) returned wrong bytes for {wrong} chunks")
-        state = server.arena_state()
+        state = server.client.stats()["tiers"][0]
     finally:
         server.close()
     codec_state = state.get("codec", {})
@@ -142,7 +113,7 @@ def throughput(chunks: list[np.ndarray], page: int, rounds: int, workdir: str) -
     keys = [hashlib.sha256(f"t{i}".encode()).digest() for i in range(len(chunks))]
     out = np.empty(max(c.nbytes for c in chunks), dtype=np.uint8)
     slots = [np.ones(c.nbytes, dtype=np.uint8) for c in chunks]
-    servers = {codec: _Server(os.path.join(workdir, f"tp-{codec}"), foot + 64 * MiB, page, codec) for codec in CODECS}
+    servers = {codec: _server(os.path.join(workdir, f"tp-{codec}"), foot + 64 * MiB, page, codec) for codec in CODECS}
     per_round = []
     try:
         for r in range(rounds):
