@@ -7,7 +7,9 @@ ids), warm (token ids of an unrelated prompt run first so start-up costs are not
 optionally pool_blocks (the engine's KV pool in blocks, default 70) and max_model_len (default 4096).
 Prints one line ``RESULT {"first": {"s", "tokens", "hit_tokens"}, "again": {...}}``: ``first`` is the
 engine's first read of ``doc`` (a kvtier hit when another engine stored it), ``again`` the second
-read (a hit in vLLM's own prefix cache).
+read (a hit in vLLM's own prefix cache). With ``docs`` (a list of token-id lists) instead of
+``doc``, the same engine reads each document twice in turn (one engine start serving several
+scenarios) and the line is ``RESULT {"docs": [{"first": ..., "again": ...}, ...]}``.
 """
 
 import json
@@ -53,7 +55,10 @@ def main() -> None:
                 "hit_tokens": int(_counter(llm, "vllm:external_prefix_cache_hits") - ext0)}
 
     run(spec["warm"])
-    result = {"first": run(spec["doc"]), "again": run(spec["doc"])}
+    if "docs" in spec:
+        result = {"docs": [{"first": run(doc), "again": run(doc)} for doc in spec["docs"]]}
+    else:
+        result = {"first": run(spec["doc"]), "again": run(spec["doc"])}
     print("RESULT " + json.dumps(result), flush=True)
 
 
