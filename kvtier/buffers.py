@@ -69,6 +69,29 @@ def scatter(src: Any, segments: Segments) -> int:
     return pos
 
 
+def split_segments(segments: Segments, sizes: Sequence[int]) -> list[list[np.ndarray]]:
+    """The payload of ``segments`` cut into consecutive parts of ``sizes`` bytes, each a segment
+    list of views (no copy). ValueError unless the sizes add up to the payload exactly."""
+    views = [byte_view(seg) for seg in segments]
+    if sum(sizes) != sum(v.size for v in views):
+        raise ValueError(f"parts of {sum(sizes)} bytes do not cut a payload of {sum(v.size for v in views)}")
+    parts: list[list[np.ndarray]] = []
+    si = so = 0
+    for size in sizes:
+        part: list[np.ndarray] = []
+        while size > 0:
+            v = views[si]
+            n = min(size, v.size - so)
+            part.append(v[so : so + n])
+            size -= n
+            so += n
+            if so == v.size:
+                si += 1
+                so = 0
+        parts.append(part)
+    return parts
+
+
 def copy_segments(src: Segments, dst: Segments) -> None:
     """Copy the concatenation of uint8 segments ``src`` into segments ``dst`` (same total size),
     whatever the two lists' boundaries are."""

@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     # RAM tiers are sized on what the documents take in the arena's pages (the capacity curve's
     # fractions too), so "larger than the working set" holds on models with recurrent state
     ram_set = args.docs * ram_bytes_per_document(shape, block, summary["formula_bytes"], boundaries)
-    args.pool_blocks = pool_blocks(shape, args.pool_tokens, block)
+    args.pool_blocks = pool_blocks(shape, args.pool_tokens, block, args.tokens)
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-", dir=args.work_dir) as work:
         settings = _settings(settings_names, fractions, ram_set, Path(work), args.chunk_tokens)
         _run_settings(settings, model, docs, warmup, hit_docs, args, Path(work))
@@ -312,23 +312,46 @@ def kv_cache_groups(shape, state: bool | None = None) -> int:
     (vLLM 0.32's ``_get_kv_cache_groups_uniform_page_size``: each group holds as many layers as
     the smallest kind, recurrent state included, or the largest when it has < 1.5 x as many); 1
     for a single kind. ``state`` True / False: only the recurrent-state / attention groups."""
+    return sum(n for kind, n in _groups_per_kind(shape) if state is None or bool(kind.state_bytes) == state)
+
+
+def _groups_per_kind(shape) -> list[tuple]:
+    """(layer kind, its number of KV cache groups) for each kind of ``shape`` (see
+    ``kv_cache_groups``)."""
     kinds = [k for k in shape.kinds if k.layers]
     if len(kinds) <= 1:
-        return 1 if state is None or bool(kinds and kinds[0].state_bytes) == state else 0
+        return [(k, 1) for k in kinds]
     counts = [k.layers for k in kinds]
     size = min(counts)
     if max(counts) < 1.5 * size:
         size = max(counts)
-    return sum(-(-k.layers // size) for k in kinds if state is None or bool(k.state_bytes) == state)
+    return [(k, -(-k.layers // size)) for k in kinds]
 
 
-def pool_blocks(shape, pool_tokens: int, block: int) -> int:
-    """vLLM's pool (``num_gpu_blocks_override``, shared by every group) for ``pool_tokens`` tokens
-    per attention group: ``pool_tokens / block`` blocks per attention group, plus
-    ``STATE_BLOCKS_PER_GROUP`` per recurrent-state group (in "align" mode a running request holds
-    a few state blocks per group, whatever its length)."""
-    return (pool_tokens // block * kv_cache_groups(shape, state=False)
-            + STATE_BLOCKS_PER_GROUP * kv_cache_groups(shape, state=True))
+def pool_blocks(shape, pool_tokens: int, block: int, tokens: int) -> int:
+    """vLLM's pool (``num_gpu_blocks_override``, shared by every group) for ``pool_tokens``
+    tokens of full attention and ``tokens``-token documents: ``pool_tokens / block`` blocks per
+    full-attention group; per window group (sliding window, chunked local) the blocks it keeps
+    of each of the ``pool_tokens // tokens`` documents the full groups hold (its window, in whole
+    blocks, plus one) and the rest of one document's blocks, which a prefill holds until its
+    step ends; ``STATE_BLOCKS_PER_GROUP`` per recurrent-state group (in "align" mode a running
+    request holds a few state blocks per group, whatever its length). So a window model's pool
+    holds about as many documents as a dense model's pool of ``pool_tokens`` (a few more at
+    rest), not a window group's share of every one."""
+    from kvtier.plan import CHUNKED, SLIDING
+
+    docs = max(1, pool_tokens // max(1, tokens))
+    doc_blocks = -(-(tokens + 64) // block)
+    total = 0
+    for kind, groups in _groups_per_kind(shape):
+        if kind.state_bytes:
+            total += groups * STATE_BLOCKS_PER_GROUP
+        elif kind.kind in (SLIDING, CHUNKED) and kind.window:
+            held = min(doc_blocks, -(-kind.window // block) + 1)
+            total += groups * (docs * held + doc_blocks - held)
+        else:
+            total += groups * (pool_tokens // block)
+    return total
 
 
 def _documents(num_docs: int, tokens: int, vocab: int = 32000) -> tuple[list[list[int]], list[int], list[list[int]]]:

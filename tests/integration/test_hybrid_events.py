@@ -127,14 +127,18 @@ def test_removals_name_their_group(engine):
 
     req, stored = _prefill_events(engine, _prompt(PROMPT, 2))
     state = engine.sched._request_state(req)
-    window = next(g for g in engine.groups if g.kind != "full")
+    windows = [g for g in engine.groups if g.kind != "full"]
+    assert len(windows) > 1 and {g.pack_index for g in windows} == {windows[0].index}  # one pack
     last = len(state.keys) - 1
+    # the window groups share one entry per chunk: its removal removes every member's blocks
     engine.sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=KVTierWorkerMetadata(
-        [("removed", group_key(state.keys[last], window.index), "CPU")])))
-    (removed,) = engine.sched.take_events()
-    assert isinstance(removed, BlockRemoved) and removed.group_idx == window.index
-    twin = next(e for e in stored if e.group_idx == window.index and e.token_ids == stored[-1].token_ids)
-    assert removed.block_hashes == twin.block_hashes and removed.medium == "CPU"
+        [("removed", group_key(state.keys[last], windows[0].index), "CPU")])))
+    removed = engine.sched.take_events()
+    assert [e.group_idx for e in removed] == [g.index for g in windows]
+    for e, window in zip(removed, windows):
+        assert isinstance(e, BlockRemoved)
+        twin = next(s for s in stored if s.group_idx == window.index and s.token_ids == stored[-1].token_ids)
+        assert e.block_hashes == twin.block_hashes and e.medium == "CPU"
 
 
 def _route_index(events_batches):

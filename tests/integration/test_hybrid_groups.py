@@ -132,6 +132,7 @@ class Engine:
         self.work.bind_connector_metadata(meta)
         self.work.wait_for_save()
         self.work.clear_connector_metadata()
+        assert self.work.worker.drain_saves()  # async mode: the background writer's saves
         self.sync_events()
         return tables, meta
 
@@ -217,17 +218,24 @@ def test_skipped_tokens_are_vllms_own():
 # --------------------------------------------------------------------------- saves and loads
 
 
-@pytest.mark.parametrize("chunked, layers, ratio", [(0, 8, 3), (64, 8, 3), (0, 4, 9)])
-def test_a_hybrid_prefix_round_trips_every_group_and_stores_only_the_windows(tmp_path, chunked, layers, ratio):
+@pytest.mark.parametrize("chunked, layers, ratio, mode, copy", [
+    (0, 8, 3, "sync", "host"), (64, 8, 3, "sync", "host"), (0, 4, 9, "sync", "host"),
+    (0, 8, 3, "async", "host"), (0, 12, 5, "async", "torch")])
+def test_a_hybrid_prefix_round_trips_every_group_and_stores_only_the_windows(tmp_path, chunked, layers, ratio,
+                                                                             mode, copy):
     """Saves: full groups every chunk, window groups the chunks in the window before the prompt's
-    last chunk boundary. Re-read: a hit of that boundary (>= 0.95 of the prompt), every group's
-    kept blocks loaded bit-exactly from its own entries, null blocks never written. (4 layers at
-    9:1: every layer sliding, one window group: loaded inline, found by its window too.)"""
+    last chunk boundary, the window groups of one rule in one entry per chunk (a pack). Re-read:
+    a hit of that boundary (>= 0.95 of the prompt), every group's kept blocks loaded bit-exactly
+    from its part of the pack's entries, null blocks never written. (4 layers at 9:1: every layer
+    sliding, one window group: loaded inline, found by its window too.) Both transfer modes' saves
+    (``async``: staged, written by the background writer) and both copy engines."""
     from kvtier.integrations.vllm.groups import FULL, window_chunks
 
-    cfg = vllm_config(gemma_like(tmp_path, layers, ratio))
+    cfg = vllm_config(gemma_like(tmp_path, layers, ratio), {"transfer_mode": mode})
     kcc = kv_cache_config(cfg, chunked=chunked)
     eng = Engine(cfg, kcc)
+    for layout in eng.work.worker._layouts.values():
+        layout.engine = copy  # the torch engine runs on CPU tensors too (the CUDA path's plan)
     try:
         tokens = _prompt(20 * CHUNK + 9)
         resume = (len(tokens) - 1) // CHUNK  # chunks a re-read can load
@@ -245,6 +253,18 @@ def test_a_hybrid_prefix_round_trips_every_group_and_stores_only_the_windows(tmp
         window = chunked or cfg.model_config.hf_config.sliding_window
         assert stored <= (full * resume * CHUNK + windowed * (window + CHUNK)) * token_bytes
         assert stored < (full + windowed) * resume * CHUNK * token_bytes / 2  # not all layers x prefix
+        # the groups of one storage rule (a pack) share one entry per chunk: one store operation
+        # per pack and chunk, whatever the number of groups vLLM split the layers into
+        from kvtier.integrations.vllm.groups import packs
+        from kvtier.keys import group_key
+
+        leads = {index: members[0] for index, members in packs(eng.groups).items()}
+        assert len(leads) == len({g.kind for g in eng.groups}) < len(eng.groups) or len(eng.groups) == 1
+        state = eng.sched._request_state(request(tokens))
+        entries = [group_key(state.keys[c], index) for index, lead in leads.items()
+                   for c in window_chunks(lead, resume, bpc)]
+        assert all(eng.work.worker.store.locate(key) for key in entries)
+        assert eng.work.worker.store.stats()["tiers"][0]["entries"] == len(entries)
 
         req = request(tokens)
         hit, background = eng.sched.get_num_new_matched_tokens(req, 0)
@@ -314,6 +334,35 @@ def test_a_failed_load_of_a_hybrid_model_is_reported_per_request_not_per_block(g
         _, _, results = eng.load(req, hit)
         assert req.request_id in results.failed_recving and req.request_id in results.finished_recving
         assert eng.work.get_block_ids_with_load_errors() == set()
+    finally:
+        eng.close()
+
+
+def test_a_pack_entry_of_another_size_is_a_miss_that_writes_no_page(gemma):
+    """A window pack's entry replaced by one group's part alone (the size of an entry of the
+    layout before packs, or a forged one): its load fails for the request, before any member
+    group's page is written."""
+    from kvtier.keys import group_key
+
+    cfg = vllm_config(gemma)
+    eng = Engine(cfg, kv_cache_config(cfg))
+    try:
+        tokens = _prompt(8 * CHUNK + 1)
+        eng.prefill(request(tokens))
+        req = request(tokens)
+        hit, _ = eng.sched.get_num_new_matched_tokens(req, 0)
+        windows = [g for g in eng.groups if g.kind != "full"]
+        assert hit == 8 * CHUNK and len(windows) > 1
+        state = eng.sched._request_state(req)
+        key = group_key(state.keys[7], windows[0].index)
+        store = eng.work.worker.store
+        part = eng.work.worker._layouts[windows[0].index].chunk_bytes
+        assert store.delete(key) and store.write(key, part, lambda segs: [s.__setitem__(slice(None), 7) for s in segs])
+        tables, _, results = eng.load(req, hit)
+        assert req.request_id in results.failed_recving and eng.work.get_block_ids_with_load_errors() == set()
+        for g in windows:  # the chunk's blocks of every member group: untouched (never 7s)
+            for b in tables[g.index][7 * (CHUNK // BLOCK):8 * (CHUNK // BLOCK)]:
+                assert not any(bool((page.view(torch.uint8) == 7).all()) for page in eng.page(g.index, b))
     finally:
         eng.close()
 
@@ -519,6 +568,7 @@ class StateEngine(Engine):
         self.work.bind_connector_metadata(meta)
         self.work.wait_for_save()
         self.work.clear_connector_metadata()
+        assert self.work.worker.drain_saves()  # async mode: the background writer's saves
         self.sync_events()
         return tables, meta
 

@@ -21,9 +21,10 @@ it is made of:
   require exactly this pairing: vllm-router's ``kv_aware`` admits an event whose ``locality``
   is ``LOCAL`` only without ``ownership`` and ``REMOTE`` only with one, and drops the rest.
 
-KV cache groups (vLLM's hybrid KV cache manager): kvtier stores each group's part of a chunk as
-an entry of its own (``kvtier.keys.group_key``), and publishes it as vLLM's block pool publishes
-that group's blocks: the same block hashes, parent and tokens for every group (vLLM hashes a
+KV cache groups (vLLM's hybrid KV cache manager): kvtier stores the groups of a chunk that share
+a storage rule as one entry (a pack, keyed by its first group: ``kvtier.keys.group_key``), and
+publishes each member group's part as vLLM's block pool publishes that group's blocks (one store
+event of a pack's entry, one vLLM event per member group): the same block hashes, parent and tokens for every group (vLLM hashes a
 block by content, not by group), ``group_idx`` the group's index, ``kv_cache_spec_kind`` and
 ``kv_cache_spec_sliding_window`` as vLLM's ``KVCacheManager.take_events`` annotates them
 (``full_attention``, ``mla_attention``, ``sliding_window`` with its window, ...);
@@ -52,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
 
-from kvtier.integrations.vllm.groups import FULL, GroupSpec
+from kvtier.integrations.vllm.groups import FULL, GroupSpec, packs, with_packs
 from kvtier.keys import group_key
 
 if TYPE_CHECKING:
@@ -127,11 +128,12 @@ class ChunkEvents:
         self.blocks_per_chunk = blocks_per_chunk
         self.server = server
         self._media = {**_builtin_media(), **_declared(tiers)}
-        self.groups = tuple(groups) or (GroupSpec(0, FULL, (), block_size),)
+        self.groups = tuple(with_packs(list(groups) or [GroupSpec(0, FULL, (), block_size)]))
+        self._packs = packs(list(self.groups))  # first group -> the groups stored in its entries
         self.max_chunks = max_chunks
-        # store key of one group's entry -> (the chunk's fields, its group); every group's
+        # store key of one pack's entry -> (the chunk's fields, the pack's groups); every pack's
         # entry of a chunk is remembered together, so the bound is per chunk
-        self._info: OrderedDict[bytes, tuple[ChunkInfo, GroupSpec]] = OrderedDict()
+        self._info: OrderedDict[bytes, tuple[ChunkInfo, list[GroupSpec]]] = OrderedDict()
         self.dropped = 0  # store events of chunks no longer remembered (not published)
 
     def record(self, request: "Request | None", keys: list[bytes], chunk: int, tokens: Iterable[int],
@@ -140,7 +142,7 @@ class ChunkEvents:
         under ``store_key``: the key the worker's store events name it by (worker rank 0 of
         stage 0's share of it; ``keys[chunk]`` itself by default, as with one worker)."""
         key = keys[chunk] if store_key is None else store_key
-        entries = [group_key(key, group.index) for group in self.groups]
+        entries = [group_key(key, index) for index in self._packs]
         if all(entry in self._info for entry in entries):
             for entry in entries:
                 self._info.move_to_end(entry)
@@ -164,10 +166,10 @@ class ChunkEvents:
         lora = getattr(request, "lora_request", None)
         info = ChunkInfo(tuple(hashes), parent, array("I", tokens), extra,
                          lora.lora_name if lora else None, lora.adapter_id if lora else None)
-        for entry, group in zip(entries, self.groups):
-            self._info[entry] = (info, group)
+        for entry, members in zip(entries, self._packs.values()):
+            self._info[entry] = (info, members)
             self._info.move_to_end(entry)
-        while len(self._info) > self.max_chunks * len(self.groups):
+        while len(self._info) > self.max_chunks * len(self._packs):
             self._info.popitem(last=False)
 
     def events(self, store_events: Iterable[tuple[str, bytes, str]]) -> list[KVCacheEvent]:
@@ -181,18 +183,19 @@ class ChunkEvents:
             if known is None:
                 self.dropped += 1
                 continue
-            info, group = known
+            info, members = known
             med, locality, ownership = event_medium(medium, self.server, self._media)
-            if kind == "stored":
-                event = BlockStored(block_hashes=list(info.block_hashes), parent_block_hash=info.parent,
-                                    token_ids=info.token_ids.tolist(), block_size=self.block_size,
-                                    lora_id=info.lora_id, medium=med, lora_name=info.lora_name,
-                                    extra_keys=info.extra_keys, group_idx=group.index,
-                                    kv_cache_spec_kind=group.kv_event_kind,
-                                    kv_cache_spec_sliding_window=group.event_window, locality=locality,
-                                    ownership=ownership)
-            else:
-                event = BlockRemoved(block_hashes=list(info.block_hashes), medium=med, group_idx=group.index,
-                                     locality=locality, ownership=ownership)
-            (full if group.kind == FULL else window).append(event)
+            for group in members:
+                if kind == "stored":
+                    event = BlockStored(block_hashes=list(info.block_hashes), parent_block_hash=info.parent,
+                                        token_ids=info.token_ids.tolist(), block_size=self.block_size,
+                                        lora_id=info.lora_id, medium=med, lora_name=info.lora_name,
+                                        extra_keys=info.extra_keys, group_idx=group.index,
+                                        kv_cache_spec_kind=group.kv_event_kind,
+                                        kv_cache_spec_sliding_window=group.event_window, locality=locality,
+                                        ownership=ownership)
+                else:
+                    event = BlockRemoved(block_hashes=list(info.block_hashes), medium=med, group_idx=group.index,
+                                         locality=locality, ownership=ownership)
+                (full if group.kind == FULL else window).append(event)
         return full + window

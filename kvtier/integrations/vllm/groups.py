@@ -1,8 +1,15 @@
 """vLLM's KV cache groups as kvtier stores them (plain data, no vLLM objects at run time).
 
 vLLM's hybrid KV cache manager ("HMA") gives each attention type its own KV cache group: its
-layers, its spec and its own block table per request. kvtier stores each group of a chunk as an
-entry of its own (``kvtier.keys.group_key``), copied with that group's layers and block ids:
+layers, its spec and its own block table per request (vLLM splits a kind's layers into groups of
+equal size, so a Gemma-3-like model of 5 local : 1 global layers has five window groups beside
+one full group). kvtier stores the groups of a chunk that follow the same storage rule (the same
+kind, block size, window and replication: a *pack*, ``GroupSpec.pack``) together, as one entry
+keyed by the pack's first group (``kvtier.keys.group_key``): the members' bytes back to back in
+group order, each copied with that group's layers and block ids. One entry per pack and chunk
+instead of one per group: the five window groups above cost one store operation per chunk, not
+five (a store operation's fixed cost, not its bytes, dominates a RAM-tier re-read of small pages).
+The rules:
 
 - ``full`` groups (full attention, MLA): every chunk of the prefix, as for a dense model;
 - ``window`` groups (sliding window, chunked local attention): only the chunks vLLM needs to
@@ -23,6 +30,8 @@ entry of its own (``kvtier.keys.group_key``), copied with that group's layers an
   group needs one block per chunk (``chunk_tokens`` equal to the block size, as vLLM's own
   offloading has for Mamba).
 
+Recurrent-state groups are each a pack of their own (their states are offered per group).
+
 A prefix hit of ``n`` chunks needs every full group's chunks ``0..n-1``, every window group's
 chunks that hold a block in ``[first_block(n * chunk), n * blocks_per_chunk)`` and every state
 group's chunk ``n - 1``; the hit is the largest such ``n`` (the same token count for every group).
@@ -35,7 +44,7 @@ with speculative blocks, and any spec kvtier does not know.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtier.errors import ConfigError
@@ -68,6 +77,20 @@ class GroupSpec:
     # ``get_kv_cache_spec_sliding_window``); "" for a group built without a vLLM spec
     event_kind: str = ""
     event_window: int | None = None
+    pack: int = -1  # the first group of this group's pack (its entries' key); -1: itself
+
+    @property
+    def pack_index(self) -> int:
+        """The group whose key names this group's entries: the first group of its pack."""
+        return self.index if self.pack < 0 else self.pack
+
+    def storage_rule(self) -> tuple:
+        """What decides which chunks of this group are stored and loaded, and where: groups
+        with equal rules (never state groups) are stored together, as one pack."""
+        if self.kind == STATE:
+            return (STATE, self.index)
+        return (self.kind, self.block_size, self.sliding_window, self.extra_retained, self.attention_chunk,
+                self.replicated)
 
     @property
     def kv_event_kind(self) -> str:
@@ -89,6 +112,24 @@ class GroupSpec:
     def first_block(self, computed: int) -> int:
         """The first block index vLLM keeps (a real block, not null) at ``computed`` tokens."""
         return self.skipped_tokens(computed) // self.block_size
+
+
+def with_packs(groups: list[GroupSpec]) -> list[GroupSpec]:
+    """``groups`` with each one's ``pack`` set: the first group of equal ``storage_rule``."""
+    first: dict[tuple, int] = {}
+    out = []
+    for group in groups:
+        leader = first.setdefault(group.storage_rule(), group.index)
+        out.append(replace(group, pack=leader))
+    return out
+
+
+def packs(groups: list[GroupSpec]) -> dict[int, list[GroupSpec]]:
+    """The packs of ``groups``: first group's index -> its members in group order."""
+    out: dict[int, list[GroupSpec]] = {}
+    for group in groups:
+        out.setdefault(group.pack_index, []).append(group)
+    return out
 
 
 def window_chunks(group: GroupSpec, boundary_chunks: int, blocks_per_chunk: int) -> range:
@@ -146,15 +187,16 @@ def groups_of(kv_cache_config: Any, model_type: str = "") -> list[GroupSpec]:
                 f"supported: full attention, MLA, sliding window, chunked local attention, recurrent state in "
                 f"mamba_cache_mode align (run this model "
                 f"without the kvtier connector)")
-    return out
+    return with_packs(out)
 
 
 def namespace_groups(groups: list[GroupSpec]) -> str:
     """The groups' specs for the key namespace: "" for one plain full-attention group (a dense
-    model: its keys are unchanged), else every group's description."""
+    model: its keys are unchanged), else every group's description and its pack (an entry's
+    layout: which groups' bytes it holds)."""
     if len(groups) == 1 and groups[0].kind == FULL and not groups[0].replicated:
         return ""
-    return ";".join(g.describe for g in groups)
+    return ";".join(f"{g.describe}:pack={g.pack_index}" for g in groups)
 
 
 def _state_refusal(spec: Any) -> str | None:

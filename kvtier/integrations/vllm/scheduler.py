@@ -26,9 +26,10 @@ reports the request finished (``get_finished``) and any failed blocks, and vLLM 
 from the loaded (or, after a failure, the valid) prefix. A hit wholly in the mirror stays
 inline, as does any hit through a cache server (which may hold it in its shared memory).
 
-KV cache groups (vLLM's hybrid KV cache manager, ``kvtier.integrations.vllm.groups``): each
-group of a chunk is an entry of its own, saved and loaded with the block ids vLLM gives that
-group. Full-attention groups store every chunk; a sliding-window or chunked-local group stores
+KV cache groups (vLLM's hybrid KV cache manager, ``kvtier.integrations.vllm.groups``): the
+groups of a chunk that share a storage rule (a pack) are one entry, each group's part saved and
+loaded with the block ids vLLM gives that group; the plan names each group (one ``SaveSpec`` or
+``LoadSpec`` per group) and the worker joins a pack's members into its entry. Full-attention groups store every chunk; a sliding-window or chunked-local group stores
 only the chunks inside its window before the prompt's last chunk boundary (the point a re-read
 of the prompt resumes at) and every chunk after it (generated tokens: the next turn resumes
 later). A hit of ``n`` chunks needs every group's chunks for resuming at ``n`` chunks; ``n`` is
@@ -61,7 +62,7 @@ from vllm.distributed.kv_events import KVCacheEvent
 from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.events import ChunkEvents
-from kvtier.integrations.vllm.groups import FULL, STATE, GroupSpec, window_chunks
+from kvtier.integrations.vllm.groups import FULL, STATE, GroupSpec, packs, window_chunks, with_packs
 from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, KVTierWorkerMetadata, LoadSpec, SaveSpec
 from kvtier.keys import ROOT, MMItem, Namespace, WorkerShare, chunk_keys, group_key, lora_identity, weights_digest
 from kvtier.tiers.base import SchedulerView
@@ -106,7 +107,7 @@ class KVTierScheduler:
         self.geometry = geometry
         self._auth_key = config.store.auth_secret("kv_connector_extra_config")  # keys the chunk keys
         # vLLM's KV cache groups; none given: one full-attention group (a dense model)
-        self.groups = list(groups) or [GroupSpec(0, FULL, (), geometry.block_size)]
+        self.groups = with_packs(list(groups) or [GroupSpec(0, FULL, (), geometry.block_size)])
         # failures per request only: every hit loads in the background (a state group also with one
         # group: vLLM allocates its state block at the hit's end only for an asynchronous load)
         self._hybrid = len(self.groups) > 1 or any(g.kind == STATE for g in self.groups)
@@ -406,11 +407,12 @@ class KVTierScheduler:
         if not self._per_group:
             return self._lookup(keys)
         n, mirrored = len(keys), len(keys)
-        for group in self.groups:
+        leads = [members[0] for members in packs(self.groups).values()]  # one lookup per pack
+        for group in leads:
             if group.kind == FULL:
                 found, near = self._lookup([group_key(k, group.index) for k in keys[:n]])
                 n, mirrored = min(n, found), min(mirrored, near)
-        windows = [g for g in self.groups if g.kind != FULL]
+        windows = [g for g in leads if g.kind != FULL]
         bpc = self.geometry.blocks_per_chunk
         while n > 0 and windows:
             ok = True

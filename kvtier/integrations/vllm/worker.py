@@ -41,8 +41,11 @@ Each worker stores its share of a chunk under its own key (``WorkerShare.key``: 
 stage). Rank 0 of stage 0 records the store's events for the scheduler's mirror.
 
 KV cache groups (vLLM's hybrid KV cache manager): one ``PageLayout`` per group over that group's
-layers; each ``LoadSpec``/``SaveSpec`` names its group, and a group's part of a chunk is an entry
-of its own (``kvtier.keys.group_key``). With several groups a failed load is reported per request
+layers; each ``LoadSpec``/``SaveSpec`` names its group. The groups of a pack (equal storage rule,
+``groups.py``) share one entry per chunk, keyed by the pack's first group
+(``kvtier.keys.group_key``): their parts back to back in group order, each copied with its own
+group's block ids; a pack's specs of one request are joined here (``_joined``) and moved with one
+store operation per chunk. With several groups a failed load is reported per request
 (``failed_loads``: vLLM cannot map block ids back to a group), never per block.
 
 Replicated KV (MLA under tensor parallelism: the latent is the same on every rank): every rank
@@ -62,10 +65,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvtier.buffers import scatter, total_bytes
+from kvtier.buffers import scatter, split_segments, total_bytes
 from kvtier.errors import CorruptEntry
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.groups import GroupSpec
+from kvtier.integrations.vllm.groups import GroupSpec, with_packs
 from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, KVTierWorkerMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, TierDeltas, tier_counters
 from kvtier.integrations.vllm.pages import LoadStep, PageLayout, SaveStep
@@ -84,11 +87,11 @@ SAVE_BACKLOG_CHUNKS = 64
 
 @dataclass
 class BackgroundLoad:
-    """A request's load running on the background threads: one future per chunk (the serving
-    tier's name, or None when the chunk could not be loaded)."""
+    """A request's load of one pack running on the background threads: one future per chunk
+    (the serving tier's name, or None when the chunk could not be loaded)."""
 
-    load: LoadSpec
-    step: LoadStep
+    loads: list[LoadSpec]  # one per group of the pack (the same chunks)
+    steps: list[LoadStep]  # one per group, in the same order
     futures: list[Future] = field(default_factory=list)
     first_bad: int | None = None  # a failed chunk: later chunks are not read (worth nothing)
 
@@ -98,14 +101,19 @@ class BackgroundLoad:
     def tiers(self) -> list[str | None]:
         return [f.result() for f in self.futures]
 
+    @property
+    def load(self) -> LoadSpec:
+        """The first group's load (its chunks, keys and request are every member's)."""
+        return self.loads[0]
+
 
 @dataclass
 class _Landing:
-    """A step's gather still on its way to host memory (``torch`` copy engine): the background
-    writer waits for it and copies chunk ``i`` into staging slot ``slots[i]`` before it writes
-    the first of them (``land``)."""
+    """A step's gathers (one per group of a pack) still on their way to host memory (``torch``
+    copy engine): the background writer waits for them and copies chunk ``i`` into staging slot
+    ``slots[i]`` (each group's part at its offset) before it writes the first of them (``land``)."""
 
-    step: SaveStep
+    steps: list[tuple[SaveStep, int]]  # (a group's gather, its part's offset in the entry)
     slots: list[int]
     landed: bool | None = None  # None: not yet; True: the slots hold the chunks; False: failed
 
@@ -114,19 +122,21 @@ class _Landing:
         False when that failed (the chunks are then dropped). Never raises."""
         if self.landed is None:
             try:
-                size = self.step._layout.chunk_bytes
-                for i, slot in enumerate(self.slots):  # on this thread: the copy threads are the step's
-                    self.step.copy_to(i, [saves.slot(slot)[:size]], parallel=False)
+                for step, offset in self.steps:
+                    end = offset + step._layout.chunk_bytes
+                    for i, slot in enumerate(self.slots):  # on this thread: the copy threads are the step's
+                        step.copy_to(i, [saves.slot(slot)[offset:end]], parallel=False)
                 self.landed = True
             except Exception:
                 log.exception("kvtier: a background save's copy to host failed; %d chunks dropped", len(self.slots))
                 self.landed = False
             finally:
-                try:
-                    self.step.release()
-                except Exception:
-                    log.exception("kvtier: releasing a save's staging buffer failed")
-                    self.landed = False
+                for step, _ in self.steps:
+                    try:
+                        step.release()
+                    except Exception:
+                        log.exception("kvtier: releasing a save's staging buffer failed")
+                        self.landed = False
         return self.landed
 
 
@@ -279,7 +289,7 @@ class KVTierWorker:
         self.geometry = geometry
         self.share = share
         self._num_blocks = num_blocks
-        self.groups = list(groups or [])  # vLLM's KV cache groups; none: one group of every layer
+        self.groups = with_packs(list(groups or []))  # vLLM's KV cache groups; none: one group of every layer
         # replicated KV (MLA under TP): every rank keys its copy as rank 0 does
         self.key_share = share.of(0, share.pp_stage) if replicated else share
         cfg = config.for_rank(share.tp_rank, share.tp_size, share.pp_stage, share.pp_size)
@@ -293,6 +303,7 @@ class KVTierWorker:
         if self._events_owner:
             self.store.enable_events()
         self._layouts: dict[int, PageLayout] = {}  # group -> its layers' pages
+        self._pack_of: dict[int, int] = {g.index: g.pack_index for g in self.groups}  # group -> its pack
         self._failed_reqs: set[str] = set()  # several groups: loads that failed, per request
         self._load_pool: ThreadPoolExecutor | None = None
         self._background_pool: ThreadPoolExecutor | None = None  # async mode: reads off the step
@@ -316,8 +327,33 @@ class KVTierWorker:
         self._layouts[0] = layout
 
     def _key(self, key: bytes, group: int = 0) -> bytes:
-        """The store key of this worker's share of group ``group`` of the chunk ``key``."""
-        return group_key(self.key_share.key(key), group)
+        """The store key of this worker's share of group ``group``'s pack of the chunk ``key``."""
+        return group_key(self.key_share.key(key), self._pack_of.get(group, group))
+
+    def _entry_bytes(self, specs: list) -> int:
+        """The bytes of one entry of the groups of ``specs`` (a pack's members on this worker)."""
+        return sum(self._layouts[spec.group].chunk_bytes for spec in specs)
+
+    def _joined(self, specs: list) -> list[list]:
+        """``specs`` (LoadSpecs or SaveSpecs, this worker's groups only) joined per entry: the
+        specs of one request's pack (and, for saves, of one chunk), in group order. A pack's
+        members always carry the same chunks, keys and skipped blocks: the scheduler plans them
+        by the same rule."""
+        out: dict[tuple, list] = {}
+        for spec in specs:
+            chunk = getattr(spec, "chunk_index", None)
+            out.setdefault((spec.req_id, self._pack_of.get(spec.group, spec.group), chunk), []).append(spec)
+        return [sorted(members, key=lambda spec: spec.group) for members in out.values()]
+
+    def _parts(self, specs: list, segments) -> list:
+        """An entry's ``segments`` cut into each member group's part (``specs`` in entry order);
+        CorruptEntry, before anything is copied, unless they hold exactly one entry."""
+        sizes = [self._layouts[spec.group].chunk_bytes for spec in specs]
+        if len(sizes) == 1:
+            return [segments]
+        if total_bytes(segments) != sum(sizes):
+            raise CorruptEntry(f"entry of {total_bytes(segments)} bytes is not one chunk of {sum(sizes)}")
+        return split_segments(segments, sizes)
 
     def _layout_of(self, group: int) -> PageLayout | None:
         """Group ``group``'s page layout (None: this worker holds none of its layers)."""
@@ -351,7 +387,11 @@ class KVTierWorker:
             self._load_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-load")
         if self.config.transfer_mode == "async":
             self._background_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-bgload")
-            chunk = max(layout.chunk_bytes for layout in self._layouts.values())
+            per_pack: dict[int, int] = {}
+            for group, layout in self._layouts.items():
+                pack = self._pack_of.get(group, group)
+                per_pack[pack] = per_pack.get(pack, 0) + layout.chunk_bytes
+            chunk = max(per_pack.values())  # the largest entry
             slots = max(1, min(SAVE_BACKLOG_CHUNKS, SAVE_BACKLOG_BYTES // chunk))
             self._saves = BackgroundSaves(self.store, chunk, slots)
 
@@ -362,23 +402,25 @@ class KVTierWorker:
         start its background loads."""
         if self._layout is None or not meta.loads:
             return
-        loads = [load for load in meta.loads if load.group in self._layouts]
-        inline = [load for load in loads if not load.background]
-        for load in loads:
-            if load.background:
-                self._start_background(load)
+        joined = self._joined([load for load in meta.loads if load.group in self._layouts])
+        inline = [loads for loads in joined if not loads[0].background]
+        for loads in joined:
+            if loads[0].background:
+                self._start_background(loads)
         if inline:
             t0 = time.perf_counter()
-            for load in inline:
-                self._load(load)
+            for loads in inline:
+                self._load(loads)
             self._stats.observe("load_seconds", time.perf_counter() - t0)
 
-    def _start_background(self, load: LoadSpec) -> None:
-        """Hand a waiting request's chunks to the background threads (see the module notes)."""
+    def _start_background(self, loads: list[LoadSpec]) -> None:
+        """Hand a waiting request's chunks of one pack (``loads``: its groups' specs) to the
+        background threads (see the module notes)."""
         pool = self._background_pool or self._start_background_pool()
-        pending = BackgroundLoad(load, self._layouts[load.group].begin_load(len(load.keys)))
+        load = loads[0]
+        pending = BackgroundLoad(loads, [self._layouts[m.group].begin_load(len(load.keys)) for m in loads])
         pending.futures = [pool.submit(self._fill_chunk, pending, i) for i in range(len(load.keys))]
-        self._background[(load.req_id, load.group)] = pending
+        self._background[(load.req_id, self._pack_of.get(load.group, load.group))] = pending
         self._stats.count(background_loads=1)
         if not self._announced:
             self._announced = True
@@ -398,11 +440,14 @@ class KVTierWorker:
             return None  # an earlier chunk failed: this one would be recomputed anyway
         load = pending.load
         c = load.first_chunk + i
-        blocks = self.geometry.chunk_blocks(load.block_ids, c)
         first = load.skip_blocks if i == 0 else 0
+
+        def fill(segments) -> None:
+            for member, step, part in zip(pending.loads, pending.steps, self._parts(pending.loads, segments)):
+                step.fill(i, part, self.geometry.chunk_blocks(member.block_ids, c), first)
+
         try:
-            tier = self.store.read(self._key(load.keys[i], load.group),
-                                   lambda segs: pending.step.fill(i, segs, blocks, first))
+            tier = self.store.read(self._key(load.keys[i], load.group), fill)
         except CorruptEntry:  # an entry of another size: not ours to trust
             log.warning("kvtier: chunk %d of %s has an unexpected size; recomputing", c, load.req_id)
             tier = None
@@ -420,11 +465,13 @@ class KVTierWorker:
         ended = [ident for ident, pending in self._background.items() if pending.done()]
         for ident in ended:
             pending = self._background.pop(ident)
-            good = self._settle(pending.load, pending.tiers())
+            good = self._settle(pending.loads, pending.tiers())
             try:
-                pending.step.scatter(range(good))
+                for step in pending.steps:
+                    step.scatter(range(good))
             finally:
-                pending.step.release()
+                for step in pending.steps:
+                    step.release()
         running = {req_id for req_id, _ in self._background}
         return {req_id for req_id, _ in ended if req_id not in running}  # every group's load ended
 
@@ -433,44 +480,52 @@ class KVTierWorker:
         failed, self._failed_reqs = self._failed_reqs, set()
         return failed
 
-    def _load(self, load: LoadSpec) -> None:
-        """Copy a request's planned chunks into its blocks.
+    def _load(self, loads: list[LoadSpec]) -> None:
+        """Copy a request's planned chunks of one pack (``loads``: its groups' specs) into its blocks.
 
         Chunks in the top tier are copied inline (a memcpy each); the others are read by the
         load threads at the same time, overlapping a lower tier's I/O. If any chunk fails, every
         block from the first failed chunk on is reported for recomputation: a chunk is worth
         nothing without the chunks before it.
         """
+        load = loads[0]
         tiers: list[str | None] = [None] * len(load.keys)
         local = self.store.in_top_tier([self._key(k, load.group) for k in load.keys])
         pending = {}
         if self._load_pool is not None:  # start the slow reads first, then copy the local ones
-            pending = {i: self._load_pool.submit(self._load_chunk, load, i) for i, near in enumerate(local) if not near}
+            pending = {i: self._load_pool.submit(self._load_chunk, loads, i) for i, near in enumerate(local) if not near}
         for i in range(len(load.keys)):
             if i not in pending:
-                tiers[i] = self._load_chunk(load, i)
+                tiers[i] = self._load_chunk(loads, i)
         for i, future in pending.items():
             tiers[i] = future.result()
-        self._settle(load, tiers)
+        self._settle(loads, tiers)
 
-    def _load_chunk(self, load: LoadSpec, i: int) -> str | None:
-        """Load the ``i``-th planned chunk into its blocks; the serving tier's name or None."""
+    def _load_chunk(self, loads: list[LoadSpec], i: int) -> str | None:
+        """Load the ``i``-th planned chunk of a pack into its groups' blocks; the serving tier's
+        name or None."""
+        load = loads[0]
         c = load.first_chunk + i
-        blocks = self.geometry.chunk_blocks(load.block_ids, c)
         first = load.skip_blocks if i == 0 else 0
-        layout = self._layouts[load.group]
+
+        def fill(segments) -> None:
+            for member, part in zip(loads, self._parts(loads, segments)):
+                self._layouts[member.group].load(part, self.geometry.chunk_blocks(member.block_ids, c), first)
+
         try:
-            return self.store.read(self._key(load.keys[i], load.group), lambda segs: layout.load(segs, blocks, first))
+            return self.store.read(self._key(load.keys[i], load.group), fill)
         except CorruptEntry:  # an entry of another size: not ours to trust
             log.warning("kvtier: chunk %d of %s has an unexpected size; recomputing", c, load.req_id)
             return None
 
-    def _settle(self, load: LoadSpec, tiers: list[str | None]) -> int:
-        """Count a finished load and report the blocks from its first failed chunk on for
-        recomputation; the number of chunks loaded before that failure."""
+    def _settle(self, loads: list[LoadSpec], tiers: list[str | None]) -> int:
+        """Count a finished load of one pack (``loads``: its groups' specs) and report the blocks
+        from its first failed chunk on for recomputation; the number of chunks loaded before
+        that failure."""
+        load = loads[0]
         bad = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
         for tier in tiers[:bad]:
-            self._stats.count_tier(tier, loaded_chunks=1, loaded_bytes=self._layouts[load.group].chunk_bytes)
+            self._stats.count_tier(tier, loaded_chunks=1, loaded_bytes=self._entry_bytes(loads))
         if bad < len(tiers) and len(self.groups) > 1:  # vLLM takes such failures per request only
             self._failed_reqs.add(load.req_id)
             self._stats.count(load_error_chunks=len(tiers) - bad)
@@ -497,74 +552,103 @@ class KVTierWorker:
         if not self._layouts or not meta.saves or not self._saves_on:
             return
         t0 = time.perf_counter()
-        for group, layout in self._layouts.items():
-            specs = [save for save in meta.saves if save.group == group]
-            if not specs:
-                continue
+        entries = self._joined([save for save in meta.saves if save.group in self._layouts])
+        for pack in dict.fromkeys(self._pack_of.get(e[0].group, e[0].group) for e in entries):
+            mine = [e for e in entries if self._pack_of.get(e[0].group, e[0].group) == pack]
             if self._saves is None:
-                self._save_inline(layout, specs)
+                self._save_inline(mine)
             else:
-                self._save_background(layout, self._saves, specs)
+                self._save_background(self._saves, mine)
         self._stats.observe("save_seconds", time.perf_counter() - t0)
 
-    def _save_inline(self, layout: PageLayout, saves: list[SaveSpec]) -> None:
-        """Copy the chunks' pages into the store's top tier (``sync``)."""
-        step = layout.gather([save.block_ids for save in saves])  # the step's pages, O(layers) copies
+    def _gather(self, entries: list[list[SaveSpec]]) -> list[tuple[SaveStep, int]]:
+        """Start reading the pages of one pack's ``entries`` (each its groups' specs of one
+        chunk): one batched gather per group (``PageLayout.gather``: O(layers) copies), with each
+        group's offset in the entry. On failure the gathers already started are released."""
+        steps: list[tuple[SaveStep, int]] = []
+        offset = 0
         try:
-            for i, save in enumerate(saves):
+            for k, spec in enumerate(entries[0]):
+                layout = self._layouts[spec.group]
+                steps.append((layout.gather([entry[k].block_ids for entry in entries]), offset))
+                offset += layout.chunk_bytes
+        except BaseException:
+            for step, _ in steps:
+                step.release()
+            raise
+        return steps
+
+    def _save_inline(self, entries: list[list[SaveSpec]]) -> None:
+        """Copy one pack's chunks' pages into the store's top tier (``sync``)."""
+        size = self._entry_bytes(entries[0])
+        steps = self._gather(entries)  # the step's pages
+
+        def fill(i: int, segments) -> None:
+            for (step, _), part in zip(steps, self._parts(entries[i], segments)):
+                step.copy_to(i, part)
+
+        try:
+            for i, members in enumerate(entries):
+                save = members[0]
                 parent = self._key(save.parent, save.group) if save.parent else None
-                ok = self.store.write(self._key(save.key, save.group), layout.chunk_bytes,
-                                      lambda segs, i=i: step.copy_to(i, segs), parent=parent,
-                                      chunk_index=save.chunk_index)
+                ok = self.store.write(self._key(save.key, save.group), size, lambda segs, i=i: fill(i, segs),
+                                      parent=parent, chunk_index=save.chunk_index)
                 if ok:
-                    self._stats.count(saved_chunks=1, saved_bytes=layout.chunk_bytes)
+                    self._stats.count(saved_chunks=1, saved_bytes=size)
                 else:
                     self._stats.count(save_dropped=1)
         finally:
-            step.release()
+            for step, _ in steps:
+                step.release()
 
-    def _save_background(self, layout: PageLayout, saves: BackgroundSaves, specs: list[SaveSpec]) -> None:
-        """Read the chunks that get a staging slot (one batched gather) and queue them for the
-        background writer; drop and count the others (``async``). ``host`` engine: the pages are
-        copied into the slots now. ``torch`` engine: the gather is issued now (the pages may
-        change once it returns) and the writer lands it in the slots, so the step does not wait
-        for the device-to-host copy."""
-        jobs = self._stage_slots(saves, specs, layout.chunk_bytes)
+    def _save_background(self, saves: BackgroundSaves, entries: list[list[SaveSpec]]) -> None:
+        """Read one pack's chunks that get a staging slot (one batched gather per group) and
+        queue them for the background writer; drop and count the others (``async``). ``host``
+        engine: the pages are copied into the slots now. ``torch`` engine: the gathers are
+        issued now (the pages may change once they return) and the writer lands them in the
+        slots, so the step does not wait for the device-to-host copy."""
+        size = self._entry_bytes(entries[0])
+        jobs = self._stage_slots(saves, entries, size)
         if not jobs:
             return
         taken = [job.slot for _, job in jobs]
         try:
-            step = layout.gather([spec.block_ids for spec, _ in jobs])  # O(layers) copies
-            if layout.engine == "torch":
-                landing = _Landing(step, taken)
+            steps = self._gather([members for members, _ in jobs])
+            if self._layouts[entries[0][0].group].engine == "torch":
+                landing = _Landing(steps, taken)
                 for _, job in jobs:
                     job.landing = landing
             else:
                 try:
-                    for i, (_, job) in enumerate(jobs):
-                        step.copy_to(i, [saves.slot(job.slot)[: layout.chunk_bytes]])
+                    for step, offset in steps:
+                        end = offset + step._layout.chunk_bytes
+                        for i, (_, job) in enumerate(jobs):
+                            step.copy_to(i, [saves.slot(job.slot)[offset:end]])
                 finally:
-                    step.release()
+                    for step, _ in steps:
+                        step.release()
         except BaseException:
             saves.give_back(taken)
             raise
         saves.submit([job for _, job in jobs])
 
-    def _stage_slots(self, saves: BackgroundSaves, specs: list[SaveSpec],
-                     size: int = 0) -> list[tuple[SaveSpec, _SaveJob]]:
-        """A staging slot for each chunk, in order, while slots are free. A chunk without one
-        is dropped with its request's later chunks of this step (a chunk is worth nothing
-        without the chunks before it); every drop is counted as ``save_backlog_dropped``."""
-        jobs: list[tuple[SaveSpec, _SaveJob]] = []
+    def _stage_slots(self, saves: BackgroundSaves, entries: list[list[SaveSpec]],
+                     size: int = 0) -> list[tuple[list[SaveSpec], _SaveJob]]:
+        """A staging slot for each entry (a chunk's specs of one pack), in order, while slots are
+        free. A chunk without one is dropped with its request's later chunks of this step (a
+        chunk is worth nothing without the chunks before it); every drop is counted as
+        ``save_backlog_dropped``."""
+        jobs: list[tuple[list[SaveSpec], _SaveJob]] = []
         broken: set[str] = set()  # requests with a dropped chunk this step
-        for spec in specs:
+        for members in entries:
+            spec = members[0]
             slot = None if spec.req_id in broken else saves.take()
             if slot is None:
                 broken.add(spec.req_id)
                 self._stats.count(save_backlog_dropped=1)
                 continue
             parent = self._key(spec.parent, spec.group) if spec.parent else None
-            jobs.append((spec, _SaveJob(self._key(spec.key, spec.group), parent, spec.chunk_index, slot, size=size)))
+            jobs.append((members, _SaveJob(self._key(spec.key, spec.group), parent, spec.chunk_index, slot, size=size)))
         return jobs
 
     def drain_saves(self, timeout: float = 30.0) -> bool:
@@ -607,7 +691,8 @@ class KVTierWorker:
                 pool.shutdown(wait=True)
         self._load_pool = self._background_pool = None
         for pending in self._background.values():
-            pending.step.release()
+            for step in pending.steps:
+                step.release()
         self._background.clear()
         for layout in self._layouts.values():
             layout.close()
