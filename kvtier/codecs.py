@@ -28,15 +28,19 @@ rule applied to bytes, with ``B`` the tier's bandwidth as fitted from its own tr
 (``LinkFit``: time = latency + bytes / B over its recent reads, decode time excluded; before the
 first read, over its puts, encode time excluded), so a fixed cost per request, paid coded or
 raw, does not count as slowness. ``E``/``D``/``r`` are measured on this machine at start (one 1
-MiB bf16-like sample) and refreshed from real chunks. Every ``PROBE_EVERY`` puts (32 while
-coding) one chunk is stored the other way, which keeps the inputs fresh and gives the fit two
-sizes. Until the tier has been measured, chunks are stored raw.
+MiB bf16-like sample) and refreshed from real chunks. Now and then one chunk is stored the other
+way, which keeps the inputs fresh and gives the fit two sizes: every ``PROBE_EVERY`` puts until
+the fit has told latency from bandwidth (it then keeps that latency while the tier sees one size),
+then every 32 while coding, and while storing raw as rarely as keeps the coded probes' extra read
+time under 1% (up to 256 puts apart: on a memory-speed tier a coded chunk reads 2-3 x slower).
+Until the tier has been measured, chunks are stored raw.
 
 Imports: ``kvtier.errors`` and, lazily, ``blosc2`` and ``kvtier.fp8`` (numpy).
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 import time
@@ -181,12 +185,18 @@ def _decode_fp8(stored: memoryview, out: memoryview, dtype: str | None) -> None:
 CLOCK = threading.local()  # decode_s: seconds this thread spent decoding (an auto tier's read timing)
 
 
-# puts between two probes of an auto tier (one chunk stored the other way): often while it stores
-# raw (a coded probe costs a decode), rarely while it codes (a raw probe gives back the saving)
+# puts between two probes of an auto tier (one chunk stored the other way): often until the tier's
+# fit has told its latency from its bandwidth; while it codes, rarely (a raw probe gives back the
+# saving); while it stores raw, as rarely as keeps the coded probes' extra read time under
+# PROBE_BUDGET of the reads (a coded chunk costs B/D + 1/r of a raw one: on a memory-speed tier
+# 2-3 x, so a probe every 8 puts cost ~5% of every re-read), between PROBE_EVERY and PROBE_EVERY_MAX
 PROBE_EVERY = 8
 PROBE_EVERY_CODING = 32
+PROBE_EVERY_MAX = 256
+PROBE_BUDGET = 0.01
 _EWMA = 0.2  # weight of the newest observation in the moving averages of the codec's speeds
 _FIT_EWMA = 0.03  # weight of the newest transfer in a tier's latency/bandwidth fit (~30 transfers)
+_READ_QUEUE = 256  # reads queued for the fit between two decisions (an older one would weigh < 0.0005)
 
 
 class LinkFit:
@@ -203,9 +213,18 @@ class LinkFit:
         self.alpha = alpha
         self._n = 0
         self._w = self._w2 = self._x = self._y = self._xx = self._xy = self._yy = 0.0
+        self.latency: float | None = None  # the fixed cost of the last fit that told sizes apart
 
     def add(self, nbytes: float, seconds: float) -> None:
-        """One transfer of ``nbytes`` that took ``seconds``."""
+        """One transfer of ``nbytes`` that took ``seconds``. While the sizes seen are about to
+        fade to one (their spread within 100 x of the one-size threshold), the fit is estimated
+        first, so the latency it tells apart is kept (``latency``) whoever asks for it later."""
+        if self._n >= 4:
+            w = self._w
+            mx = self._x / w
+            var = self._xx / w - mx * mx
+            if (1e-3 * mx) ** 2 < var < 100 * (1e-3 * mx) ** 2:
+                self.estimate()
         keep = 1.0 - self.alpha if self._n else 0.0
         self._n += 1
         self._w = keep * self._w + 1.0
@@ -227,8 +246,8 @@ class LinkFit:
         var = self._xx / w - mx * mx
         if my <= 0:
             return None
-        if self._n < 4 or var <= (1e-3 * mx) ** 2:  # one size (or too few): bytes over seconds
-            return mx / my, 0.0, False
+        if self._n < 4 or var <= (1e-3 * mx) ** 2:  # one size (or too few)
+            return self._one_size(mx, my)
         slope = (self._xy / w - mx * my) / var
         var_y = max(0.0, self._yy / w - my * my)
         resid = max(0.0, var_y - slope * slope * var)
@@ -237,7 +256,9 @@ class LinkFit:
         if slope > 2.0 * stderr:
             latency = my - slope * mx
             if latency <= 0:  # no fixed cost seen: through the origin
+                self.latency = 0.0
                 return mx / my, 0.0, True
+            self.latency = latency
             return 1.0 / slope, latency, True
         # the size does not explain the time beyond its noise: a fixed cost per request when the
         # intercept stands clear of zero (two standard errors), else a bandwidth seen through
@@ -245,8 +266,21 @@ class LinkFit:
         intercept = my - slope * mx
         intercept_err = math.sqrt(resid / max(n_eff - 2.0, 1.0) * (1.0 + mx * mx / var))
         if intercept > 2.0 * intercept_err:
+            self.latency = intercept
             return float("inf"), intercept, True
-        return mx / my, 0.0, False
+        return self._one_size(mx, my)
+
+    def _one_size(self, mx: float, my: float) -> tuple[float, float, bool]:
+        """The estimate when the sizes do not tell latency from bandwidth: the mean size over the
+        mean time less the fixed cost an earlier fit found (a tier that stores one size for a
+        while keeps its latency; without it, a latency-bound tier would look slow and flip to
+        coding until the next probe), else bytes over seconds (latency counted as bandwidth)."""
+        latency = self.latency
+        if latency is None:
+            return mx / my, 0.0, False
+        if my <= latency:  # no slower than the fixed cost alone: no bandwidth limit seen
+            return float("inf"), latency, False
+        return mx / (my - latency), latency, False
 
 
 class AutoChoice:
@@ -254,7 +288,7 @@ class AutoChoice:
     feed the tier's transfer fits (``LinkFit``); ``encode`` decides per chunk and returns the
     coded bytes or None (store raw); ``state()`` is the choice and its inputs (for metrics).
 
-    Every ``PROBE_EVERY`` puts (``PROBE_EVERY_CODING`` while coding) one chunk goes the other
+    Now and then (``_probe_every``) one chunk goes the other
     way (coded while the rule says raw, raw while it says coded): it refreshes the codec's speeds
     and ratio, and gives the fits two sizes to separate the tier's fixed cost per request from
     its bandwidth."""
@@ -267,6 +301,8 @@ class AutoChoice:
         self.read_bps: float | None = None
         self.latency_s: float | None = None  # the fitted fixed cost per request of that bandwidth
         self._reads, self._writes = LinkFit(), LinkFit()
+        self.reads = 0  # reads of the tier (the tier times one in kvtier.tiers.base.READ_SAMPLE)
+        self._read_queue: collections.deque = collections.deque(maxlen=_READ_QUEUE)  # (bytes, s) not yet fitted
         self.encode_bps, self.decode_bps, self.ratio = _measure(codec, itemsize)
         self.coding = False
         self.coded = 0
@@ -276,6 +312,7 @@ class AutoChoice:
     def pays(self) -> bool:
         """Whether coding pays at the current inputs (False until the tier is measured)."""
         with self._lock:
+            self._take_reads()
             b = self.tier_bps
             if not b or self.ratio <= 1.0:
                 return False
@@ -288,7 +325,7 @@ class AutoChoice:
         code = self.pays()
         with self._lock:
             self.coding = code
-            probe = self._since_probe >= (PROBE_EVERY_CODING if code else PROBE_EVERY)
+            probe = self._since_probe >= self._probe_every(code)
             self._since_probe = 0 if probe else self._since_probe + 1
         store_coded = code != probe
         if not (code or probe):
@@ -320,6 +357,21 @@ class AutoChoice:
                 self.raw += 1
         return coded if store_coded else None
 
+    def _probe_every(self, code: bool) -> int:
+        """Puts between two probes (lock held): ``PROBE_EVERY`` until a fit has told the tier's
+        latency from its bandwidth; then ``PROBE_EVERY_CODING`` while coding, and while storing
+        raw as many as keep a coded probe's extra read time (``B/D + 1/r - 1`` of a raw read)
+        under ``PROBE_BUDGET``, at most ``PROBE_EVERY_MAX``."""
+        if self._reads.latency is None and self._writes.latency is None:
+            return PROBE_EVERY
+        if code:
+            return PROBE_EVERY_CODING
+        b = self.tier_bps
+        if b is None or math.isinf(b):
+            return PROBE_EVERY_MAX
+        extra = b / self.decode_bps + 1.0 / max(self.ratio, 1.0) - 1.0
+        return max(PROBE_EVERY, min(PROBE_EVERY_MAX, math.ceil(extra / PROBE_BUDGET)))
+
     def observe_put(self, stored_bytes: int, seconds: float) -> None:
         """One put of the tier moved ``stored_bytes`` in ``seconds`` (codec time excluded)."""
         if stored_bytes <= 0 or seconds <= 0:
@@ -330,11 +382,20 @@ class AutoChoice:
 
     def observe_get(self, stored_bytes: int, seconds: float) -> None:
         """One read of the tier moved ``stored_bytes`` in ``seconds`` (decode time excluded).
-        Once reads are seen, the rule uses their bandwidth: a re-read is what an engine waits on."""
-        if stored_bytes <= 0 or seconds <= 0:
-            return
-        with self._lock:
-            self._reads.add(stored_bytes, seconds)
+        Once reads are seen, the rule uses their bandwidth: a re-read is what an engine waits on.
+        On the read path, so it only queues the pair (no lock, no fit): the fit takes the queued
+        reads when the rule is next asked (``pays``, ``state``). Updating the fit on every read
+        cost ~20 us a read after the read's own copy had evicted the caches: 10% of a 1 MiB read
+        from a memory-speed tier."""
+        if stored_bytes > 0 and seconds > 0:
+            self._read_queue.append((stored_bytes, seconds))  # deque.append: atomic, bounded
+
+    def _take_reads(self) -> None:
+        """Fold the queued reads into the read fit, then ``_update`` (lock held)."""
+        queue = self._read_queue
+        if queue:
+            while queue:
+                self._reads.add(*queue.popleft())
             self._update()
 
     def _update(self) -> None:
@@ -350,6 +411,7 @@ class AutoChoice:
         A bandwidth the fit found unbounded (time independent of size) is None, with
         ``size_independent`` true: the state stays valid JSON."""
         with self._lock:
+            self._take_reads()
             bandwidths = (("tier_bps", self.tier_bps), ("read_bps", self.read_bps), ("write_bps", self.write_bps))
             finite = {k: (v if v is None or math.isfinite(v) else None) for k, v in bandwidths}
             return {"coding": self.coding, **finite, "latency_s": self.latency_s,

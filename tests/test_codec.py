@@ -351,3 +351,56 @@ def test_racing_first_uses_of_an_auto_tier_resolve_one_codec(tmp_path):
         assert len({id(c) for c in seen}) == 1 and seen[0].name == "auto"
         assert "encode_bps" in tier.codec_state()
         tier.close()
+
+
+def test_the_link_fit_keeps_its_latency_while_the_tier_sees_one_size():
+    """After a fit told 2 ms of latency from 1.25 GB/s, hundreds of transfers of one size (a tier
+    storing raw) keep that latency: the bandwidth stays ~1.25 GB/s, not 1 MiB / 2.8 ms (which
+    would count the latency as slowness and flip the rule to coding)."""
+    from kvtier.codecs import LinkFit
+
+    fit = LinkFit()
+    for _ in range(20):
+        for n in (1 << 20, 750_000):
+            fit.add(n, 0.002 + n / 1.25e9)
+    for _ in range(400):
+        fit.add(1 << 20, 0.002 + (1 << 20) / 1.25e9)
+    bps, latency, _ = fit.estimate()
+    assert latency == pytest.approx(0.002, rel=1e-3) and bps == pytest.approx(1.25e9, rel=1e-2)
+    fresh = LinkFit()  # never told sizes apart: bytes over seconds, as before
+    for _ in range(10):
+        fresh.add(1 << 20, 0.002 + (1 << 20) / 1.25e9)
+    assert fresh.estimate()[0] == pytest.approx((1 << 20) / (0.002 + (1 << 20) / 1.25e9))
+
+
+def _rule_on(bps: float, latency: float, puts: int) -> codecs.AutoChoice:
+    """An AutoChoice fed the reads of a tier of ``bps`` and ``latency`` (two sizes, then whatever
+    it stores), ``puts`` real encodes of 64 KiB chunks; codec speeds fixed at this machine's figures."""
+    auto = codecs.AutoChoice(codecs.LOSSLESS)
+    auto.encode_bps, auto.decode_bps, auto.ratio = 1.0e9, 2.5e9, 1.4
+    for _ in range(20):
+        for n in (1 << 16, 47_000):
+            auto.observe_get(n, latency + n / bps)
+    chunk = memoryview(_kv(1 << 15)).cast("B")
+    for _ in range(puts):
+        coded = auto.encode(chunk, 2)
+        n = chunk.nbytes if coded is None else len(coded)
+        auto.observe_get(n, latency + n / bps)
+        auto.encode_bps, auto.decode_bps = 1.0e9, 2.5e9  # keep the inputs fixed (not this box's load)
+    return auto
+
+
+def test_a_raw_auto_tier_keeps_its_coded_probes_under_one_percent_of_the_reads():
+    """On a memory-speed tier (5 GB/s: a coded chunk reads ~2.7 x slower than a raw one) an
+    ``auto`` tier stores raw, and the chunks it stores coded as probes stay under ~1% of the
+    extra read time (before: one in nine, +19% on every re-read); on a 1 Gb/s-class tier it
+    codes all but its raw probes; at 10 Gb/s with 2 ms latency it stores raw, with more
+    frequent probes (a coded chunk costs little more there)."""
+    fast = _rule_on(5e9, 0.0, 1000)
+    state = fast.state()
+    assert not state["coding"] and state["coded_puts"] <= 1000 * 0.01 / (5e9 / 2.5e9 + 1 / 1.4 - 1) + 2, state
+    assert state["coded_puts"] >= 2  # still probed: the codec's figures stay fresh
+    slow = _rule_on(125e6, 0.002, 300).state()
+    assert slow["coding"] and slow["raw_puts"] <= 300 // codecs.PROBE_EVERY_CODING + 2, slow
+    mid = _rule_on(1.25e9, 0.002, 300).state()
+    assert not mid["coding"] and 300 // codecs.PROBE_EVERY_MAX < mid["coded_puts"] <= 300 // codecs.PROBE_EVERY + 1, mid
