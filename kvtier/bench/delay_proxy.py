@@ -6,7 +6,10 @@ upstream has answered (or first on a connection) start a new request: the proxy 
 unless ``window`` is set: then each connection forwards at most ``window`` response bytes per
 ``delay_s``, the bandwidth-delay bound of one TCP connection whose window is ``window`` on a path
 whose round trip is ``delay_s`` (what caps one GET stream on a real network, and why object-store
-clients open many). Threads: two per connection; ``close()`` stops accepting and shuts every
+clients open many). A response shorter than ``window`` is then not paced at all; ``rate`` (bytes
+per second) paces every response at the link's serialization rate instead (a token bucket per
+connection, slices of at most half a millisecond of the rate), what a link of that speed takes to
+carry a response of any size. Threads: two per connection; ``close()`` stops accepting and shuts every
 connection.
 """
 
@@ -25,10 +28,13 @@ class DelayProxy:
     """``with DelayProxy(("127.0.0.1", port), 0.015) as p: p.url`` -> ``http://127.0.0.1:PORT``."""
 
     def __init__(self, upstream: tuple[str, int], delay_s: float, bufsize: int = 1 << 20,
-                 window: int | None = None):
+                 window: int | None = None, rate: float | None = None):
         if window is not None and (window < 1 or delay_s <= 0):
             raise ValueError("window needs a positive size and a positive delay")
+        if rate is not None and (window is not None or not rate > 0):
+            raise ValueError("rate needs a positive number of bytes per second, and no window")
         self.upstream, self.delay_s, self.bufsize, self.window = upstream, delay_s, bufsize, window
+        self.rate = rate
         self._srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._srv.bind(("127.0.0.1", 0))
@@ -71,7 +77,11 @@ class DelayProxy:
             fcntl.fcntl(w, _F_SETPIPE_SZ, self.bufsize)
         except OSError:
             pass  # the default pipe size (64 KiB) still works, only slower
-        pace = None if requests or self.window is None else _Pacer(self.window, self.delay_s)
+        pace = None
+        if not requests and self.window is not None:
+            pace = _Pacer(self.window, self.delay_s)
+        elif not requests and self.rate is not None:
+            pace = _RatePacer(self.rate)
         try:
             while True:
                 n = os.splice(src.fileno(), w, pace.allowance(self.bufsize) if pace else self.bufsize)
@@ -141,3 +151,25 @@ class _Pacer:
         if not self.used:
             self.start = time.monotonic()
         self.used += n
+
+
+class _RatePacer:
+    """At most ``rate`` bytes per second on one connection: each slice waits for the time the
+    bytes before it took on the link (a schedule, so an oversleep is made up by the next
+    slices, not lost); a link idle for longer than one slice starts afresh."""
+
+    def __init__(self, rate: float):
+        self.rate = rate
+        self.slice = max(16 << 10, int(rate * 0.0005))
+        self.free_at = 0.0  # when the bytes sent so far will have crossed the link
+
+    def allowance(self, want: int) -> int:
+        now = time.monotonic()
+        if self.free_at > now:
+            time.sleep(self.free_at - now)
+        elif now - self.free_at > self.slice / self.rate:
+            self.free_at = now  # idle: the link was free
+        return min(want, self.slice)
+
+    def sent(self, n: int) -> None:
+        self.free_at = max(self.free_at, time.monotonic() - self.slice / self.rate) + n / self.rate

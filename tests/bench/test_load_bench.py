@@ -72,6 +72,21 @@ def test_window_caps_a_connection_per_round_trip(upstream):
     assert secs >= 0.02 + (len(PAYLOAD) // window - 1) * 0.02
 
 
+def test_rate_paces_a_response_shorter_than_any_window(upstream):
+    """``rate``: 2 MiB at 100 MB/s take ~21 ms beyond the request's delay, though a window of the
+    same bandwidth-delay product (2 MB per 20 ms) would let them through unpaced."""
+    rate = 100e6
+    with DelayProxy(upstream, 0.02, rate=rate) as proxy:
+        secs, data = _fetch(proxy.port, 2)
+    assert data == PAYLOAD * 2
+    # each response: its last slice (0.5 ms of the rate) may go unwaited
+    assert secs >= 2 * (0.02 + len(PAYLOAD) / rate - 0.0005)
+    with pytest.raises(ValueError, match="rate"):
+        DelayProxy(upstream, 0.02, window=1024, rate=rate)
+    with pytest.raises(ValueError, match="rate"):
+        DelayProxy(upstream, 0.02, rate=0)
+
+
 def test_window_needs_a_delay():
     with pytest.raises(ValueError, match="window"):
         DelayProxy(("127.0.0.1", 1), 0.0, window=1024)
