@@ -317,7 +317,7 @@ def test_kvtier_bench_codec_json_reports_ratio_speeds_and_a_bit_exact_store_pass
     import sys
 
     proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "codec", "--kv", "synthetic", "--rates", "",
-                           "--repeat", "1", "--json"], capture_output=True, text=True, timeout=300)
+                           "--repeat", "1", "--rounds", "3", "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     lossless = next(r for r in report["codecs"] if r["codec"].startswith("lossless"))
@@ -327,6 +327,13 @@ def test_kvtier_bench_codec_json_reports_ratio_speeds_and_a_bit_exact_store_pass
     lossy = report["fp8"]
     assert lossy["stored_fraction"] <= 0.55 and 0 < lossy["mean_abs_error"] < 0.05 * lossy["mean_abs_value"]
     assert lossy["encode_gbps"] > 0 and lossy["decode_gbps"] > 0 and "greedy" not in lossy  # synthetic: no model
+    # the memory-speed tier, the codecs interleaved: per codec the median ratio to none and its spread
+    rows = {r["codec"]: r for r in report["shared_reread"]}
+    assert set(rows) == {"none", "lossless", "auto"} and all(r["tier"].startswith("fs on") for r in rows.values())
+    assert rows["none"]["vs_none"] == {"median": 1.0, "min": 1.0, "max": 1.0}
+    spread = rows["auto"]["vs_best"]
+    assert 0 < spread["min"] <= spread["median"] <= spread["max"] and rows["auto"]["auto"]["codec"] == "auto"
+    assert rows["lossless"]["coded_chunks"] == rows["lossless"]["chunks"] == report["chunks"]
 
 
 def test_racing_first_uses_of_an_auto_tier_resolve_one_codec(tmp_path):

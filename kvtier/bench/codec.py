@@ -1,13 +1,18 @@
 """``kvtier bench codec``: ratio and one-core encode/decode GB/s of each KV codec, on KV of the
-random test model stored through the store.
+random test models stored through the store, and the re-read time of each tier codec.
 
-KV source (``--kv``): ``model`` (default) runs the random-weight Qwen2 test model
-(``kvtier.bench.models``, ``--variant``) forward with transformers on ``--tokens`` random token
-ids and takes its real K/V (bf16), cut into chunks of ``--chunk-tokens`` tokens laid out as the
-connector stores them (per chunk: every layer's K then V); ``synthetic`` is bf16-rounded normal
-values (no torch needed; say so when you quote it). This is not the engine's own dump: it is the
-same model's KV computed by transformers (random weights: real shapes and value statistics of
-such a model, not of a trained one).
+KV source (``--kv``): ``engine`` runs a real vLLM engine per model family (``--families``:
+small, swa, mla, hybrid; ``kvtier.bench.codec_engine``) with kvtier's connector over an fs
+tier in a temp dir and takes the entries it stored, read back from that tier: the connector's
+own bytes and layout. Per family: the coders on its bf16 entries, fp8's stored fraction and
+error, the lossless ratio of entries of other dtypes, and the issue's targets (lossless >= 1.3 x,
+fp8 <= 0.55 x the bytes); the rest of the report runs on the first family's entries.
+``model`` (default) runs the random-weight Qwen2 test model (``kvtier.bench.models``,
+``--variant``) forward with transformers on ``--tokens`` random token ids and takes its K/V
+(bf16), cut into chunks of ``--chunk-tokens`` tokens laid out as the connector stores them (per
+chunk: every layer's K then V); ``synthetic`` is bf16-rounded normal values (no torch needed; say
+so when you quote it). Random weights: real shapes and value statistics of such a model, not of
+a trained one.
 
 Each chunk is written through a ``TieredStore`` (RAM over an ``fs`` tier with ``codec:
 lossless``, ``element_dtype`` bfloat16); the ratio is raw bytes over the bytes the tier stored,
@@ -21,20 +26,26 @@ with those continued from the exact KV (transformers, the same prompt: random we
 near-uniform logits, so one flipped token is likelier than in a trained model; the agreement
 is a floor, not a quality claim).
 
-Re-read from a shared tier (``--rates``, Gb/s): a real ``redis-server`` behind the project's
-delay proxy (``kvtier.bench.delay_proxy``: 2 ms per request, responses paced to the rate), a
-``redis`` tier with each codec (``none``, ``lossless``, ``auto``, ``fp8``); per codec the chunks are
-put and read ``LEARN_PASSES`` times (``auto`` learns the tier), put again, then re-read
-``--repeat`` times: the best
-re-read time and its ratio to ``none``. This is the tier's own time, not an engine's TTFT.
+Re-read (``--rates``, Gb/s): a real ``redis-server`` behind the project's delay proxy (in a
+process of its own; 2 ms per request, every response paced at the rate: ``DelayProxy(rate=)``),
+one ``redis`` tier per codec (``none``, ``lossless``, ``auto``, ``fp8``); and (``--local``) an
+``fs`` tier on tmpfs per codec (``none``, ``lossless``, ``auto``): the memory-speed tier. The
+codecs are interleaved: each tier learns (``LEARN_PASSES`` put-and-read passes, taking turns),
+gets the chunks put once more, then ``--rounds`` rounds re-read every tier once, the order
+reversed every other round. Reported per codec: the median re-read time, its ratio to ``none``
+of the same round (median, min, max), for ``auto`` also to the better of ``none`` and
+``lossless`` of the same round, and how many of the re-read chunks each stored coded. This is the
+tier's own time, not an engine's TTFT.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import tempfile
+import time
 
 import numpy as np
 
@@ -43,13 +54,21 @@ from kvtier.output import emit_json, print_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kv", choices=("model", "synthetic"), default="model", help="KV source (model)")
+    parser.add_argument("--kv", choices=("model", "engine", "synthetic"), default="model",
+                        help="KV source: model (transformers' forward pass), engine (a vLLM engine's KV dumped "
+                        "through kvtier's connector to an fs tier, per --families), synthetic (model)")
+    parser.add_argument("--families", default="small,swa,mla,hybrid",
+                        help="--kv engine: model families (small,swa,mla,hybrid)")
     parser.add_argument("--variant", default="small", help="random test model variant (small)")
     parser.add_argument("--tokens", type=int, default=4096, help="prompt tokens run through the model (4096: 16 chunks)")
     parser.add_argument("--chunk-tokens", type=int, default=256, help="tokens per stored chunk (256)")
     parser.add_argument("--repeat", type=int, default=3, help="timed passes; the best is kept (3)")
     parser.add_argument("--rates", default="1,10", help="shared-tier link rates in Gb/s for the re-read "
                         "measurement through redis-server behind the delay proxy ('' to skip; 1,10)")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved re-read rounds per tier, the codecs "
+                        "taking turns (order reversed every other round): median and spread of the ratios (7)")
+    parser.add_argument("--local", action=argparse.BooleanOptionalAction, default=True,
+                        help="also re-read from a memory-speed tier (fs on tmpfs) with none, lossless, auto (on)")
     parser.add_argument("--greedy-tokens", type=int, default=64, help="greedy tokens continued from the fp8 KV "
                         "and from the exact KV, compared (--kv model; 0 to skip; 64)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -229,7 +248,27 @@ def through_store(chunks: list[np.ndarray]) -> dict:
 def run(args: argparse.Namespace) -> int:
     from kvtier.errors import ConfigError
 
-    if args.kv == "model":
+    for name in ("tokens", "chunk_tokens", "repeat", "rounds"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
+    if args.tokens < args.chunk_tokens:
+        raise ConfigError(f"--tokens ({args.tokens}) must be at least --chunk-tokens ({args.chunk_tokens})")
+    try:
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    except ValueError:
+        raise ConfigError(f"--rates: not a comma-separated list of Gb/s: {args.rates!r}") from None
+    if any(not 0 < r < 1e4 for r in rates):
+        raise ConfigError(f"--rates: each rate must be above 0 and below 10000 Gb/s, not {args.rates!r}")
+    families = []
+    if args.kv == "engine":
+        families = engine_families([f.strip() for f in args.families.split(",") if f.strip()], args.tokens,
+                                   args.repeat)
+        chunks = families[0].pop("_chunks")
+        for fam in families[1:]:
+            fam.pop("_chunks")
+        source = (f"vLLM engine ({', '.join(f['family'] for f in families)}) through kvtier's connector to an fs "
+                  f"tier, {args.tokens} tokens; the rest of this report on the {families[0]['family']} entries")
+    elif args.kv == "model":
         try:
             chunks = model_kv(args.variant, args.tokens, args.chunk_tokens)
             source = f"random Qwen2 '{args.variant}' via transformers, {args.tokens} tokens"
@@ -238,27 +277,32 @@ def run(args: argparse.Namespace) -> int:
     else:
         chunks = synthetic_kv()
         source = "synthetic (bf16-rounded normal values)"
-    blob = b"".join(c.tobytes() for c in chunks)
-    results = []
-    for name, (encode, decode) in _coders().items():
-        coded = [encode(c.tobytes()) or c.tobytes() for c in chunks]
-        t_enc = best_seconds(lambda: [encode(c.tobytes()) for c in chunks], args.repeat)
-        t_dec = best_seconds(lambda: [decode(k, c.nbytes) for k, c in zip(coded, chunks)], args.repeat)
-        if not all(bytes(decode(k, c.nbytes)) == c.tobytes() for k, c in zip(coded, chunks) if k != c.tobytes()):
-            raise RuntimeError(f"codec {name} did not round-trip")
-        results.append({"codec": name, "ratio": round(len(blob) / sum(len(k) for k in coded), 3),
-                        "encode_gbps": round(len(blob) / t_enc / 1e9, 3), "decode_gbps": round(len(blob) / t_dec / 1e9, 3)})
+    results = coder_rows(chunks, args.repeat)
     lossy = fp8_error(chunks, args.repeat)
-    if args.kv == "model" and args.greedy_tokens > 0:
+    if args.kv == "model" and args.greedy_tokens > 0:  # (engine: the entries' own model is not rerun)
         lossy["greedy"] = fp8_greedy_agreement(args.variant, args.tokens, args.greedy_tokens)
     store = through_store(chunks)
-    rates = [float(r) for r in args.rates.split(",") if r.strip()]
-    reread = shared_rereads(chunks, rates, args.repeat) if rates else []
+    reread = shared_rereads(chunks, rates, args.rounds) if rates else []
+    if args.local:
+        reread += local_rereads(chunks, args.rounds)
     report = {"kv_source": source, "chunk_bytes": chunks[0].nbytes, "chunks": len(chunks), "threads": 1,
               "codecs": results, "fp8": lossy, "through_store": store, "shared_reread": reread}
+    if families:
+        report["families"] = families
+        report["targets"] = {"lossless_ratio_ge_1_3_every_family": all(f["targets"]["lossless_ratio_ge_1_3"]
+                                                                        for f in families),
+                             "fp8_stored_le_0_55_every_family": all(f["targets"]["fp8_stored_le_0_55"]
+                                                                    for f in families)}
     if args.json:
         emit_json(report)
     else:
+        for fam in families:
+            print_table(["codec", "ratio", "encode GB/s", "decode GB/s"],
+                        [[r["codec"], r["ratio"], r["encode_gbps"], r["decode_gbps"]] for r in fam["codecs"]]
+                        + [["fp8 (stored fraction)", fam["fp8"]["stored_fraction"], fam["fp8"]["encode_gbps"],
+                            fam["fp8"]["decode_gbps"]]],
+                        title=f"{fam['family']}: {fam['bf16_entries']} bf16 entries, {fam['bf16_bytes']} bytes "
+                              f"from the engine (other dtypes: {fam['other_dtypes'] or 'none'})")
         print_table(["codec", "ratio", "encode GB/s", "decode GB/s"],
                     [[r["codec"], r["ratio"], r["encode_gbps"], r["decode_gbps"]] for r in results],
                     title=f"KV codecs, one core: {source}, {len(chunks)} chunks of {chunks[0].nbytes} bytes")
@@ -269,28 +313,152 @@ def run(args: argparse.Namespace) -> int:
               f"{lossy['mean_abs_error']:.4g} (mean |KV| {lossy['mean_abs_value']:.4g})"
               + (f"; greedy {greedy['agree']}/{greedy['steps']} tokens agree" if greedy else ""))
         if reread:
-            print_table(["Gb/s", "codec", "re-read s", "x none", "auto coding"],
-                        [[r["gbps"], r["codec"], r["reread_s"], r["vs_none"], r.get("auto", {}).get("coding", "")]
-                         for r in reread], title="re-read from redis behind the delay proxy")
+            print_table(["tier", "codec", "re-read s (median)", "x none: median (min-max)", "auto x best (min-max)",
+                         "coded chunks"],
+                        [[r["tier"], r["codec"], r["reread_s"], _spread(r["vs_none"]),
+                          _spread(r["vs_best"]) if "vs_best" in r else "", f"{r['coded_chunks']}/{r['chunks']}"]
+                         for r in reread], title=f"re-read, {args.rounds} interleaved rounds")
     return 0 if store["bit_exact"] else 1
 
 
+def coder_rows(chunks: list[np.ndarray], repeat: int) -> list[dict]:
+    """Per installed coder (``_coders``): ratio and one-core encode/decode GB/s on ``chunks``
+    (bf16 bit patterns), each coded chunk checked to decode to its bytes."""
+    blob_bytes = sum(c.nbytes for c in chunks)
+    results = []
+    for name, (encode, decode) in _coders().items():
+        coded = [encode(c.tobytes()) or c.tobytes() for c in chunks]
+        t_enc = best_seconds(lambda: [encode(c.tobytes()) for c in chunks], repeat)
+        t_dec = best_seconds(lambda: [decode(k, c.nbytes) for k, c in zip(coded, chunks)], repeat)
+        if not all(bytes(decode(k, c.nbytes)) == c.tobytes() for k, c in zip(coded, chunks) if k != c.tobytes()):
+            raise RuntimeError(f"codec {name} did not round-trip")
+        results.append({"codec": name, "ratio": round(blob_bytes / sum(len(k) for k in coded), 3),
+                        "encode_gbps": round(blob_bytes / t_enc / 1e9, 3),
+                        "decode_gbps": round(blob_bytes / t_dec / 1e9, 3)})
+    return results
+
+
+def engine_families(names: list[str], tokens: int, repeat: int) -> list[dict]:
+    """Per family (``kvtier.bench.codec_engine.FAMILIES``): its engine's entries, dumped through
+    the store; the coders on its bf16 entries, fp8's stored fraction and error on them, the
+    lossless ratio of entries of other dtypes (recurrent state), and the issue's targets. Each
+    dict keeps its bf16 chunks under ``_chunks`` for the caller."""
+    from kvtier import codecs
+    from kvtier.bench import codec_engine
+    from kvtier.errors import ConfigError
+
+    if not names:
+        raise ConfigError(f"--families: name at least one of {', '.join(codec_engine.FAMILIES)}")
+    unknown = [n for n in names if n not in codec_engine.FAMILIES]
+    if unknown:
+        raise ConfigError(f"--families: unknown {', '.join(unknown)}; valid: {', '.join(codec_engine.FAMILIES)}")
+    out = []
+    for name in names:
+        got = codec_engine.engine_entries(name, tokens)
+        bf16 = [payload.view(np.uint16) for dtype, _, payload in got["entries"] if dtype == "bfloat16"]
+        if not bf16:
+            raise RuntimeError(f"the {name} engine stored no bfloat16 entry")
+        others: dict[str, dict] = {}
+        for dtype, _, payload in got["entries"]:
+            if dtype == "bfloat16":
+                continue
+            from kvtier.entry import DTYPES
+
+            itemsize = DTYPES[dtype][1]
+            row = others.setdefault(dtype, {"entries": 0, "bytes": 0, "coded_bytes": 0})
+            coded = codecs.LOSSLESS.encode(memoryview(payload), itemsize)
+            row["entries"] += 1
+            row["bytes"] += payload.nbytes
+            row["coded_bytes"] += payload.nbytes if coded is None else len(coded)
+        for row in others.values():
+            row["lossless_ratio"] = round(row["bytes"] / row["coded_bytes"], 3)
+        rows = coder_rows(bf16, repeat)
+        lossy = fp8_error(bf16, repeat)
+        lossless = next(r for r in rows if r["codec"].startswith("lossless"))
+        sizes = sorted({c.nbytes for c in bf16})
+        out.append({"family": name, "model": os.path.basename(got["model"]), "engine_s": got["engine_s"],
+                    "bf16_entries": len(bf16), "bf16_bytes": int(sum(c.nbytes for c in bf16)),
+                    "entry_bytes": sizes if len(sizes) <= 4 else [sizes[0], sizes[-1]],
+                    "other_dtypes": others, "codecs": rows, "fp8": lossy,
+                    "targets": {"lossless_ratio_ge_1_3": lossless["ratio"] >= 1.3,
+                                "fp8_stored_le_0_55": lossy["stored_fraction"] <= 0.55},
+                    "_chunks": bf16})
+    return out
+
+
+def _spread(s: dict) -> str:
+    return f"{s['median']} ({s['min']}-{s['max']})"
+
+
 PROXY_DELAY_S = 0.002
-LEARN_PASSES = 8  # put-and-read passes before the measured one: ~30 transfers, the auto fit's memory
+LEARN_PASSES = 8  # put-and-read passes before the measured ones: ~30 transfers, the auto fit's memory
+REREAD_CODECS = ("none", "lossless", "auto", "fp8")
+LOCAL_CODECS = ("none", "lossless", "auto")  # the memory-speed tier: fp8 is a different KV, not a speed choice
 
 
-def shared_rereads(chunks: list[np.ndarray], rates_gbps: list[float], repeat: int) -> list[dict]:
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def interleaved_rereads(tiers: dict, keys: list[bytes], chunks: list[np.ndarray], rounds: int) -> dict:
+    """Re-read ``chunks`` from each of ``tiers`` ({codec: open tier}), interleaved: every tier
+    learns (``LEARN_PASSES`` put-and-read passes, the tiers taking turns), gets the chunks put
+    once more, then each of ``rounds`` rounds re-reads every tier once, the order reversed every
+    other round. Per codec: the median re-read seconds, its ratio to ``none`` of the same round
+    (median, min, max); ``auto`` also against the better of ``none`` and ``lossless`` of the same
+    round, and how many of the re-read chunks it had stored coded."""
+    out = np.empty(max(c.nbytes for c in chunks), dtype=np.uint8)
+    names = list(tiers)
+    for _ in range(LEARN_PASSES):  # put, read: auto learns the tier (its fit's memory)
+        for name in names:
+            tier = tiers[name]
+            for k, c in zip(keys, chunks):
+                tier.put(k, c, "bfloat16")
+            for k in keys:
+                tier.get_into(k, out)
+    coded_before = {name: tiers[name].stats.as_dict().get("coded", 0) for name in names}
+    for name in names:
+        for k, c in zip(keys, chunks):
+            if not tiers[name].put(k, c, "bfloat16"):
+                raise RuntimeError(f"the {name} tier refused a chunk")
+    coded = {name: tiers[name].stats.as_dict().get("coded", 0) - coded_before[name] for name in names}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            tier = tiers[name]
+            start = time.perf_counter()
+            for k in keys:
+                if tier.get_into(k, out) is None:
+                    raise RuntimeError(f"the {name} tier missed a chunk it was given")
+            times[name].append(time.perf_counter() - start)
+    rows = {}
+    for name in names:
+        ratios = [t / b for t, b in zip(times[name], times["none"])]
+        row = {"codec": name, "reread_s": round(_median(times[name]), 5),
+               "vs_none": {"median": round(_median(ratios), 3), "min": round(min(ratios), 3),
+                           "max": round(max(ratios), 3)},
+               "coded_chunks": coded[name], "chunks": len(keys)}
+        if name == "auto" and "lossless" in times:
+            best = [t / min(a, b) for t, a, b in zip(times[name], times["none"], times["lossless"])]
+            row["vs_best"] = {"median": round(_median(best), 3), "min": round(min(best), 3), "max": round(max(best), 3)}
+            row["auto"] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in tiers[name].codec_state().items()}
+        rows[name] = row
+    return rows
+
+
+def shared_rereads(chunks: list[np.ndarray], rates_gbps: list[float], rounds: int) -> list[dict]:
     """Re-read times of ``chunks`` from a redis tier behind the delay proxy at each rate, per
-    codec (see the module docstring); [] with a note on stderr when redis-server is missing."""
+    codec, interleaved (``interleaved_rereads``); [] with a note on stderr when redis-server is
+    missing."""
     import hashlib
     import sys
 
-    from kvtier.bench.delay_proxy import DelayProxy
     from kvtier.harness.services import BinaryMissing, redis_server
     from kvtier.tiers.redis import RedisConfig, RedisTier
 
     keys = [hashlib.sha256(b"bench-codec-reread-%d" % i).digest() for i in range(len(chunks))]
-    out = np.empty(chunks[0].nbytes, dtype=np.uint8)
     rows: list[dict] = []
     try:
         server_cm = redis_server()
@@ -300,31 +468,76 @@ def shared_rereads(chunks: list[np.ndarray], rates_gbps: list[float], repeat: in
         return []
     try:
         for gbps in rates_gbps:
-            window = max(1, int(gbps * 1e9 / 8 * PROXY_DELAY_S))
-            with DelayProxy(("127.0.0.1", server.port), PROXY_DELAY_S, window=window) as proxy:
-                base = None
-                for codec in ("none", "lossless", "auto", "fp8"):
-                    config = RedisConfig(url=f"redis://127.0.0.1:{proxy.port}/0", prefix=f"bench-{codec}-{gbps}:",
+            with _proxy_process(server.port, PROXY_DELAY_S, gbps * 1e9 / 8) as proxy_port, \
+                    contextlib.ExitStack() as stack:
+                tiers = {}
+                for codec in REREAD_CODECS:
+                    config = RedisConfig(url=f"redis://127.0.0.1:{proxy_port}/0", prefix=f"bench-{codec}-{gbps}:",
                                          capacity=1 << 30, codec=codec, timeout_s=30.0)
-                    with RedisTier(config, name="redis") as tier:
-                        for _ in range(LEARN_PASSES):  # put, read: auto learns the tier (its fit's memory)
-                            for k, c in zip(keys, chunks):
-                                tier.put(k, c, "bfloat16")
-                            for k in keys:
-                                tier.get_into(k, out)
-                        for k, c in zip(keys, chunks):
-                            tier.put(k, c, "bfloat16")
-                        seconds = best_seconds(lambda: [tier.get_into(k, out) for k in keys], repeat)
-                        stored = tier.stats.as_dict()["bytes_written"]
-                        row = {"gbps": gbps, "codec": codec, "reread_s": round(seconds, 4)}
-                        if codec == "auto":
-                            row["auto"] = {k: (round(v, 1) if isinstance(v, float) else v)
-                                           for k, v in tier.codec_state().items()}
+                    tiers[codec] = stack.enter_context(RedisTier(config, name="redis"))
+                try:
+                    got = interleaved_rereads(tiers, keys, chunks, rounds)
+                finally:
+                    for tier in tiers.values():
                         for k in keys:
                             tier.delete(k)
-                    base = seconds if base is None else base
-                    row["vs_none"] = round(seconds / base, 3)
-                    rows.append(row)
+                rows += [{"tier": f"redis behind the delay proxy at {gbps:g} Gb/s", "gbps": gbps, **row}
+                         for row in got.values()]
     finally:
         server_cm.__exit__(None, None, None)
     return rows
+
+
+def _serve_proxy(port: int, delay_s: float, rate: float, conn) -> None:
+    """The delay proxy in a process of its own (``_proxy_process``): sends its port, then runs
+    until the parent sends anything or goes away."""
+    from kvtier.bench.delay_proxy import DelayProxy
+
+    with DelayProxy(("127.0.0.1", port), delay_s, rate=rate) as proxy:
+        conn.send(proxy.port)
+        try:
+            conn.recv()
+        except EOFError:
+            pass
+
+
+@contextlib.contextmanager
+def _proxy_process(port: int, delay_s: float, rate: float):
+    """The port of a delay proxy (``delay_s`` per request, responses paced at ``rate`` bytes/s)
+    in front of ``port``, run in a child process: its pump threads then never wait for this
+    process's GIL (nor make the timed reads wait for it), which in-process moved the ratios by
+    more than the differences measured."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve_proxy, args=(port, delay_s, rate, child), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(60):
+            raise RuntimeError("the delay proxy process did not start in 60 s")
+        yield parent.recv()
+    finally:
+        parent.send(None)
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+def local_rereads(chunks: list[np.ndarray], rounds: int) -> list[dict]:
+    """The same interleaved re-reads from a memory-speed tier: an ``fs`` tier on tmpfs
+    (/dev/shm where there is one, else the temp dir, read back from the page cache); ``none``,
+    ``lossless``, ``auto``."""
+    import hashlib
+
+    from kvtier.tiers.fs import FsConfig, FsTier
+
+    keys = [hashlib.sha256(b"bench-codec-local-%d" % i).digest() for i in range(len(chunks))]
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-codec-", dir=base) as tmp, contextlib.ExitStack() as stack:
+        tiers = {codec: stack.enter_context(FsTier(FsConfig(path=os.path.join(tmp, codec), capacity=1 << 32,
+                                                            codec=codec), name="fs"))
+                 for codec in LOCAL_CODECS}
+        got = interleaved_rereads(tiers, keys, chunks, rounds)
+    where = "tmpfs" if base else "the temp dir (page cache)"
+    return [{"tier": f"fs on {where}", "gbps": None, **row} for row in got.values()]
