@@ -10,9 +10,10 @@ KV tensors, and carries out the plan the scheduler side put in the step's ``KVTi
   (absent, corrupt, of another size, a tier fault) is reported through
   ``failed_blocks`` with every block after it, so vLLM recomputes them: a storage fault costs
   time, never a wrong token;
-- background loads (``transfer_mode: async``; ``LoadSpec.background``): the request is not in
-  this step's batch; ``start_load_kv`` hands its chunks to ``load_threads`` background threads
-  that read them from the store into the request's blocks (``PageLayout.begin_load``: on CPU
+- background loads (``transfer_mode: async``, and every load of a hybrid model;
+  ``LoadSpec.background``): the request is not in this step's batch; ``start_load_kv`` copies
+  its chunks in the store's top tier at once (unless ``async_ram_loads``) and hands the others
+  to ``load_threads`` background threads that read them from the store into the request's blocks (``PageLayout.begin_load``: on CPU
   straight into the pages, with the torch engine into staging, scattered from the engine's
   thread), and ``get_finished`` reports the request once every read has ended, with the blocks
   from the first failed chunk on among the load errors of the same step. A load is always
@@ -419,7 +420,18 @@ class KVTierWorker:
         pool = self._background_pool or self._start_background_pool()
         load = loads[0]
         pending = BackgroundLoad(loads, [self._layouts[m.group].begin_load(len(load.keys)) for m in loads])
-        pending.futures = [pool.submit(self._fill_chunk, pending, i) for i in range(len(load.keys))]
+        # chunks in the store's top tier are copied now, as an inline load copies them (a memcpy
+        # each, no thread hand-off), unless async_ram_loads sends those to the threads too; the
+        # request is still reported through get_finished, so a failure stays per request
+        local = ([False] * len(load.keys) if self.config.async_ram_loads
+                 else self.store.in_top_tier([self._key(k, load.group) for k in load.keys]))
+        futures: list[Future | None] = [None if near else pool.submit(self._fill_chunk, pending, i)
+                                        for i, near in enumerate(local)]  # the slow reads start first
+        for i, near in enumerate(local):
+            if near:
+                futures[i] = done = Future()
+                done.set_result(self._fill_chunk(pending, i))
+        pending.futures = futures
         self._background[(load.req_id, self._pack_of.get(load.group, load.group))] = pending
         self._stats.count(background_loads=1)
         if not self._announced:
