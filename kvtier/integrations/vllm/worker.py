@@ -13,9 +13,9 @@ KV tensors, and carries out the plan the scheduler side put in the step's ``KVTi
 - background loads (``transfer_mode: async``, and every load of a hybrid model;
   ``LoadSpec.background``): the request is not in this step's batch; ``start_load_kv`` copies
   its chunks in the store's top tier at once (unless ``async_ram_loads``) and hands the others
-  to ``load_threads`` background threads that read them from the store into the request's blocks (``PageLayout.begin_load``: on CPU
-  straight into the pages, with the torch engine into staging, scattered from the engine's
-  thread), and ``get_finished`` reports the request once every read has ended, with the blocks
+  to ``load_threads`` background threads that read them from the store into the request's
+  blocks (``PageLayout.begin_load``: on CPU straight into the pages, with the torch engine into
+  staging, scattered from the engine's thread), and ``get_finished`` reports the request once every read has ended, with the blocks
   from the first failed chunk on among the load errors of the same step. A load is always
   reported, also when its request was aborted meanwhile (vLLM frees the blocks then);
 - saves: after the forward pass, the step's completed chunks are gathered once
