@@ -114,6 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the vllm-router binary (its own venv; default $KVTIER_VLLM_ROUTER, else "
                              "./.venv-router/bin/vllm-router as `make router` installs it, else PATH)")
     parser.add_argument("--model", help="a local model directory (default: the small random Qwen2)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="engines without vLLM's torch.compile (each ready 20-90 s sooner on two cores; "
+                             "slower steps, the same routing)")
     parser.add_argument("--work-dir", help="where logs and the tokenizer go, kept (default: a temp dir, removed)")
     parser.add_argument("--plot", metavar="PNG", help="also draw the table as a PNG")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
@@ -364,7 +367,8 @@ def run_bench(args: argparse.Namespace) -> dict:
 
     with _work_dir(args.work_dir) as work:
         tokenizer = make_tokenizer(work / "tokenizer")
-        engines = start_engines(model, tokenizer, args.pool_blocks, work, cores, connector=connector)
+        engines = start_engines(model, tokenizer, args.pool_blocks, work, cores, connector=connector,
+                                enforce_eager=getattr(args, "enforce_eager", False))
         try:
             can_reset = reset_caches(engines)
             rows = run_rounds(policies, rounds, args.zipf, lambda r, p: run_policy(
@@ -383,6 +387,7 @@ def run_bench(args: argparse.Namespace) -> dict:
                         "concurrency": args.concurrency, "zipf": args.zipf, "hot_zipf": args.hot_zipf,
                         "max_tokens": args.max_tokens, "pool_blocks": args.pool_blocks, "block_size": BLOCK,
                         "caches_reset_between_policies": can_reset,
+                        "enforce_eager": bool(getattr(args, "enforce_eager", False)),
                         "kvtier_connector": connector["kv_connector_extra_config"] if connector else None,
                         "fresh_content_per_policy": True, "skipped": skipped},
               "rows": rows, "overhead": overhead, "kill": kill}
