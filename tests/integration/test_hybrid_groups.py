@@ -602,6 +602,23 @@ def test_recurrent_state_with_speculative_blocks_is_refused_in_one_line(tmp_path
     assert "\n" not in str(err.value) and "qwen3_next" in str(err.value) and "speculative" in str(err.value)
 
 
+def test_recurrent_state_with_a_lossy_tier_codec_is_refused_in_one_line(tmp_path):
+    """fp8 quantizes a tier's bytes as the engine's KV elements: a recurrent state (fp32 here,
+    and its error would compound over every later token) is never coded that way."""
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.vllm.connector import KVConnectorRole, KVTierConnector
+
+    cfg, kcc = state_config(tmp_path)
+    extra = cfg.kv_transfer_config.kv_connector_extra_config
+    extra["tiers"] = [{"type": "ram", "capacity": "16MiB"},
+                      {"type": "fs", "path": str(tmp_path / "fs"), "capacity": "16MiB", "codec": "fp8"}]
+    with pytest.raises(ConfigError) as err:
+        KVTierConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
+    message = str(err.value)
+    assert "\n" not in message and "recurrent state" in message and "'fp8'" in message
+    assert "valid codecs for it: none, lossless, auto" in message
+
+
 @pytest.mark.parametrize("engine", ["host", "torch"])
 def test_state_pages_are_each_blocks_leading_bytes_and_other_strides_are_refused(engine):
     """A padded state page is copied as its state bytes only (the padding is never read or

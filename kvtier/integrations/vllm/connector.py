@@ -154,6 +154,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 f"kvtier: model type {model_type or '?'} holds recurrent state, stored once per chunk: "
                 f"kv_connector_extra_config.chunk_tokens ({self.geometry.chunk_tokens}) must equal the engine's "
                 f"block size ({self.geometry.block_size})")
+        lossy = self.config.store.lossy_codec()
+        if lossy and any(g.kind == STATE for g in self.groups):
+            raise ConfigError(
+                f"kvtier: model type {model_type or '?'} holds recurrent state, which tier codec {lossy!r} would "
+                f"quantize as KV elements (a state has its own dtype, and its error compounds over every later "
+                f"token); valid codecs for it: none, lossless, auto")
         self.replicated = self.tp_size > 1 and bool(self.groups) and (
             all(g.replicated for g in self.groups)
             or getattr(kv_cache_config, "kv_tp_replicas", 1) == self.tp_size)

@@ -84,6 +84,8 @@ log = logging.getLogger(__name__)
 # SAVE_BACKLOG_BYTES, at most SAVE_BACKLOG_CHUNKS and at least one.
 SAVE_BACKLOG_BYTES = 128 << 20
 SAVE_BACKLOG_CHUNKS = 64
+# A load's top-tier chunks of at least this many bytes are copied by two threads at once.
+SPLIT_COPY_BYTES = 4 << 20
 
 
 @dataclass
@@ -427,10 +429,11 @@ class KVTierWorker:
                  else self.store.in_top_tier([self._key(k, load.group) for k in load.keys]))
         futures: list[Future | None] = [None if near else pool.submit(self._fill_chunk, pending, i)
                                         for i, near in enumerate(local)]  # the slow reads start first
-        for i, near in enumerate(local):
-            if near:
-                futures[i] = done = Future()
-                done.set_result(self._fill_chunk(pending, i))
+        copied = self._copy_local(pool, lambda i: self._fill_chunk(pending, i),
+                                  [i for i, near in enumerate(local) if near], self._entry_bytes(loads))
+        for i, tier in copied.items():
+            futures[i] = done = Future()
+            done.set_result(tier)
         pending.futures = futures
         self._background[(load.req_id, self._pack_of.get(load.group, load.group))] = pending
         self._stats.count(background_loads=1)
@@ -506,12 +509,27 @@ class KVTierWorker:
         pending = {}
         if self._load_pool is not None:  # start the slow reads first, then copy the local ones
             pending = {i: self._load_pool.submit(self._load_chunk, loads, i) for i, near in enumerate(local) if not near}
-        for i in range(len(load.keys)):
-            if i not in pending:
-                tiers[i] = self._load_chunk(loads, i)
+        nearby = [i for i in range(len(load.keys)) if i not in pending]
+        for i, tier in self._copy_local(self._load_pool, lambda i: self._load_chunk(loads, i), nearby,
+                                        self._entry_bytes(loads)).items():
+            tiers[i] = tier
         for i, future in pending.items():
             tiers[i] = future.result()
         self._settle(loads, tiers)
+
+    @staticmethod
+    def _copy_local(pool: ThreadPoolExecutor | None, copy_one, chunks: list[int], entry_bytes: int) -> dict:
+        """``{i: copy_one(i)}`` for the top-tier ``chunks`` (a memcpy per page each): on this thread,
+        and, when they hold at least ``SPLIT_COPY_BYTES`` and ``pool`` is given, the second half of
+        them on one pool thread at the same time (numpy releases the interpreter lock while it
+        copies, so two cores copy at once; one thread does not reach a machine's memory bandwidth)."""
+        if pool is None or len(chunks) < 2 or len(chunks) * entry_bytes < SPLIT_COPY_BYTES:
+            return {i: copy_one(i) for i in chunks}
+        half = chunks[len(chunks) // 2:]
+        other = pool.submit(lambda: {i: copy_one(i) for i in half})
+        out = {i: copy_one(i) for i in chunks[: len(chunks) // 2]}
+        out.update(other.result())
+        return out
 
     def _load_chunk(self, loads: list[LoadSpec], i: int) -> str | None:
         """Load the ``i``-th planned chunk of a pack into its groups' blocks; the serving tier's
