@@ -73,7 +73,7 @@ def main(spec_path: str, out_path: str) -> int:
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, gpu_memory_utilization=0.3,
               num_gpu_blocks_override=spec["pool_blocks"], max_model_len=spec.get("max_model_len", 4096),
               kv_transfer_config=spec.get("kv_transfer_config"), enable_prefix_caching=True,
-              disable_log_stats=False, seed=0)
+              disable_log_stats=False, seed=0, enforce_eager=True)  # no torch.compile: see scenario.py
     docs = spec["docs"]
     out: dict = {"results": {}}
     for step in spec["steps"]:

@@ -29,6 +29,9 @@ if __name__ in ("__main__", "__mp_main__"):
 # its three processes. The other offline engine scripts of the tests do the same; the HTTP-server
 # and benchmark tests keep vLLM's processes (connector metadata crossing a process boundary).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# torch.compile: the engines of this script (test_connector's) keep it, the suite's one run of the
+# connector beside a compiled model; the other offline engine scripts, the routing tests and the
+# benchmark smoke runs pass enforce_eager (its warm-up is 20-90 s per engine start on two cores).
 
 
 def tree_rss() -> int:

@@ -252,7 +252,7 @@ def main(spec_path: str, out_path: str) -> int:
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, gpu_memory_utilization=0.3,
               num_gpu_blocks_override=spec["pool_blocks"], max_model_len=spec["max_model_len"],
               kv_transfer_config=spec.get("kv_transfer_config"), enable_prefix_caching=True,
-              disable_log_stats=False, seed=0)
+              disable_log_stats=False, seed=0, enforce_eager=True)  # no torch.compile: see scenario.py
     observer = Observer(llm)
     results = run_steps(llm, spec, observer)
     with open(out_path, "w") as f:
