@@ -1,13 +1,19 @@
 """KV codecs for the entries of slower tiers (``codec: none | lossless | fp8 | auto`` per tier).
 
-``lossless``: Blosc2's bit-shuffle filter at the element width of the KV dtype (2 bytes for
-bf16/fp16: the sign/exponent bits of every element line up, and they repeat), then LZ4, on one
-thread. Chosen by measurement on the KV of the random Qwen2 test model (``kvtier bench codec``,
-4 MiB of bf16 K/V, one core): 1.40 x at ~1.1 GB/s encode and ~2.4 GB/s decode; zstd-1 on the
-raw bytes 1.28 x at 0.64/0.68 GB/s; byte planes + zstd-1 1.47 x but 0.24/0.51 GB/s; Blosc2
-byte-shuffle + LZ4 1.16 x. Decoding must keep up with a tier's load path, so the fast decoder
-with nearly the best ratio wins. The library is optional (``pip install 'kvtier[codec]'``): configuring
-``lossless`` without it is a ConfigError, and reading a coded entry without it is a miss.
+``lossless``: Blosc2's byte-shuffle filter at the element width of the KV dtype (2 bytes for
+bf16/fp16: every element's high byte, which holds the sign and most of the exponent, lines up
+with the others' and repeats), then zstd level 1, on one thread. Chosen by measurement on the
+KV that a vLLM CPU engine stores through the connector (``kvtier bench codec --kv engine``,
+random weights, best of 7 on one core): on the dense model 1.46 x at 0.44 GB/s encode and 1.2
+GB/s decode, on the MLA model 1.45 x (0.46 / 1.3 GB/s); Blosc2 bit-shuffle + LZ4 is 2-4 x
+faster (1.0-1.7 / 2.3-2.8 GB/s) but 1.40 x on the dense model and 1.25 x on the MLA latent and
+the hybrid model, bit-shuffle + zstd-1 1.32-1.42 x at 0.6-0.7 / 0.8-1.9 GB/s, byte-shuffle + LZ4
+1.15-1.16 x. ``lossless`` pays on tiers slower than about 1 GB/s (shared tiers across machines),
+where the ratio is what saves time and capacity; encoding runs on the lower-tier writers, off
+the engine's step, and ``auto`` weighs both speeds. Entries coded with other Blosc2 filters or
+coders (as this codec wrote before) still decode: a Blosc2 frame names its own. The library is
+optional (``pip install 'kvtier[codec]'``): configuring ``lossless`` without it is a ConfigError,
+and reading a coded entry without it is a miss.
 
 Safety: ``decode_into`` writes into the caller's buffer, whose size is the entry's declared raw
 length (already bounded by the reader's ``max_length`` and equal to shape x itemsize); Blosc2's
@@ -87,8 +93,8 @@ class Codec:
         if raw.nbytes < _MIN_BYTES:
             return None
         lib = _lib()
-        coded = lib.compress2(raw, typesize=max(1, min(itemsize, 255)), codec=lib.Codec.LZ4,
-                              filters=[lib.Filter.BITSHUFFLE], clevel=5, nthreads=1)
+        coded = lib.compress2(raw, typesize=max(1, min(itemsize, 255)), codec=lib.Codec.ZSTD,
+                              filters=[lib.Filter.SHUFFLE], clevel=1, nthreads=1)
         return coded if len(coded) < raw.nbytes else None
 
 

@@ -15,7 +15,7 @@ store makes room first.
 A coded arena (``codec: lossless``, ``kvtier serve``'s arena only) holds more entries in the
 same pages: every entry is written raw (a reservation of its raw size, filled by one copy, as
 before), and once committed a background coder thread of the tier encodes it (Blosc2
-bit-shuffle + LZ4 at the KV's element width, ``kvtier.codecs``), moves the coded bytes into the
+byte-shuffle + zstd-1 at the KV's element width, ``kvtier.codecs``), moves the coded bytes into the
 entry's first pages and frees the rest. The entry then records its codec, raw length, stored
 length and the xxh3-64 checksum of its raw bytes. Encoding runs on that thread, never on a
 writer's path or under the store's lock. Readers get raw bytes wherever they do not ask for the
@@ -303,8 +303,8 @@ class RamTier(ArenaTier):
 
     def set_element_dtype(self, dtype: str) -> None:
         """Code entries as elements of ``dtype`` (the KV's type; the shuffle's width). ``uint8``,
-        the store's default, means unknown: 2-byte elements (bf16/fp16 KV; at width 1 bit-shuffle
-        + LZ4 does not shrink bf16 KV). ValueError for a dtype the entry format does not know."""
+        the store's default, means unknown: 2-byte elements (bf16/fp16 KV; at width 1 the shuffle
+        does not line up bf16 KV's exponent bytes). ValueError for a dtype the entry format does not know."""
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
         self._element_bytes = DTYPES[dtype][1] if dtype != "uint8" else DEFAULT_ELEMENT_BYTES
