@@ -69,7 +69,7 @@ import torch
 from kvtier.buffers import scatter, split_segments, total_bytes
 from kvtier.errors import CorruptEntry
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.groups import GroupSpec, with_packs
+from kvtier.integrations.vllm.groups import FULL, GroupSpec, with_packs
 from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, KVTierWorkerMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, TierDeltas, tier_counters
 from kvtier.integrations.vllm.pages import LoadStep, PageLayout, SaveStep
@@ -307,9 +307,13 @@ class KVTierWorker:
             self.store.enable_events()
         self._layouts: dict[int, PageLayout] = {}  # group -> its layers' pages
         self._pack_of: dict[int, int] = {g.index: g.pack_index for g in self.groups}  # group -> its pack
+        self._kind_of: dict[int, str] = {g.index: g.kind for g in self.groups}  # group -> FULL, WINDOW, STATE
         self._failed_reqs: set[str] = set()  # several groups: loads that failed, per request
         self._load_pool: ThreadPoolExecutor | None = None
         self._background_pool: ThreadPoolExecutor | None = None  # async mode: reads off the step
+        # the second half of a large top-tier copy (``_copy_local``): a thread of its own, never
+        # queued behind the load threads' lower-tier reads
+        self._copy_pool: ThreadPoolExecutor | None = None
         self._background: dict[str, BackgroundLoad] = {}  # request id -> its load in flight
         self._announced = False  # the one-time log line of the first background load
         self._saves: BackgroundSaves | None = None  # async mode: store writes off the step
@@ -347,6 +351,35 @@ class KVTierWorker:
             chunk = getattr(spec, "chunk_index", None)
             out.setdefault((spec.req_id, self._pack_of.get(spec.group, spec.group), chunk), []).append(spec)
         return [sorted(members, key=lambda spec: spec.group) for members in out.values()]
+
+    def _pack_members(self, group: int) -> list[int]:
+        """The groups of ``group``'s pack that this worker holds, in entry order."""
+        pack = self._pack_of.get(group, group)
+        return sorted(g for g in self._layouts if self._pack_of.get(g, g) == pack)
+
+    def _read_entry(self, key: bytes, specs: list, fill) -> str | None:
+        """``store.read(key, fill)`` of one pack's entry (``specs``: its members named by the
+        plan). An entry whose size is not this worker's pack (forged, truncated, another
+        layout's) is deleted, as well as refused (CorruptEntry): no load can use it, and a save
+        of the recomputed chunk would keep it (a write of a key the store holds is a no-op)."""
+        expected = sum(self._layouts[g].chunk_bytes for g in self._pack_members(specs[0].group))
+        foreign = []
+
+        def checked(segments) -> None:
+            if total_bytes(segments) != expected:
+                foreign.append(total_bytes(segments))
+                raise CorruptEntry(f"entry of {foreign[0]} bytes is not one chunk of {expected}")
+            fill(segments)
+
+        try:
+            return self.store.read(key, checked)
+        except CorruptEntry:
+            if foreign:
+                try:
+                    self.store.delete(key)
+                except Exception:
+                    log.exception("kvtier: deleting an entry of another size failed")
+            raise
 
     def _parts(self, specs: list, segments) -> list:
         """An entry's ``segments`` cut into each member group's part (``specs`` in entry order);
@@ -429,7 +462,7 @@ class KVTierWorker:
                  else self.store.in_top_tier([self._key(k, load.group) for k in load.keys]))
         futures: list[Future | None] = [None if near else pool.submit(self._fill_chunk, pending, i)
                                         for i, near in enumerate(local)]  # the slow reads start first
-        copied = self._copy_local(pool, lambda i: self._fill_chunk(pending, i),
+        copied = self._copy_local(self._copy_thread(), lambda i: self._fill_chunk(pending, i),
                                   [i for i, near in enumerate(local) if near], self._entry_bytes(loads))
         for i, tier in copied.items():
             futures[i] = done = Future()
@@ -462,7 +495,7 @@ class KVTierWorker:
                 step.fill(i, part, self.geometry.chunk_blocks(member.block_ids, c), first)
 
         try:
-            tier = self.store.read(self._key(load.keys[i], load.group), fill)
+            tier = self._read_entry(self._key(load.keys[i], load.group), pending.loads, fill)
         except CorruptEntry:  # an entry of another size: not ours to trust
             log.warning("kvtier: chunk %d of %s has an unexpected size; recomputing", c, load.req_id)
             tier = None
@@ -491,8 +524,12 @@ class KVTierWorker:
         return {req_id for req_id, _ in ended if req_id not in running}  # every group's load ended
 
     def failed_loads(self) -> set[str]:
-        """Requests (several KV cache groups) whose load failed since the last call."""
-        failed, self._failed_reqs = self._failed_reqs, set()
+        """Requests (several KV cache groups) whose load failed since the last call, once no
+        load of theirs still runs (another pack's threads may still write their blocks: vLLM
+        must not hear of the request before ``finished_loads`` would report it)."""
+        running = {req_id for req_id, _ in self._background}
+        failed = {req_id for req_id in self._failed_reqs if req_id not in running}
+        self._failed_reqs -= failed
         return failed
 
     def _load(self, loads: list[LoadSpec]) -> None:
@@ -510,18 +547,25 @@ class KVTierWorker:
         if self._load_pool is not None:  # start the slow reads first, then copy the local ones
             pending = {i: self._load_pool.submit(self._load_chunk, loads, i) for i, near in enumerate(local) if not near}
         nearby = [i for i in range(len(load.keys)) if i not in pending]
-        for i, tier in self._copy_local(self._load_pool, lambda i: self._load_chunk(loads, i), nearby,
+        copier = self._copy_thread() if self._load_pool is not None else None
+        for i, tier in self._copy_local(copier, lambda i: self._load_chunk(loads, i), nearby,
                                         self._entry_bytes(loads)).items():
             tiers[i] = tier
         for i, future in pending.items():
             tiers[i] = future.result()
         self._settle(loads, tiers)
 
+    def _copy_thread(self) -> ThreadPoolExecutor:
+        """The thread that copies the second half of a large top-tier load (engine thread only)."""
+        if self._copy_pool is None:
+            self._copy_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-copy-local")
+        return self._copy_pool
+
     @staticmethod
     def _copy_local(pool: ThreadPoolExecutor | None, copy_one, chunks: list[int], entry_bytes: int) -> dict:
         """``{i: copy_one(i)}`` for the top-tier ``chunks`` (a memcpy per page each): on this thread,
         and, when they hold at least ``SPLIT_COPY_BYTES`` and ``pool`` is given, the second half of
-        them on one pool thread at the same time (numpy releases the interpreter lock while it
+        them on ``pool``'s thread at the same time (numpy releases the interpreter lock while it
         copies, so two cores copy at once; one thread does not reach a machine's memory bandwidth)."""
         if pool is None or len(chunks) < 2 or len(chunks) * entry_bytes < SPLIT_COPY_BYTES:
             return {i: copy_one(i) for i in chunks}
@@ -543,7 +587,7 @@ class KVTierWorker:
                 self._layouts[member.group].load(part, self.geometry.chunk_blocks(member.block_ids, c), first)
 
         try:
-            return self.store.read(self._key(load.keys[i], load.group), fill)
+            return self._read_entry(self._key(load.keys[i], load.group), loads, fill)
         except CorruptEntry:  # an entry of another size: not ours to trust
             log.warning("kvtier: chunk %d of %s has an unexpected size; recomputing", c, load.req_id)
             return None
@@ -582,8 +626,16 @@ class KVTierWorker:
         if not self._layouts or not meta.saves or not self._saves_on:
             return
         t0 = time.perf_counter()
-        entries = self._joined([save for save in meta.saves if save.group in self._layouts])
-        for pack in dict.fromkeys(self._pack_of.get(e[0].group, e[0].group) for e in entries):
+        entries = []
+        for members in self._joined([save for save in meta.saves if save.group in self._layouts]):
+            if [spec.group for spec in members] == self._pack_members(members[0].group):
+                entries.append(members)
+            else:  # not every group of the pack here: a short entry no load could use
+                self._stats.count(save_dropped=1)
+        # full packs first: a window chunk's event chains to the full group's chunk before it, and
+        # a step's events are what has been written by then (the async writer writes in order)
+        order = dict.fromkeys(self._pack_of.get(e[0].group, e[0].group) for e in entries)
+        for pack in sorted(order, key=lambda pack: self._kind_of.get(pack) != FULL):
             mine = [e for e in entries if self._pack_of.get(e[0].group, e[0].group) == pack]
             if self._saves is None:
                 self._save_inline(mine)
@@ -716,10 +768,10 @@ class KVTierWorker:
         if self._saves is not None:
             self._saves.close()
             self._saves = None
-        for pool in (self._load_pool, self._background_pool):
+        for pool in (self._load_pool, self._background_pool, self._copy_pool):
             if pool is not None:
                 pool.shutdown(wait=True)
-        self._load_pool = self._background_pool = None
+        self._load_pool = self._background_pool = self._copy_pool = None
         for pending in self._background.values():
             for step in pending.steps:
                 step.release()
