@@ -236,3 +236,190 @@ def test_full_packs_are_written_before_window_packs_so_no_event_batch_orphans_a_
     finally:
         gate.set()
         eng.close()
+
+
+# --------------------------------------------------------------------------- entries of another size
+
+
+def _entry_size(store, key):
+    """The bytes of ``key``'s entry (None: absent)."""
+    from kvtier.buffers import total_bytes
+
+    sizes = []
+    return sizes[0] if store.read(key, lambda segs: sizes.append(total_bytes(segs))) else None
+
+
+def test_a_pack_entry_of_another_size_heals_once_the_prefix_is_saved_again(gemma):
+    """A forged or truncated pack entry is a counted miss for the request that met it (its
+    blocks recomputed). It must not stay: the recomputed prefix is saved again under the same key,
+    and a store that still holds the bad entry keeps it (a write of a key held is a no-op), so
+    every later re-read of that prefix would fail the same way."""
+    cfg = vllm_config(gemma)
+    eng = Engine(cfg, kv_cache_config(cfg))
+    try:
+        tokens = _prompt(8 * CHUNK + 1)
+        eng.prefill(request(tokens))
+        window = next(g for g in eng.groups if g.kind != "full")
+        key = _pack_keys(eng, tokens, window.index)[7]
+        store = eng.work.worker.store
+        good = _entry_size(store, key)
+        assert store.delete(key) and store.write(key, good - 512, lambda segs: [s.__setitem__(slice(None), 7)
+                                                                              for s in segs])
+        eng.sync_events()
+        req = request(tokens)
+        hit, _ = eng.sched.get_num_new_matched_tokens(req, 0)
+        _, _, results = eng.load(req, hit)
+        assert req.request_id in results.failed_recving  # a miss: recomputed
+        eng.prefill(request(tokens))  # the recomputed prefix saved again
+        assert _entry_size(store, key) == good
+        again = request(tokens)
+        hit, _ = eng.sched.get_num_new_matched_tokens(again, 0)
+        _, _, results = eng.load(again, hit)
+        assert hit == 8 * CHUNK and again.request_id not in results.failed_recving
+    finally:
+        eng.close()
+
+
+def test_a_save_missing_one_member_of_a_pack_writes_no_entry(gemma):
+    """A step's saves that name only some groups of a pack (a hostile or broken plan) must not
+    store a short entry under the pack's key: every later load of that chunk would be a miss,
+    and the entry would never be replaced."""
+    from kvtier.integrations.vllm.connector import KVTierMetadata
+
+    cfg = vllm_config(gemma)
+    eng = Engine(cfg, kv_cache_config(cfg))
+    try:
+        windows = [g for g in eng.groups if g.kind != "full"]
+        assert len(windows) > 1
+        tokens = _prompt(8 * CHUNK + 1)
+        req = request(tokens)
+        n = -(-len(tokens) // BLOCK)
+        state = eng.sched._request_state(req)
+        eng.sched.scheduler._set_blocks(state, [eng.fresh(n) for _ in eng.groups])
+        meta = KVTierMetadata()
+        eng.sched._plan(meta, req.request_id, state, len(tokens))
+        meta.saves = [s for s in meta.saves if s.group != windows[1].index]  # one member's saves gone
+        eng.work.bind_connector_metadata(meta)
+        eng.work.wait_for_save()
+        eng.work.clear_connector_metadata()
+        store = eng.work.worker.store
+        assert all(_entry_size(store, key) is None for key in _pack_keys(eng, tokens, windows[0].index))
+        full = next(g for g in eng.groups if g.kind == "full")
+        assert all(_entry_size(store, key) for key in _pack_keys(eng, tokens, full.index))  # the rest saved
+    finally:
+        eng.close()
+
+
+def test_a_load_missing_one_member_of_a_pack_is_a_counted_miss_that_writes_no_page(gemma):
+    """A load plan that names only some groups of a pack: its entries do not cut into those
+    groups' parts, so the load fails for the request before any page is written."""
+    cfg = vllm_config(gemma)
+    eng = Engine(cfg, kv_cache_config(cfg))
+    try:
+        windows = [g for g in eng.groups if g.kind != "full"]
+        tokens = _prompt(8 * CHUNK + 1)
+        src, _ = eng.prefill(request(tokens))
+        req = request(tokens)
+        hit, _ = eng.sched.get_num_new_matched_tokens(req, 0)
+        plan = eng.sched.scheduler._take_load
+
+        def without_one(*args, **kwargs):
+            return [spec for spec in plan(*args, **kwargs) if spec.group != windows[1].index]
+
+        eng.sched.scheduler._take_load = without_one
+        dst, loads, results = eng.load(req, hit)
+        assert req.request_id in results.failed_recving
+        assert eng.work.get_block_ids_with_load_errors() == set()
+        g = windows[0].index  # the member still named: none of its pages loaded
+        for b in range(windows[0].first_block(hit), hit // BLOCK):
+            assert not all(torch.equal(a, b_) for a, b_ in zip(eng.page(g, dst[g][b]), eng.page(g, src[g][b])))
+        stats = eng.work.get_kv_connector_stats()
+        assert stats is not None and stats.data["counters"].get("load_error_chunks", 0) > 0
+    finally:
+        eng.close()
+
+
+# --------------------------------------------------------------------------- uneven packs
+
+
+def uneven_config(window: int = 48):
+    """A KV cache config whose window groups differ in layer count (vLLM's last group of a kind
+    may hold fewer layers): window groups of 3, 3 and 1 layers in one pack, a full group of 2."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    from tests.integration.test_hybrid_groups import HEAD, HEADS, NUM_BLOCKS
+
+    common = dict(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+    names = iter(f"model.layers.{i}.self_attn.attn" for i in range(9))
+    groups = [KVCacheGroupSpec([next(names) for _ in range(n)], SlidingWindowSpec(sliding_window=window, **common))
+              for n in (3, 3, 1)]
+    groups.append(KVCacheGroupSpec([next(names) for _ in range(2)], FullAttentionSpec(**common)))
+    return KVCacheConfig(num_blocks=4 * NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+@pytest.mark.parametrize("mode, copy", [("sync", "host"), ("async", "host"), ("async", "torch"), ("sync", "torch")])
+def test_a_pack_of_groups_with_different_layer_counts_round_trips(gemma, monkeypatch, mode, copy):
+    """Each member's part at its own offset and size, in both save modes and both copy engines
+    (the torch engine's background saves land several groups' gathers in one slot, ``_Landing``;
+    its loads stage each member and scatter on the engine's thread), the top-tier copy split over
+    two threads."""
+    import kvtier.integrations.vllm.worker as worker_module
+    from kvtier.integrations.vllm.groups import packs
+
+    monkeypatch.setattr(worker_module, "SPLIT_COPY_BYTES", 1)
+    cfg = vllm_config(gemma, {"transfer_mode": mode})
+    eng = Engine(cfg, uneven_config())
+    for layout in eng.work.worker._layouts.values():
+        layout.engine = copy
+    try:
+        sizes = {g.index: len(g.layer_names) for g in eng.groups}
+        assert sizes == {0: 3, 1: 3, 2: 1, 3: 2} and [len(m) for m in packs(eng.groups).values()] == [3, 1]
+        tokens = _prompt(10 * CHUNK + 5)
+        src, _ = eng.prefill(request(tokens))
+        req = request(tokens)
+        hit, _ = eng.sched.get_num_new_matched_tokens(req, 0)
+        assert hit == 10 * CHUNK
+        dst, _, results = eng.load(req, hit)
+        assert not results.failed_recving
+        for g in eng.groups:
+            for b in range(g.first_block(hit), hit // BLOCK):
+                assert all(torch.equal(a, b_) for a, b_ in zip(eng.page(g.index, dst[g.index][b]),
+                                                               eng.page(g.index, src[g.index][b]))), (g.index, b)
+    finally:
+        eng.close()
+
+
+def test_a_failed_chunk_in_the_first_half_of_a_split_copy_stops_the_count_there(tmp_path, monkeypatch):
+    """An inline load (one group) split over two threads: a chunk of the first half is gone, the
+    second half's chunks load meanwhile, and still only the chunks before the gap count as
+    loaded; every block from the gap on is reported for recomputation."""
+    import kvtier.integrations.vllm.worker as worker_module
+    from tests.integration._vllm_config import make_tiny_model
+
+    monkeypatch.setattr(worker_module, "SPLIT_COPY_BYTES", 1)
+    model = make_tiny_model(tmp_path / "tiny")
+    cfg = vllm_config(model)
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from tests.integration.test_hybrid_groups import HEAD, HEADS, NUM_BLOCKS
+
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+    kcc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(2)], spec)])
+    eng = Engine(cfg, kcc)
+    try:
+        tokens = _prompt(8 * CHUNK + 1)
+        eng.prefill(request(tokens))
+        req = request(tokens)
+        hit, background = eng.sched.get_num_new_matched_tokens(req, 0)
+        assert hit == 8 * CHUNK and not background
+        assert eng.work.worker.store.delete(_pack_keys(eng, tokens, 0)[1])
+        eng.work.get_kv_connector_stats()
+        dst, loads, _ = eng.load(req, hit)
+        bpc = CHUNK // BLOCK
+        assert eng.work.get_block_ids_with_load_errors() == set(dst[0][bpc : 8 * bpc])
+        stats = eng.work.get_kv_connector_stats().data
+        assert stats["counters"]["load_error_chunks"] == 7
+        assert sum(t.get("loaded_chunks", 0) for t in stats["tiers"].values()) == 1
+    finally:
+        eng.close()
