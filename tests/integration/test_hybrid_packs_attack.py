@@ -423,3 +423,101 @@ def test_a_failed_chunk_in_the_first_half_of_a_split_copy_stops_the_count_there(
         assert sum(t.get("loaded_chunks", 0) for t in stats["tiers"].values()) == 1
     finally:
         eng.close()
+
+
+# --------------------------------------------------------------------------- MLA under TP, state beside windows
+
+
+@pytest.mark.parametrize("tier", ["fs", "disk"])
+def test_a_pack_of_replicated_mla_groups_loads_on_every_rank(tmp_path, tier):
+    """Two MLA groups (one pack) under TP=2, the latent the same on both ranks. An fs tier is one
+    directory for every rank: rank 0 writes the pack's entry once and rank 1 loads it. A disk tier
+    is a directory per rank (``DiskTier.for_rank``): rank 1 must keep its own copy, or it never
+    finds one and every hit fails on it."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+
+    from kvtier.integrations.vllm.config import ConnectorConfig
+    from kvtier.integrations.vllm.groups import groups_of
+    from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, LoadSpec, SaveSpec
+    from kvtier.integrations.vllm.worker import KVTierWorker
+    from kvtier.keys import WorkerShare
+
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=512 + 64, dtype=torch.bfloat16)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    kcc = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(names[:2], spec), KVCacheGroupSpec(names[2:], spec)])
+    groups = groups_of(kcc, "deepseek_v2")
+    assert [g.pack_index for g in groups] == [0, 0]
+    config = ConnectorConfig.from_extra_config({"tiers": [{"type": tier, "path": str(tmp_path / tier),
+                                                           "capacity": "8MiB"}]})
+    geometry = ChunkGeometry(BLOCK, CHUNK)
+    workers, kvs = [], []
+    try:
+        for rank in (0, 1):
+            torch.manual_seed(0)  # replicated: the same latent on every rank
+            kv = {n: torch.randn(32, BLOCK, 576).to(torch.bfloat16) for n in names}
+            w = KVTierWorker(config, geometry, WorkerShare(rank, 2), groups=groups, replicated=True)
+            w.register_kv_caches(kv)
+            workers.append(w)
+            kvs.append(kv)
+        key = b"m" * 32
+        src = {0: [1, 2], 1: [3, 4]}
+        dst = {0: [5, 6], 1: [8, 9]}
+        saves = KVTierMetadata(saves=[SaveSpec("r", key, None, 0, src[g.index], group=g.index) for g in groups])
+        for w in workers:
+            w.wait_for_save(saves)
+        loads = KVTierMetadata(loads=[LoadSpec("r", [key], 0, dst[g.index], 0, group=g.index) for g in groups])
+        workers[1].start_load_kv(loads)
+        assert not workers[1].failed_blocks() and not workers[1].failed_loads()
+        for g in groups:
+            for s_, d in zip(src[g.index], dst[g.index]):
+                for n in g.layer_names:
+                    assert torch.equal(kvs[1][n][d], kvs[1][n][s_])
+    finally:
+        for w in workers:
+            w.close()
+
+
+def test_a_state_group_beside_window_groups_round_trips(tmp_path):
+    """Recurrent state (its own pack), two window groups (one pack) and a full group: every
+    group's kept blocks loaded bit-exactly at the prompt's last boundary."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from kvtier.integrations.vllm.groups import STATE, WINDOW
+    from tests.integration._vllm_config import make_tiny_model
+    from tests.integration.test_hybrid_groups import HEAD, HEADS, NUM_BLOCKS, PAGE, StateEngine, mamba_spec
+
+    model = make_tiny_model(tmp_path / "tiny")
+    cfg = vllm_config(model, extra={"chunk_tokens": BLOCK})
+    cfg.cache_config.kv_cache_layout = "LBHNC"
+    common = dict(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+    specs = {"model.layers.0.mixer": mamba_spec(), "model.layers.1.self_attn.attn": FullAttentionSpec(**common),
+             "model.layers.2.self_attn.attn": SlidingWindowSpec(sliding_window=40, **common),
+             "model.layers.3.self_attn.attn": SlidingWindowSpec(sliding_window=40, **common),
+             "model.layers.4.mixer": mamba_spec()}
+    kcc = get_kv_cache_configs(cfg, [specs], [4 * NUM_BLOCKS * PAGE * len(specs)])[0]
+    eng = StateEngine(cfg, kcc)
+    try:
+        kinds = sorted(g.kind for g in eng.groups)
+        assert kinds.count(STATE) >= 1 and WINDOW in kinds
+        tokens = _prompt(12 * BLOCK + 9)
+        resume = (len(tokens) - 1) // BLOCK
+        states = [g for g in eng.groups if g.kind == STATE]
+        offered = {g.index: eng.fresh(1)[0] for g in states}
+        src, _ = eng.prefill_offering(request(tokens), [(g.index, offered[g.index], resume * BLOCK) for g in states])
+        req = request(tokens)
+        hit, background = eng.sched.get_num_new_matched_tokens(req, 0)
+        assert hit == resume * BLOCK and background
+        dst, _, results = eng.load(req, hit)
+        assert not results.failed_recving
+        for g in eng.groups:
+            if g.kind == STATE:
+                pairs = [(dst[g.index][resume - 1], offered[g.index])]
+            else:
+                pairs = [(dst[g.index][b], src[g.index][b]) for b in range(g.first_block(hit), resume)]
+            assert pairs
+            for d, s_ in pairs:
+                assert all(torch.equal(a, b) for a, b in zip(eng.page(g.index, d), eng.page(g.index, s_))), g
+    finally:
+        eng.close()
