@@ -437,19 +437,24 @@ def test_mla_latent_pages_and_one_copy_under_tensor_parallelism(tmp_path):
     assert (layout.pieces, layout.piece_bytes) == (1, spec.page_size_bytes)
     geometry = ChunkGeometry(BLOCK, CHUNK)
     ram = ConnectorConfig.from_extra_config({"tiers": [{"type": "ram", "capacity": "4MiB"}]})
-    shared = ConnectorConfig.from_extra_config({"tiers": [{"type": "disk", "path": str(tmp_path / "d"), "capacity": "4MiB"}]})
+    shared = ConnectorConfig.from_extra_config({"tiers": [{"type": "fs", "path": str(tmp_path / "f"), "capacity": "4MiB"}]})
+    per_rank = ConnectorConfig.from_extra_config({"tiers": [{"type": "disk", "path": str(tmp_path / "d"),
+                                                             "capacity": "4MiB"}]})
     key = b"k" * 32
     workers = []
     try:
-        for cfg in (ram, shared):
+        for cfg in (ram, shared, per_rank):
             for rank in (0, 1):
                 workers.append((cfg, rank, KVTierWorker(cfg, geometry, WorkerShare(rank, 2), groups=groups,
                                                         replicated=True)))
         keys = {w._key(key) for _, _, w in workers}
         assert len(keys) == 1 and keys == {WorkerShare(0, 2).key(key)}
-        saving = {(cfg is ram, rank): w._saves_on for cfg, rank, w in workers}
-        # private RAM: each rank keeps its own copy to load from; a shared store: rank 0's only
-        assert saving == {(True, 0): True, (True, 1): True, (False, 0): True, (False, 1): False}
+        name = {id(ram): "ram", id(shared): "fs", id(per_rank): "disk"}
+        saving = {(name[id(cfg)], rank): w._saves_on for cfg, rank, w in workers}
+        # private RAM, a disk directory per rank: each rank keeps its own copy to load from; a
+        # shared store (fs): rank 0's only
+        assert saving == {("ram", 0): True, ("ram", 1): True, ("fs", 0): True, ("fs", 1): False,
+                          ("disk", 0): True, ("disk", 1): True}
         plain = KVTierWorker(ram, geometry, WorkerShare(1, 2), groups=groups, replicated=False)
         workers.append((ram, 1, plain))
         assert plain._key(key) != WorkerShare(0, 2).key(key)

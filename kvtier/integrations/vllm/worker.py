@@ -51,7 +51,8 @@ store operation per chunk. With several groups a failed load is reported per req
 
 Replicated KV (MLA under tensor parallelism: the latent is the same on every rank): every rank
 uses rank 0's key, so one copy serves every rank; when the store is shared between the ranks (a
-cache server, or only shared/persistent tiers) only rank 0 writes it.
+cache server, or only tiers shared by design: fs, redis, s3; a disk tier is a directory per
+rank) only rank 0 writes it.
 """
 
 from __future__ import annotations
@@ -297,7 +298,9 @@ class KVTierWorker:
         self.key_share = share.of(0, share.pp_stage) if replicated else share
         cfg = config.for_rank(share.tp_rank, share.tp_size, share.pp_stage, share.pp_size)
         cfg = cfg.with_page_size(page_bytes) if page_bytes else cfg
-        shared_store = bool(cfg.server) or all(spec.scheduler_view is not SchedulerView.MIRRORED
+        # a store every rank reads the same keys of: a cache server, or only tiers shared by design
+        # (fs, redis, s3); a disk tier is a directory per rank (``DiskTier.for_rank``)
+        shared_store = bool(cfg.server) or all(spec.scheduler_view is SchedulerView.SHARED
                                                for spec in cfg.store.tiers)
         # one copy of replicated KV in a store the ranks share: rank 0 writes it, every rank reads it
         self._saves_on = not (replicated and share.tp_rank != 0 and shared_store)
