@@ -521,3 +521,80 @@ def test_a_state_group_beside_window_groups_round_trips(tmp_path):
                 assert all(torch.equal(a, b) for a, b in zip(eng.page(g.index, d), eng.page(g.index, s_))), g
     finally:
         eng.close()
+
+
+# --------------------------------------------------------------------------- pipeline parallelism
+
+
+def test_pipeline_stages_each_holding_some_members_of_a_pack_round_trip(gemma):
+    """PP=2: each stage holds only some layers, so some groups of the window pack live on one
+    stage only and one may be split between them. Each stage stores its members' parts of the
+    pack under its own key and loads them back bit-exactly; the scheduler's plan names every
+    group."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvtier.integrations.vllm.connector import KVConnectorRole, KVTierConnector, KVTierMetadata
+    from kvtier.integrations.vllm.worker import KVTierWorker
+    from kvtier.keys import WorkerShare
+    from tests.integration.test_hybrid_groups import HEAD, HEADS
+
+    cfg = vllm_config(gemma, pp=2)
+    kcc = kv_cache_config(cfg)
+    sched = KVTierConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
+    groups = sched.groups
+    layers = [n for g in kcc.kv_cache_groups for n in g.layer_names]
+    order = sorted(layers, key=lambda n: int(n.split(".")[2]))
+    stages = [order[: len(order) // 2 + 1], order[len(order) // 2 + 1:]]
+    torch.manual_seed(0)
+    kv = {n: torch.randn(kcc.num_blocks, HEADS, BLOCK, 2 * HEAD).to(torch.bfloat16) for n in layers}
+    for t in kv.values():
+        t[NULL].zero_()
+    workers = []
+    for s, names in enumerate(stages):
+        w = KVTierWorker(sched.config, sched.geometry, WorkerShare(0, 1, s, 2), groups=groups)
+        w.register_kv_caches({n: kv[n] for n in names})
+        workers.append(w)
+    try:
+        window = [g for g in groups if g.kind != "full"]
+        held = [{g.index for g in window if set(g.layer_names) & set(names)} for names in stages]
+        assert held[0] != held[1]  # the stages hold different members of the pack
+        tokens = _prompt(8 * CHUNK + 1)
+        req = request(tokens)
+        n = -(-len(tokens) // BLOCK)
+        nxt = iter(range(1, kcc.num_blocks))
+        src = [[next(nxt) for _ in range(n)] for _ in groups]
+        state = sched._request_state(req)
+        sched.scheduler._set_blocks(state, src)
+        meta = KVTierMetadata()
+        sched._plan(meta, req.request_id, state, len(tokens))
+        for w in workers:
+            w.wait_for_save(meta)
+        sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=workers[0].worker_meta()))
+        again = request(tokens)
+        hit, background = sched.get_num_new_matched_tokens(again, 0)
+        assert hit == 8 * CHUNK and background
+        dst = []
+        for g in groups:
+            nulls = g.first_block(hit)
+            dst.append([NULL] * nulls + [next(nxt) for _ in range(n - nulls)])
+        sched.update_state_after_alloc(again, Blocks(dst), hit)
+        meta = KVTierMetadata()
+        meta.loads, sched.scheduler._async_loads = sched.scheduler._async_loads, []
+        for w in workers:
+            w.start_load_kv(meta)
+        for w in workers:
+            for _ in range(2000):
+                if again.request_id in w.finished_loads():
+                    break
+                time.sleep(0.005)
+            else:
+                raise AssertionError("the load was never reported")
+            assert not w.failed_loads()
+        for g in groups:
+            for b in range(g.first_block(hit), hit // BLOCK):
+                for name in g.layer_names:
+                    assert torch.equal(kv[name][dst[g.index][b]], kv[name][src[g.index][b]]), (g.index, b, name)
+    finally:
+        for w in workers:
+            w.close()
+        sched.shutdown()
