@@ -598,3 +598,29 @@ def test_pipeline_stages_each_holding_some_members_of_a_pack_round_trip(gemma):
         for w in workers:
             w.close()
         sched.shutdown()
+
+
+# --------------------------------------------------------------------------- async mode, one window group
+
+
+def test_a_window_only_models_hit_below_ram_loads_in_the_background(tmp_path):
+    """A model whose every layer is sliding (Mistral-7B-v0.1-like: one window group, one pack) in
+    ``async`` mode: a hit found only on disk (RAM evicted) must load in the background, as a dense
+    model's does, not inline in the step."""
+    cfg = vllm_config(gemma_like(tmp_path, 4, 9), {
+        "transfer_mode": "async",
+        "tiers": [{"type": "ram", "capacity": "16MiB"}, {"type": "disk", "path": str(tmp_path / "d"),
+                                                          "capacity": "64MiB"}]})
+    eng = Engine(cfg, kv_cache_config(cfg))
+    try:
+        assert len(eng.groups) == 1 and eng.groups[0].kind == "window"
+        tokens = _prompt(8 * CHUNK + 1)
+        eng.prefill(request(tokens))
+        assert eng.work.worker.store.flush()
+        hit, background = eng.sched.get_num_new_matched_tokens(request(tokens), 0)
+        assert hit == 8 * CHUNK and not background  # in RAM: inline
+        eng.sched.scheduler._present.clear()  # RAM evicted (as its removal events would say)
+        hit, background = eng.sched.get_num_new_matched_tokens(request(tokens), 0)
+        assert hit == 8 * CHUNK and background
+    finally:
+        eng.close()
