@@ -415,14 +415,17 @@ class KVTierScheduler:
         windows = [g for g in leads if g.kind != FULL]
         bpc = self.geometry.blocks_per_chunk
         while n > 0 and windows:
-            ok = True
+            ok, near_end = True, n  # near_end: the hit's chunks up to the first a window has below RAM
             for group in windows:
-                need = [group_key(keys[c], group.index) for c in window_chunks(group, n, bpc)]
-                found, _ = self._lookup(need)
-                if found < len(need):
+                chunks = window_chunks(group, n, bpc)
+                found, near = self._lookup([group_key(keys[c], group.index) for c in chunks])
+                if found < len(chunks):
                     ok = False
                     break
+                if near < len(chunks):
+                    near_end = min(near_end, chunks.start + near)
             if ok:
+                mirrored = min(mirrored, near_end)
                 break
             n -= 1
         return n, min(n, mirrored)
