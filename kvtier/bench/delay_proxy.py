@@ -42,6 +42,7 @@ class DelayProxy:
         self.port = self._srv.getsockname()[1]
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []  # the pumps, joined at close
         self._closed = threading.Event()
         self.requests = 0
         threading.Thread(target=self._accept, name="delay-proxy", daemon=True).start()
@@ -66,8 +67,12 @@ class DelayProxy:
             with self._lock:
                 self._conns += [client, up]
             state = {"answered": True}
-            threading.Thread(target=self._pump, args=(client, up, state, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(up, client, state, False), daemon=True).start()
+            pumps = [threading.Thread(target=self._pump, args=(client, up, state, True), daemon=True),
+                     threading.Thread(target=self._pump, args=(up, client, state, False), daemon=True)]
+            for pump in pumps:
+                pump.start()
+            with self._lock:
+                self._threads = [t for t in self._threads if t.is_alive()] + pumps
 
     def _pump(self, src: socket.socket, dst: socket.socket, state: dict, requests: bool) -> None:
         """Forward ``src`` -> ``dst`` with ``os.splice`` through a pipe: the bytes never enter
@@ -111,12 +116,27 @@ class DelayProxy:
                     pass
 
     def close(self) -> None:
+        """Stop accepting, and end every connection: each socket is shut down before it is
+        closed, so a pump blocked in ``splice`` on it returns (a bare close leaves the thread
+        blocked on the socket, whose file stays open, and its descriptor number free for reuse)."""
         self._closed.set()
+        try:
+            self._srv.shutdown(socket.SHUT_RDWR)  # wakes the accept thread
+        except OSError:
+            pass
         self._srv.close()
         with self._lock:
-            for s in self._conns:
-                s.close()
-            self._conns = []
+            conns, self._conns = self._conns, []
+            threads = list(self._threads)
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in threads:
+            thread.join(timeout=2.0)
+        for s in conns:
+            s.close()
 
     def __enter__(self) -> "DelayProxy":
         return self

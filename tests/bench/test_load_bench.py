@@ -44,7 +44,7 @@ def upstream():
 def _fetch(port: int, requests: int) -> tuple[float, bytes]:
     got = bytearray()
     start = time.monotonic()
-    with socket.create_connection(("127.0.0.1", port)) as s:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:  # a hang fails, never stalls
         for _ in range(requests):
             s.sendall(b"x")
             want = len(got) + len(PAYLOAD)
@@ -85,6 +85,19 @@ def test_rate_paces_a_response_shorter_than_any_window(upstream):
         DelayProxy(upstream, 0.02, window=1024, rate=rate)
     with pytest.raises(ValueError, match="rate"):
         DelayProxy(upstream, 0.02, rate=0)
+
+
+def test_close_ends_every_pump_even_one_blocked_on_a_quiet_connection(upstream):
+    """A pump blocked in ``splice`` on a connection that says nothing more returns at ``close``
+    (its sockets are shut down, not only closed). Before, such a thread stayed blocked on the
+    closed socket's file, and the next proxy of the same process hung its first response."""
+    with DelayProxy(upstream, 0.02, window=256 << 10) as proxy:
+        _fetch(proxy.port, 1)
+        pumps = list(proxy._threads)
+    assert pumps and not any(t.is_alive() for t in pumps)
+    with DelayProxy(upstream, 0.0, rate=100e6) as proxy:  # the same process, a fresh proxy
+        _, data = _fetch(proxy.port, 1)
+    assert data == PAYLOAD
 
 
 def test_window_needs_a_delay():
