@@ -333,25 +333,27 @@ def pool_blocks(shape, pool_tokens: int, block: int, tokens: int) -> int:
     tokens of full attention and ``tokens``-token documents: ``pool_tokens / block`` blocks per
     full-attention group; per window group (sliding window, chunked local) the blocks it keeps
     of each of the ``pool_tokens // tokens`` documents the full groups hold (its window, in whole
-    blocks, plus one) and the rest of one document's blocks, which a prefill holds until its
-    step ends; ``STATE_BLOCKS_PER_GROUP`` per recurrent-state group (in "align" mode a running
-    request holds a few state blocks per group, whatever its length). So a window model's pool
-    holds about as many documents as a dense model's pool of ``pool_tokens`` (a few more at
-    rest), not a window group's share of every one."""
+    blocks, plus one) and the rest of what one request may hold (vLLM sizes a window group's
+    worst case as one document's blocks plus one), with vLLM's null block beside them;
+    ``STATE_BLOCKS_PER_GROUP`` per recurrent-state group (in "align" mode a running request holds
+    a few state blocks per group, whatever its length). So a window model's pool holds about as
+    many documents as a dense model's pool of ``pool_tokens`` (a few more at rest), not a window
+    group's share of every one."""
     from kvtier.plan import CHUNKED, SLIDING
 
     docs = max(1, pool_tokens // max(1, tokens))
     doc_blocks = -(-(tokens + 64) // block)
-    total = 0
+    total = windows = 0
     for kind, groups in _groups_per_kind(shape):
         if kind.state_bytes:
             total += groups * STATE_BLOCKS_PER_GROUP
         elif kind.kind in (SLIDING, CHUNKED) and kind.window:
             held = min(doc_blocks, -(-kind.window // block) + 1)
-            total += groups * (docs * held + doc_blocks - held)
+            total += groups * (docs * held + doc_blocks + 1 - held)
+            windows += groups
         else:
             total += groups * (pool_tokens // block)
-    return total
+    return total + (1 if windows else 0)  # vLLM's null block
 
 
 def _documents(num_docs: int, tokens: int, vocab: int = 32000) -> tuple[list[list[int]], list[int], list[list[int]]]:
