@@ -28,23 +28,23 @@ never reads a lossy entry. The entry's checksum covers the dequantized bytes (wh
 gets). Other dtypes, non-finite values and payloads under 4 KiB are stored raw. ``auto`` never
 picks ``fp8``.
 
-``auto`` (``AutoChoice``): per tier, a chunk is coded only when a re-read of it pays,
-``S/(r B) + S/D < S/B`` (move the coded bytes and decode them, against moving the raw bytes):
-the document's break-even rule applied to the bytes of a load, which is what an engine waits on
-(a chunk is encoded once, on a lower-tier writer off the engine's step, and may be re-read many
-times). Where the rule codes, the link is slower than ``D (1 - 1/r)``, about 3 Gb/s for zstd on
-bf16 KV, and the encoder (about 0.4 GB/s a core) keeps up with it. ``B`` is the tier's bandwidth as fitted
-from its own transfers (``LinkFit``: time = latency + bytes / B over its recent reads, decode
-time excluded; before the first read, over its puts, encode time excluded), so a fixed cost per
-request, paid coded or raw, does not count as slowness. (The issue's first form of the rule,
-``S/E + S/(r B) + S/D < S/B``, charged every re-read with the one encode: with the zstd coder
-it stores raw at 1 Gb/s, where a coded re-read takes about 0.8 x a raw one.) ``E``/``D``/``r`` are measured on this machine at start (one 1
-MiB bf16-like sample) and refreshed from real chunks. Now and then one chunk is stored the other
-way, which keeps the inputs fresh and gives the fit two sizes: every ``PROBE_EVERY`` puts until
-the fit has told latency from bandwidth (it then keeps that latency while the tier sees one size),
-then every 32 while coding, and while storing raw as rarely as keeps the coded probes' extra read
-time under 1% (up to 256 puts apart: on a memory-speed tier a coded chunk reads 2-3 x slower).
-Until the tier has been measured, chunks are stored raw.
+``auto`` (``AutoChoice``): per tier, a chunk is coded only when a re-read of it pays, ``S/(r B) +
+S/D < S/B`` (move the coded bytes and decode them, against moving the raw bytes): the document's
+break-even rule applied to the bytes of a load, which is what an engine waits on (a chunk is
+encoded once, on a lower-tier writer off the engine's step, and may be re-read many times). Where
+the rule codes, the link is slower than ``D (1 - 1/r)``, about 3 Gb/s for zstd on bf16 KV, and the
+encoder (about 0.4 GB/s a core) keeps up with it. ``B`` is the tier's bandwidth as fitted from its
+own transfers (``LinkFit``: time = latency + bytes / B over its recent reads, decode time
+excluded; before the first read, over its puts, encode time excluded), so a fixed cost per
+request, paid coded or raw, does not count as slowness. (The issue's first form of the rule, ``S/E
++ S/(r B) + S/D < S/B``, charged every re-read with the one encode: with the zstd coder it stores
+raw at 1 Gb/s, where a coded re-read takes about 0.8 x a raw one.) ``E``/``D``/``r`` are measured
+on this machine at start (one 1 MiB bf16-like sample) and refreshed from real chunks. Now and then
+one chunk is stored the other way, which keeps the inputs fresh and gives the fit two sizes: every
+``PROBE_EVERY`` puts until the fit has told latency from bandwidth (it then keeps that latency
+while the tier sees one size), then every 32 while coding, and while storing raw as rarely as
+keeps the coded probes' extra read time under 1% (up to 256 puts apart: on a memory-speed tier a
+coded chunk reads 2-3 x slower). Until the tier has been measured, chunks are stored raw.
 
 Imports: ``kvtier.errors`` and, lazily, ``blosc2`` and ``kvtier.fp8`` (numpy).
 """

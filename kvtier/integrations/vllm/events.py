@@ -21,19 +21,19 @@ it is made of:
   require exactly this pairing: vllm-router's ``kv_aware`` admits an event whose ``locality``
   is ``LOCAL`` only without ``ownership`` and ``REMOTE`` only with one, and drops the rest.
 
-KV cache groups (vLLM's hybrid KV cache manager): kvtier stores the groups of a chunk that share
-a storage rule as one entry (a pack, keyed by its first group: ``kvtier.keys.group_key``), and
+KV cache groups (vLLM's hybrid KV cache manager): kvtier stores the groups of a chunk that share a
+storage rule as one entry (a pack, keyed by its first group: ``kvtier.keys.group_key``), and
 publishes each member group's part as vLLM's block pool publishes that group's blocks (one store
-event of a pack's entry, one vLLM event per member group): the same block hashes, parent and tokens for every group (vLLM hashes a
-block by content, not by group), ``group_idx`` the group's index, ``kv_cache_spec_kind`` and
-``kv_cache_spec_sliding_window`` as vLLM's ``KVCacheManager.take_events`` annotates them
-(``full_attention``, ``mla_attention``, ``sliding_window`` with its window, ...);
-``BlockRemoved`` carries ``group_idx`` too. A window group publishes only the chunks kvtier keeps
-of it (its window before the prompt's last chunk boundary, and later chunks), so a router learns
-exactly what each group can load. Within one batch the full-attention groups' events come first
-(the worker writes group by group, and a window chunk's parent is named by the full group's
-event of the chunk before it): a consumer that chains by parent hash never sees a window event
-before the block it chains from.
+event of a pack's entry, one vLLM event per member group): the same block hashes, parent and
+tokens for every group (vLLM hashes a block by content, not by group), ``group_idx`` the group's
+index, ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window`` as vLLM's
+``KVCacheManager.take_events`` annotates them (``full_attention``, ``mla_attention``,
+``sliding_window`` with its window, ...); ``BlockRemoved`` carries ``group_idx`` too. A window
+group publishes only the chunks kvtier keeps of it (its window before the prompt's last chunk
+boundary, and later chunks), so a router learns exactly what each group can load. Within one batch
+the full-attention groups' events come first (the worker writes full packs first, and a window
+chunk's parent is named by the full group's event of the chunk before it): a consumer that chains
+by parent hash never sees a window event before the block it chains from.
 
 What each chunk needs is remembered when its save or load is planned (``ChunkEvents.record``), in
 a bounded LRU; an event for a chunk no longer remembered is not published (counted in

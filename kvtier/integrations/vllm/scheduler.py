@@ -29,7 +29,8 @@ inline, as does any hit through a cache server (which may hold it in its shared 
 KV cache groups (vLLM's hybrid KV cache manager, ``kvtier.integrations.vllm.groups``): the
 groups of a chunk that share a storage rule (a pack) are one entry, each group's part saved and
 loaded with the block ids vLLM gives that group; the plan names each group (one ``SaveSpec`` or
-``LoadSpec`` per group) and the worker joins a pack's members into its entry. Full-attention groups store every chunk; a sliding-window or chunked-local group stores
+``LoadSpec`` per group) and the worker joins a pack's members into its entry. Full-attention
+groups store every chunk; a sliding-window or chunked-local group stores
 only the chunks inside its window before the prompt's last chunk boundary (the point a re-read
 of the prompt resumes at) and every chunk after it (generated tokens: the next turn resumes
 later). A hit of ``n`` chunks needs every group's chunks for resuming at ``n`` chunks; ``n`` is

@@ -11,13 +11,14 @@ KV tensors, and carries out the plan the scheduler side put in the step's ``KVTi
   ``failed_blocks`` with every block after it, so vLLM recomputes them: a storage fault costs
   time, never a wrong token;
 - background loads (``transfer_mode: async``, and every load of a hybrid model;
-  ``LoadSpec.background``): the request is not in this step's batch; ``start_load_kv`` copies
-  its chunks in the store's top tier at once (unless ``async_ram_loads``) and hands the others
-  to ``load_threads`` background threads that read them from the store into the request's
-  blocks (``PageLayout.begin_load``: on CPU straight into the pages, with the torch engine into
-  staging, scattered from the engine's thread), and ``get_finished`` reports the request once every read has ended, with the blocks
-  from the first failed chunk on among the load errors of the same step. A load is always
-  reported, also when its request was aborted meanwhile (vLLM frees the blocks then);
+  ``LoadSpec.background``): the request is not in this step's batch; ``start_load_kv`` copies its
+  chunks in the store's top tier at once (unless ``async_ram_loads``) and hands the others to
+  ``load_threads`` background threads that read them from the store into the request's blocks
+  (``PageLayout.begin_load``: on CPU straight into the pages, with the torch engine into staging,
+  scattered from the engine's thread), and ``get_finished`` reports the request once every read
+  has ended, with the blocks from the first failed chunk on among the load errors of the same
+  step. A load is always reported, also when its request was aborted meanwhile (vLLM frees the
+  blocks then);
 - saves: after the forward pass, the step's completed chunks are gathered once
   (``PageLayout.gather``) and copied into the store's top tier; lower tiers are written in the
   background by the store. A save the store cannot take is dropped and counted;
