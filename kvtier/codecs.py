@@ -36,7 +36,7 @@ the rule codes, the link is slower than ``D (1 - 1/r)``, about 3 Gb/s for zstd o
 encoder (about 0.4 GB/s a core) keeps up with it. ``B`` is the tier's bandwidth as fitted from its
 own transfers (``LinkFit``: time = latency + bytes / B over its recent reads, decode time
 excluded; before the first read, over its puts, encode time excluded), so a fixed cost per
-request, paid coded or raw, does not count as slowness. (The issue's first form of the rule, ``S/E
+request, paid coded or raw, does not count as slowness. (An earlier form of the rule, ``S/E
 + S/(r B) + S/D < S/B``, charged every re-read with the one encode: with the zstd coder it stores
 raw at 1 Gb/s, where a coded re-read takes about 0.8 x a raw one.) ``E``/``D``/``r`` are measured
 on this machine at start (one 1 MiB bf16-like sample) and refreshed from real chunks. Now and then
