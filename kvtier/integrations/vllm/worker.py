@@ -313,6 +313,8 @@ class KVTierWorker:
             self.store.enable_events()
         self._layouts: dict[int, PageLayout] = {}  # group -> its layers' pages
         self._pack_of: dict[int, int] = {g.index: g.pack_index for g in self.groups}  # group -> its pack
+        self._members: dict[int, list[int]] = {}  # pack -> this worker's groups of it (``_index_packs``)
+        self._pack_bytes: dict[int, int] = {}  # pack -> its entry's bytes on this worker
         self._kind_of: dict[int, str] = {g.index: g.kind for g in self.groups}  # group -> FULL, WINDOW, STATE
         self._failed_reqs: set[str] = set()  # several groups: loads that failed, per request
         self._load_pool: ThreadPoolExecutor | None = None
@@ -338,10 +340,24 @@ class KVTierWorker:
     @_layout.setter
     def _layout(self, layout: PageLayout) -> None:
         self._layouts[0] = layout
+        self._index_packs()
+
+    def _index_packs(self) -> None:
+        """Derive, from the layouts this worker holds, each pack's members (in entry order) and
+        its entry's bytes; called whenever the layouts change."""
+        self._members = {}
+        for group in sorted(self._layouts):
+            self._members.setdefault(self._pack(group), []).append(group)
+        self._pack_bytes = {pack: sum(self._layouts[g].chunk_bytes for g in members)
+                            for pack, members in self._members.items()}
+
+    def _pack(self, group: int) -> int:
+        """The pack (its first group's index) that group ``group`` is stored in."""
+        return self._pack_of.get(group, group)
 
     def _key(self, key: bytes, group: int = 0) -> bytes:
         """The store key of this worker's share of group ``group``'s pack of the chunk ``key``."""
-        return group_key(self.key_share.key(key), self._pack_of.get(group, group))
+        return group_key(self.key_share.key(key), self._pack(group))
 
     def _entry_bytes(self, specs: list) -> int:
         """The bytes of one entry of the groups of ``specs`` (a pack's members on this worker)."""
@@ -355,20 +371,15 @@ class KVTierWorker:
         out: dict[tuple, list] = {}
         for spec in specs:
             chunk = getattr(spec, "chunk_index", None)
-            out.setdefault((spec.req_id, self._pack_of.get(spec.group, spec.group), chunk), []).append(spec)
+            out.setdefault((spec.req_id, self._pack(spec.group), chunk), []).append(spec)
         return [sorted(members, key=lambda spec: spec.group) for members in out.values()]
-
-    def _pack_members(self, group: int) -> list[int]:
-        """The groups of ``group``'s pack that this worker holds, in entry order."""
-        pack = self._pack_of.get(group, group)
-        return sorted(g for g in self._layouts if self._pack_of.get(g, g) == pack)
 
     def _read_entry(self, key: bytes, specs: list, fill) -> str | None:
         """``store.read(key, fill)`` of one pack's entry (``specs``: its members named by the
         plan). An entry whose size is not this worker's pack (forged, truncated, another
         layout's) is deleted, as well as refused (CorruptEntry): no load can use it, and a save
         of the recomputed chunk would keep it (a write of a key the store holds is a no-op)."""
-        expected = sum(self._layouts[g].chunk_bytes for g in self._pack_members(specs[0].group))
+        expected = self._pack_bytes[self._pack(specs[0].group)]
         foreign = []
 
         def checked(segments) -> None:
@@ -425,15 +436,12 @@ class KVTierWorker:
                 layers = {name: kv_caches[name] for name in group.layer_names if name in kv_caches}
                 if layers:
                     self._layouts[group.index] = PageLayout(layers, num_blocks, bpc)
+        self._index_packs()
         if self.config.load_threads > 1:
             self._load_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-load")
         if self.config.transfer_mode == "async":
             self._background_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-bgload")
-            per_pack: dict[int, int] = {}
-            for group, layout in self._layouts.items():
-                pack = self._pack_of.get(group, group)
-                per_pack[pack] = per_pack.get(pack, 0) + layout.chunk_bytes
-            chunk = max(per_pack.values())  # the largest entry
+            chunk = max(self._pack_bytes.values())  # the largest entry
             slots = max(1, min(SAVE_BACKLOG_CHUNKS, SAVE_BACKLOG_BYTES // chunk))
             self._saves = BackgroundSaves(self.store, chunk, slots)
 
@@ -474,7 +482,7 @@ class KVTierWorker:
             futures[i] = done = Future()
             done.set_result(tier)
         pending.futures = futures
-        self._background[(load.req_id, self._pack_of.get(load.group, load.group))] = pending
+        self._background[(load.req_id, self._pack(load.group))] = pending
         self._stats.count(background_loads=1)
         if not self._announced:
             self._announced = True
@@ -632,17 +640,17 @@ class KVTierWorker:
         if not self._layouts or not meta.saves or not self._saves_on:
             return
         t0 = time.perf_counter()
-        entries = []
+        by_pack: dict[int, list[list[SaveSpec]]] = {}
         for members in self._joined([save for save in meta.saves if save.group in self._layouts]):
-            if [spec.group for spec in members] == self._pack_members(members[0].group):
-                entries.append(members)
+            pack = self._pack(members[0].group)
+            if [spec.group for spec in members] == self._members[pack]:
+                by_pack.setdefault(pack, []).append(members)
             else:  # not every group of the pack here: a short entry no load could use
                 self._stats.count(save_dropped=1)
         # full packs first: a window chunk's event chains to the full group's chunk before it, and
         # a step's events are what has been written by then (the async writer writes in order)
-        order = dict.fromkeys(self._pack_of.get(e[0].group, e[0].group) for e in entries)
-        for pack in sorted(order, key=lambda pack: self._kind_of.get(pack) != FULL):
-            mine = [e for e in entries if self._pack_of.get(e[0].group, e[0].group) == pack]
+        for pack in sorted(by_pack, key=lambda pack: self._kind_of.get(pack) != FULL):
+            mine = by_pack[pack]
             if self._saves is None:
                 self._save_inline(mine)
             else:
