@@ -315,11 +315,10 @@ def test_a_hit_is_a_hit_only_when_every_group_loads_at_the_same_count(gemma):
         eng.close()
 
 
-def test_a_failed_load_of_a_hybrid_model_is_reported_per_request_not_per_block(gemma):
-    """vLLM raises on block-level failures of a multi-group model: the worker reports the request
-    in ``failed_recving`` (vLLM recomputes it) and no block ids."""
-    from kvtier.keys import group_key
-
+@pytest.fixture
+def stored_prefix(gemma):
+    """(engine, request, hit tokens, its scheduler state): an 8-chunk prompt (+1 token) of the
+    Gemma-like model prefilled and saved, then looked up again (the hit: every whole chunk)."""
     cfg = vllm_config(gemma)
     eng = Engine(cfg, kv_cache_config(cfg))
     try:
@@ -328,43 +327,42 @@ def test_a_failed_load_of_a_hybrid_model_is_reported_per_request_not_per_block(g
         req = request(tokens)
         hit, _ = eng.sched.get_num_new_matched_tokens(req, 0)
         assert hit == 8 * CHUNK
-        full = next(g for g in eng.groups if g.kind == "full")
-        state = eng.sched._request_state(req)
-        eng.work.worker.store.delete(group_key(state.keys[3], full.index))  # gone after the lookup
-        _, _, results = eng.load(req, hit)
-        assert req.request_id in results.failed_recving and req.request_id in results.finished_recving
-        assert eng.work.get_block_ids_with_load_errors() == set()
+        yield eng, req, hit, eng.sched._request_state(req)
     finally:
         eng.close()
 
 
-def test_a_pack_entry_of_another_size_is_a_miss_that_writes_no_page(gemma):
+def test_a_failed_load_of_a_hybrid_model_is_reported_per_request_not_per_block(stored_prefix):
+    """vLLM raises on block-level failures of a multi-group model: the worker reports the request
+    in ``failed_recving`` (vLLM recomputes it) and no block ids."""
+    from kvtier.keys import group_key
+
+    eng, req, hit, state = stored_prefix
+    full = next(g for g in eng.groups if g.kind == "full")
+    eng.work.worker.store.delete(group_key(state.keys[3], full.index))  # gone after the lookup
+    _, _, results = eng.load(req, hit)
+    assert req.request_id in results.failed_recving and req.request_id in results.finished_recving
+    assert eng.work.get_block_ids_with_load_errors() == set()
+
+
+def test_a_pack_entry_of_another_size_is_a_miss_that_writes_no_page(stored_prefix):
     """A window pack's entry replaced by one group's part alone (the size of an entry of the
     layout before packs, or a forged one): its load fails for the request, before any member
     group's page is written."""
     from kvtier.keys import group_key
 
-    cfg = vllm_config(gemma)
-    eng = Engine(cfg, kv_cache_config(cfg))
-    try:
-        tokens = _prompt(8 * CHUNK + 1)
-        eng.prefill(request(tokens))
-        req = request(tokens)
-        hit, _ = eng.sched.get_num_new_matched_tokens(req, 0)
-        windows = [g for g in eng.groups if g.kind != "full"]
-        assert hit == 8 * CHUNK and len(windows) > 1
-        state = eng.sched._request_state(req)
-        key = group_key(state.keys[7], windows[0].index)
-        store = eng.work.worker.store
-        part = eng.work.worker._layouts[windows[0].index].chunk_bytes
-        assert store.delete(key) and store.write(key, part, lambda segs: [s.__setitem__(slice(None), 7) for s in segs])
-        tables, _, results = eng.load(req, hit)
-        assert req.request_id in results.failed_recving and eng.work.get_block_ids_with_load_errors() == set()
-        for g in windows:  # the chunk's blocks of every member group: untouched (never 7s)
-            for b in tables[g.index][7 * (CHUNK // BLOCK):8 * (CHUNK // BLOCK)]:
-                assert not any(bool((page.view(torch.uint8) == 7).all()) for page in eng.page(g.index, b))
-    finally:
-        eng.close()
+    eng, req, hit, state = stored_prefix
+    windows = [g for g in eng.groups if g.kind != "full"]
+    assert len(windows) > 1
+    key = group_key(state.keys[7], windows[0].index)
+    store = eng.work.worker.store
+    part = eng.work.worker._layouts[windows[0].index].chunk_bytes
+    assert store.delete(key) and store.write(key, part, lambda segs: [s.__setitem__(slice(None), 7) for s in segs])
+    tables, _, results = eng.load(req, hit)
+    assert req.request_id in results.failed_recving and eng.work.get_block_ids_with_load_errors() == set()
+    for g in windows:  # the chunk's blocks of every member group: untouched (never 7s)
+        for b in tables[g.index][7 * (CHUNK // BLOCK):8 * (CHUNK // BLOCK)]:
+            assert not any(bool((page.view(torch.uint8) == 7).all()) for page in eng.page(g.index, b))
 
 
 # --------------------------------------------------------------------------- keys

@@ -32,6 +32,17 @@ def gemma(tmp_path_factory):
     return gemma_like(tmp_path_factory.mktemp("packs"))
 
 
+def _prefill_and_look_up(eng, chunks: int):
+    """Prefill (and save) a prompt of ``chunks`` whole chunks and one token, then look it up
+    again: (its tokens, a fresh request of them, the hit in tokens, whether it loads in the
+    background)."""
+    tokens = _prompt(chunks * CHUNK + 1)
+    eng.prefill(request(tokens))
+    req = request(tokens)
+    hit, background = eng.sched.get_num_new_matched_tokens(req, 0)
+    return tokens, req, hit, background
+
+
 def _start_background(eng, req, hit):
     """Allocate as vLLM does for ``hit`` external tokens and start the background load (without
     waiting for it); the tables."""
@@ -70,10 +81,7 @@ def test_a_failed_pack_is_not_reported_while_another_pack_of_the_request_still_l
     eng = Engine(cfg, kv_cache_config(cfg))
     gate = threading.Event()
     try:
-        tokens = _prompt(8 * CHUNK + 1)
-        eng.prefill(request(tokens))
-        req = request(tokens)
-        hit, background = eng.sched.get_num_new_matched_tokens(req, 0)
+        tokens, req, hit, background = _prefill_and_look_up(eng, 8)
         assert hit == 8 * CHUNK and background
         full = next(g for g in eng.groups if g.kind == "full")
         window = next(g for g in eng.groups if g.kind != "full")
@@ -130,10 +138,7 @@ def test_a_background_loads_split_copy_never_waits_behind_lower_tier_reads(gemma
     eng = Engine(cfg, kv_cache_config(cfg))
     gate = threading.Event()
     try:
-        tokens = _prompt(12 * CHUNK + 1)
-        eng.prefill(request(tokens))
-        req = request(tokens)
-        hit, background = eng.sched.get_num_new_matched_tokens(req, 0)
+        tokens, req, hit, background = _prefill_and_look_up(eng, 12)
         assert hit == 12 * CHUNK and background
         worker = eng.work.worker
         threads = worker.config.load_threads
@@ -408,10 +413,7 @@ def test_a_failed_chunk_in_the_first_half_of_a_split_copy_stops_the_count_there(
         KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(2)], spec)])
     eng = Engine(cfg, kcc)
     try:
-        tokens = _prompt(8 * CHUNK + 1)
-        eng.prefill(request(tokens))
-        req = request(tokens)
-        hit, background = eng.sched.get_num_new_matched_tokens(req, 0)
+        tokens, req, hit, background = _prefill_and_look_up(eng, 8)
         assert hit == 8 * CHUNK and not background
         assert eng.work.worker.store.delete(_pack_keys(eng, tokens, 0)[1])
         eng.work.get_kv_connector_stats()
