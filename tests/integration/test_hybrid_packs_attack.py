@@ -112,7 +112,7 @@ def test_a_failed_pack_is_not_reported_while_another_pack_of_the_request_still_l
             if req.request_id in results.finished_recving:
                 break
             time.sleep(0.005)
-        time.sleep(0.05)
+        assert not eng.work.worker._background  # no load of it left to report: a later call is final
         results = eng.work.get_transfer_results(set())
         reports.append((set(results.finished_recving), set(results.failed_recving)))
         assert sum(req.request_id in f for f, _ in reports) == 1  # finished once
@@ -198,8 +198,11 @@ def test_full_packs_are_written_before_window_packs_so_no_event_batch_orphans_a_
         tokens = _prompt(2 * CHUNK + 1)  # the window covers every chunk: a step saving both packs
         full_keys = set(_pack_keys(eng, tokens, full.index))
 
+        blocked = threading.Event()  # the writer has reached a full pack's entry
+
         def slow_full(key, *args, **kwargs):  # a full pack's entry takes a while to write
             if key in full_keys:
+                blocked.set()
                 gate.wait(30)
             return write(key, *args, **kwargs)
 
@@ -216,7 +219,7 @@ def test_full_packs_are_written_before_window_packs_so_no_event_batch_orphans_a_
         eng.work.bind_connector_metadata(meta)
         eng.work.wait_for_save()
         eng.work.clear_connector_metadata()
-        time.sleep(0.3)  # the writer runs meanwhile; then the step's events are taken
+        assert blocked.wait(30)  # what the writer wrote before the full pack's entry is in the events
 
         from vllm.v1.outputs import KVConnectorOutput
 
