@@ -403,10 +403,11 @@ class KVTierWorker:
         CorruptEntry, before anything is copied, unless they hold exactly one entry."""
         sizes = [self._layouts[spec.group].chunk_bytes for spec in specs]
         if len(sizes) == 1:
-            return [segments]
-        if total_bytes(segments) != sum(sizes):
-            raise CorruptEntry(f"entry of {total_bytes(segments)} bytes is not one chunk of {sum(sizes)}")
-        return split_segments(segments, sizes)
+            return [segments]  # the layout's own copy checks the size
+        try:
+            return split_segments(segments, sizes)  # checks that the parts add up, before any copy
+        except ValueError as exc:
+            raise CorruptEntry(f"entry is not one chunk of this pack: {exc}") from exc
 
     def _layout_of(self, group: int) -> PageLayout | None:
         """Group ``group``'s page layout (None: this worker holds none of its layers)."""
