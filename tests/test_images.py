@@ -387,7 +387,7 @@ class _StubEngine(http.server.ThreadingHTTPServer):
         self.name = name
         self.completions = 0
         super().__init__(("127.0.0.1", 0), _StubHandler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+        threading.Thread(target=self.serve_forever, args=(0.05,), daemon=True).start()  # quick shutdown
 
     @property
     def url(self) -> str:

@@ -99,6 +99,9 @@ DEFAULT_MAX_CONNECTIONS = 8
 DEFAULT_REQUEST_TIMEOUT_S = 5.0
 MAX_REQUEST_BYTES = 16 * 1024  # a scrape's request line and headers are a few hundred bytes
 REFUSED_LOG_INTERVAL_S = 10.0
+# How often the accept loop looks for a shutdown request; close() waits up to this long
+# (socketserver's default of 0.5 s made every stop of a server take that much longer).
+SHUTDOWN_POLL_S = 0.05
 _BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 33\r\n"
          b"Connection: close\r\n\r\nbusy: too many metrics requests\n")
 
@@ -274,7 +277,8 @@ class MetricsEndpoint:
         self.registry = make_registry(stats, self.counters)
         handler = _handler(self.registry, self.counters, request_timeout_s)
         self._httpd = _BoundedHTTPServer((host, port), handler, max_connections, self.counters)
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvtier-metrics", daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(SHUTDOWN_POLL_S,), name="kvtier-metrics",
+                                        daemon=True)
         self._thread.start()
 
     @property

@@ -87,6 +87,9 @@ from kvtier.tiers.ram import ArenaTier, RamConfig, RamTier
 log = logging.getLogger(__name__)
 
 SYSTEM_SOCKET = "/run/kvtier/kvtier.sock"
+# How often the accept loop looks for a shutdown request; close() waits up to this long
+# (socketserver's default of 0.5 s made every stop of the server take that much longer).
+SHUTDOWN_POLL_S = 0.05
 _MAX_ADDRESS_CHARS = 1024  # a unix socket path is at most 107 bytes; a host:port far less
 
 
@@ -285,7 +288,7 @@ class CacheServer:
                 self._server = _TcpServer(where, handler, self._admit, backlog)
             except OSError as exc:
                 raise ServeError(f"serve.listen: cannot bind {self.config.listen}: {exc.strerror or exc}") from exc
-        t = threading.Thread(target=self._server.serve_forever, name="kvtier-serve", daemon=True)
+        t = threading.Thread(target=self._server.serve_forever, args=(SHUTDOWN_POLL_S,), name="kvtier-serve", daemon=True)
         t.start()
         self._threads.append(t)
         reaper = threading.Thread(target=self._reap_leases, name="kvtier-lease-reaper", daemon=True)

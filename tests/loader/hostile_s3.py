@@ -66,7 +66,7 @@ class HostileS3:
         self.lock = threading.Lock()
         self._httpd = _QuietServer(("127.0.0.1", 0), _handler(self))
         self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), daemon=True)  # quick shutdown
         self._thread.start()
 
     @property
