@@ -55,9 +55,11 @@ demo: install
 test: install system router vllm-wheel
 	$(PY) -m pytest -q -ra --durations=25
 
-# The edit-test loop: no vLLM engine starts, no fresh-venv installs, nothing marked slow (> 10 s).
+# The edit-test loop: no vLLM engine starts, no fresh-venv installs, nothing marked slow (> 10 s),
+# spread over FAST_JOBS pytest-xdist workers (default: one per core; FAST_JOBS=0 runs it serially).
+FAST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 test-fast: install system
-	$(PY) -m pytest -q -ra -m "not vllm and not bench_e2e and not install and not slow"
+	$(PY) -m pytest -q -ra -n $(FAST_JOBS) -m "not vllm and not bench_e2e and not install and not slow"
 
 # The benchmark smoke runs (marker bench_e2e), also where `make test` skips them (CPUs without native bf16).
 test-bench: install system
