@@ -334,9 +334,11 @@ def test_kvtier_bench_codec_json_reports_ratio_speeds_and_a_bit_exact_store_pass
     import sys
 
     proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "codec", "--kv", "synthetic", "--rates", "",
-                           "--repeat", "1", "--rounds", "3", "--json"], capture_output=True, text=True, timeout=300)
+                           "--repeat", "1", "--rounds", "3", "--readers", "3", "--json"], capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
+    assert report["readers"] == 3  # 3 threads over 4 chunks: one reads two, every chunk is read (else an error)
     lossless = next(r for r in report["codecs"] if r["codec"].startswith("lossless"))
     assert lossless["ratio"] > 1.05 and lossless["encode_gbps"] > 0 and lossless["decode_gbps"] > 0
     assert report["through_store"]["bit_exact"] and report["through_store"]["ratio"] > 1.05

@@ -27,9 +27,12 @@ near-uniform logits, so one flipped token is likelier than in a trained model; t
 is a floor, not a quality claim).
 
 Re-read (``--rates``, Gb/s): a real ``redis-server`` behind the project's delay proxy (in a
-process of its own; 2 ms per request, every response paced at the rate: ``DelayProxy(rate=)``),
-one ``redis`` tier per codec (``none``, ``lossless``, ``auto``, ``fp8``); and (``--local``) an
-``fs`` tier on tmpfs per codec (``none``, ``lossless``, ``auto``): the memory-speed tier. The
+process of its own; 2 ms per request, the responses of all connections paced together at the
+rate, one link: ``DelayProxy(link_rate=)``), one ``redis`` tier per codec (``none``,
+``lossless``, ``auto``, ``fp8``); and (``--local``) an ``fs`` tier on tmpfs per codec (``none``,
+``lossless``, ``auto``): the memory-speed tier. The chunks are read by ``--readers`` threads at
+once, as the connector's ``load_threads`` read a request's chunks (4 by default; 1: one chunk
+after another, each chunk's decode then never overlapping the next one's transfer). The
 codecs are interleaved: each tier learns (``LEARN_PASSES`` put-and-read passes, taking turns),
 gets the chunks put once more, then ``--rounds`` rounds re-read every tier once, the order
 reversed every other round. Reported per codec: the median re-read time, its ratio to ``none``
@@ -72,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also re-read from a memory-speed tier (fs on tmpfs) with none, lossless, auto (on)")
     parser.add_argument("--greedy-tokens", type=int, default=64, help="greedy tokens continued from the fp8 KV "
                         "and from the exact KV, compared (--kv model; 0 to skip; 64)")
+    parser.add_argument("--readers", type=int, default=4, help="threads re-reading the chunks at once, as the "
+                        "connector's load_threads do (4, its default)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -264,7 +269,7 @@ def through_store(chunks: list[np.ndarray]) -> dict:
 def run(args: argparse.Namespace) -> int:
     from kvtier.errors import ConfigError
 
-    for name in ("tokens", "chunk_tokens", "repeat", "rounds"):
+    for name in ("tokens", "chunk_tokens", "repeat", "rounds", "readers"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
     if args.tokens < args.chunk_tokens:
@@ -298,10 +303,11 @@ def run(args: argparse.Namespace) -> int:
     if args.kv == "model" and args.greedy_tokens > 0:  # (engine: the entries' own model is not rerun)
         lossy["greedy"] = fp8_greedy_agreement(args.variant, args.tokens, args.greedy_tokens)
     store = through_store(chunks)
-    reread = shared_rereads(chunks, rates, args.rounds) if rates else []
+    reread = shared_rereads(chunks, rates, args.rounds, args.readers) if rates else []
     if args.local:
-        reread += local_rereads(chunks, args.rounds)
+        reread += local_rereads(chunks, args.rounds, args.readers)
     report = {"kv_source": source, "chunk_bytes": chunks[0].nbytes, "chunks": len(chunks), "threads": 1,
+              "readers": args.readers,
               "codecs": results, "fp8": lossy, "through_store": store, "shared_reread": reread}
     if families:
         report["families"] = families
@@ -334,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
                          "coded chunks"],
                         [[r["tier"], r["codec"], r["reread_s"], _spread(r["vs_none"]),
                           _spread(r["vs_best"]) if "vs_best" in r else "", f"{r['coded_chunks']}/{r['chunks']}"]
-                         for r in reread], title=f"re-read, {args.rounds} interleaved rounds")
+                         for r in reread], title=f"re-read by {args.readers} readers, {args.rounds} interleaved rounds")
     return 0 if store["bit_exact"] else 1
 
 
@@ -430,22 +436,41 @@ def _median(xs: list[float]) -> float:
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
-def interleaved_rereads(tiers: dict, keys: list[bytes], chunks: list[np.ndarray], rounds: int) -> dict:
-    """Re-read ``chunks`` from each of ``tiers`` ({codec: open tier}), interleaved: every tier
-    learns (``LEARN_PASSES`` put-and-read passes, the tiers taking turns), gets the chunks put
-    once more, then each of ``rounds`` rounds re-reads every tier once, the order reversed every
-    other round. Per codec: the median re-read seconds, its ratio to ``none`` of the same round
-    (median, min, max); ``auto`` also against the better of ``none`` and ``lossless`` of the same
-    round, and how many of the re-read chunks it had stored coded."""
-    out = np.empty(max(c.nbytes for c in chunks), dtype=np.uint8)
+def interleaved_rereads(tiers: dict, keys: list[bytes], chunks: list[np.ndarray], rounds: int,
+                        readers: int = 1) -> dict:
+    """Re-read ``chunks`` from each of ``tiers`` ({codec: open tier}) by ``readers`` threads at
+    once, interleaved: every tier learns (``LEARN_PASSES`` put-and-read passes, the tiers taking
+    turns), gets the chunks put once more, then each of ``rounds`` rounds re-reads every tier
+    once, the order reversed every other round. Per codec: the median re-read seconds, its ratio
+    to ``none`` of the same round (median, min, max); ``auto`` also against the better of ``none``
+    and ``lossless`` of the same round, and how many of the re-read chunks it had stored coded."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    size = max(c.nbytes for c in chunks)
+    buffers = [np.empty(size, dtype=np.uint8) for _ in range(readers)]
+    pool = ThreadPoolExecutor(readers, thread_name_prefix="bench-reread")
+
+    def read_all(tier) -> bool:
+        """Every key read once, ``readers`` at a time (reader j takes keys j, j + readers, ...
+        into its own buffer); whether all of them hit."""
+        def part(j: int) -> bool:
+            return all([tier.get_into(k, buffers[j]) is not None for k in keys[j::readers]])
+
+        return all(pool.map(part, range(readers)))
+
+    with pool:
+        return _timed_rereads(tiers, keys, chunks, rounds, read_all)
+
+
+def _timed_rereads(tiers: dict, keys: list[bytes], chunks: list[np.ndarray], rounds: int, read_all) -> dict:
+    """``interleaved_rereads``'s passes and report, reading through ``read_all(tier) -> all hit``."""
     names = list(tiers)
     for _ in range(LEARN_PASSES):  # put, read: auto learns the tier (its fit's memory)
         for name in names:
             tier = tiers[name]
             for k, c in zip(keys, chunks):
                 tier.put(k, c, "bfloat16")
-            for k in keys:
-                tier.get_into(k, out)
+            read_all(tier)
     coded_before = {name: tiers[name].stats.as_dict().get("coded", 0) for name in names}
     for name in names:
         for k, c in zip(keys, chunks):
@@ -457,9 +482,8 @@ def interleaved_rereads(tiers: dict, keys: list[bytes], chunks: list[np.ndarray]
         for name in (names if r % 2 == 0 else names[::-1]):
             tier = tiers[name]
             start = time.perf_counter()
-            for k in keys:
-                if tier.get_into(k, out) is None:
-                    raise RuntimeError(f"the {name} tier missed a chunk it was given")
+            if not read_all(tier):
+                raise RuntimeError(f"the {name} tier missed a chunk it was given")
             times[name].append(time.perf_counter() - start)
     rows = {}
     for name in names:
@@ -476,10 +500,10 @@ def interleaved_rereads(tiers: dict, keys: list[bytes], chunks: list[np.ndarray]
     return rows
 
 
-def shared_rereads(chunks: list[np.ndarray], rates_gbps: list[float], rounds: int) -> list[dict]:
-    """Re-read times of ``chunks`` from a redis tier behind the delay proxy at each rate, per
-    codec, interleaved (``interleaved_rereads``); [] with a note on stderr when redis-server is
-    missing."""
+def shared_rereads(chunks: list[np.ndarray], rates_gbps: list[float], rounds: int, readers: int = 1) -> list[dict]:
+    """Re-read times of ``chunks`` by ``readers`` threads from a redis tier behind the delay
+    proxy (one link of each rate), per codec, interleaved (``interleaved_rereads``); [] with a
+    note on stderr when redis-server is missing."""
     import hashlib
     import sys
 
@@ -504,7 +528,7 @@ def shared_rereads(chunks: list[np.ndarray], rates_gbps: list[float], rounds: in
                                          capacity=1 << 30, codec=codec, timeout_s=30.0)
                     tiers[codec] = stack.enter_context(RedisTier(config, name="redis"))
                 try:
-                    got = interleaved_rereads(tiers, keys, chunks, rounds)
+                    got = interleaved_rereads(tiers, keys, chunks, rounds, readers)
                 finally:
                     for tier in tiers.values():
                         for k in keys:
@@ -521,7 +545,7 @@ def _serve_proxy(port: int, delay_s: float, rate: float, conn) -> None:
     until the parent sends anything or goes away."""
     from kvtier.bench.delay_proxy import DelayProxy
 
-    with DelayProxy(("127.0.0.1", port), delay_s, rate=rate) as proxy:
+    with DelayProxy(("127.0.0.1", port), delay_s, link_rate=rate) as proxy:
         conn.send(proxy.port)
         try:
             conn.recv()
@@ -531,7 +555,7 @@ def _serve_proxy(port: int, delay_s: float, rate: float, conn) -> None:
 
 @contextlib.contextmanager
 def _proxy_process(port: int, delay_s: float, rate: float):
-    """The port of a delay proxy (``delay_s`` per request, responses paced at ``rate`` bytes/s)
+    """The port of a delay proxy (``delay_s`` per request, all responses paced at ``rate`` bytes/s)
     in front of ``port``, run in a child process: its pump threads then never wait for this
     process's GIL (nor make the timed reads wait for it), which in-process moved the ratios by
     more than the differences measured."""
@@ -552,7 +576,7 @@ def _proxy_process(port: int, delay_s: float, rate: float):
             proc.kill()
 
 
-def local_rereads(chunks: list[np.ndarray], rounds: int) -> list[dict]:
+def local_rereads(chunks: list[np.ndarray], rounds: int, readers: int = 1) -> list[dict]:
     """The same interleaved re-reads from a memory-speed tier: an ``fs`` tier on tmpfs
     (/dev/shm where there is one, else the temp dir, read back from the page cache); ``none``,
     ``lossless``, ``auto``."""
@@ -566,6 +590,6 @@ def local_rereads(chunks: list[np.ndarray], rounds: int) -> list[dict]:
         tiers = {codec: stack.enter_context(FsTier(FsConfig(path=os.path.join(tmp, codec), capacity=1 << 32,
                                                             codec=codec), name="fs"))
                  for codec in LOCAL_CODECS}
-        got = interleaved_rereads(tiers, keys, chunks, rounds)
+        got = interleaved_rereads(tiers, keys, chunks, rounds, readers)
     where = "tmpfs" if base else "the temp dir (page cache)"
     return [{"tier": f"fs on {where}", "gbps": None, **row} for row in got.values()]

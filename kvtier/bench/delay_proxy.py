@@ -9,8 +9,10 @@ whose round trip is ``delay_s`` (what caps one GET stream on a real network, and
 clients open many). A response shorter than ``window`` is then not paced at all; ``rate`` (bytes
 per second) paces every response at the link's serialization rate instead (a token bucket per
 connection, slices of at most half a millisecond of the rate), what a link of that speed takes to
-carry a response of any size. Threads: two per connection; ``close()`` stops accepting and shuts every
-connection.
+carry a response of any size. ``link_rate`` (bytes per second) paces the responses of all
+connections together, as one link they share (a NIC, a switch port): concurrent readers split
+it instead of each getting it whole. Threads: two per connection; ``close()`` stops accepting and
+shuts every connection.
 """
 
 from __future__ import annotations
@@ -28,13 +30,17 @@ class DelayProxy:
     """``with DelayProxy(("127.0.0.1", port), 0.015) as p: p.url`` -> ``http://127.0.0.1:PORT``."""
 
     def __init__(self, upstream: tuple[str, int], delay_s: float, bufsize: int = 1 << 20,
-                 window: int | None = None, rate: float | None = None):
+                 window: int | None = None, rate: float | None = None, link_rate: float | None = None):
         if window is not None and (window < 1 or delay_s <= 0):
             raise ValueError("window needs a positive size and a positive delay")
-        if rate is not None and (window is not None or not rate > 0):
-            raise ValueError("rate needs a positive number of bytes per second, and no window")
+        for name, value in (("rate", rate), ("link_rate", link_rate)):
+            if value is not None and (window is not None or not value > 0):
+                raise ValueError(f"{name} needs a positive number of bytes per second, and no window")
+        if rate is not None and link_rate is not None:
+            raise ValueError("rate (per connection) and link_rate (all connections) exclude each other")
         self.upstream, self.delay_s, self.bufsize, self.window = upstream, delay_s, bufsize, window
         self.rate = rate
+        self._link = _RatePacer(link_rate) if link_rate is not None else None  # shared by every response pump
         self._srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._srv.bind(("127.0.0.1", 0))
@@ -87,6 +93,8 @@ class DelayProxy:
             pace = _Pacer(self.window, self.delay_s)
         elif not requests and self.rate is not None:
             pace = _RatePacer(self.rate)
+        elif not requests and self._link is not None:
+            pace = self._link
         try:
             while True:
                 n = os.splice(src.fileno(), w, pace.allowance(self.bufsize) if pace else self.bufsize)
@@ -174,22 +182,27 @@ class _Pacer:
 
 
 class _RatePacer:
-    """At most ``rate`` bytes per second on one connection: each slice waits for the time the
-    bytes before it took on the link (a schedule, so an oversleep is made up by the next
-    slices, not lost); a link idle for longer than one slice starts afresh."""
+    """At most ``rate`` bytes per second on one link: each slice waits for the time the bytes
+    before it took on the link (a schedule, so an oversleep is made up by the next slices, not
+    lost); a link idle for longer than one slice starts afresh. Thread-safe: pumps that share
+    one pacer share its rate (on average exactly; at most one slice each may go at once)."""
 
     def __init__(self, rate: float):
         self.rate = rate
         self.slice = max(16 << 10, int(rate * 0.0005))
         self.free_at = 0.0  # when the bytes sent so far will have crossed the link
+        self._lock = threading.Lock()
 
     def allowance(self, want: int) -> int:
-        now = time.monotonic()
-        if self.free_at > now:
-            time.sleep(self.free_at - now)
-        elif now - self.free_at > self.slice / self.rate:
-            self.free_at = now  # idle: the link was free
+        with self._lock:
+            now = time.monotonic()
+            wait = self.free_at - now
+            if wait <= 0 and -wait > self.slice / self.rate:
+                self.free_at = now  # idle: the link was free
+        if wait > 0:
+            time.sleep(wait)
         return min(want, self.slice)
 
     def sent(self, n: int) -> None:
-        self.free_at = max(self.free_at, time.monotonic() - self.slice / self.rate) + n / self.rate
+        with self._lock:
+            self.free_at = max(self.free_at, time.monotonic() - self.slice / self.rate) + n / self.rate

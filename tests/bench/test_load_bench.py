@@ -21,10 +21,18 @@ PAYLOAD = os.urandom(2 << 20)
 
 @pytest.fixture
 def upstream():
-    """A server that answers each 1-byte request with PAYLOAD (one connection at a time)."""
+    """A server that answers each 1-byte request with PAYLOAD (a thread per connection)."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(4)
+
+    def answer(conn):
+        with conn:
+            try:
+                while conn.recv(1):
+                    conn.sendall(PAYLOAD)
+            except OSError:
+                pass
 
     def serve():
         while True:
@@ -32,9 +40,7 @@ def upstream():
                 conn, _ = srv.accept()
             except OSError:
                 return
-            with conn:
-                while conn.recv(1):
-                    conn.sendall(PAYLOAD)
+            threading.Thread(target=answer, args=(conn,), daemon=True).start()
 
     threading.Thread(target=serve, daemon=True).start()
     yield srv.getsockname()
@@ -85,6 +91,32 @@ def test_rate_paces_a_response_shorter_than_any_window(upstream):
         DelayProxy(upstream, 0.02, window=1024, rate=rate)
     with pytest.raises(ValueError, match="rate"):
         DelayProxy(upstream, 0.02, rate=0)
+
+
+def test_link_rate_is_shared_by_concurrent_connections(upstream):
+    """``link_rate``: four connections fetching 2 MiB each at once share one 100 MB/s link, so the
+    last one ends no sooner than all 8 MiB took on it (with ``rate``, each would get 100 MB/s)."""
+    rate, clients = 100e6, 4
+    with DelayProxy(upstream, 0.0, link_rate=rate) as proxy:
+        start = time.monotonic()
+        results = [None] * clients
+
+        def fetch(i):
+            results[i] = _fetch(proxy.port, 1)[1]
+
+        threads = [threading.Thread(target=fetch, args=(i,)) for i in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        took = time.monotonic() - start
+    assert results == [PAYLOAD] * clients
+    # each connection's last slice (0.5 ms of the rate, 16 KiB at least) may go unwaited
+    assert took >= clients * len(PAYLOAD) / rate - clients * max(16 << 10, rate * 0.0005) / rate
+    with pytest.raises(ValueError, match="exclude"):
+        DelayProxy(upstream, 0.0, rate=rate, link_rate=rate)
+    with pytest.raises(ValueError, match="link_rate"):
+        DelayProxy(upstream, 0.0, link_rate=-1)
 
 
 def test_close_ends_every_pump_even_one_blocked_on_a_quiet_connection(upstream):
