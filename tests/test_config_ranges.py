@@ -29,7 +29,7 @@ CASES = {
     "ram capacity NaN": (lambda p: {"tiers": [ram(capacity=math.nan)]}, "capacity", "finite"),
     "ram capacity inf": (lambda p: {"tiers": [ram(capacity=math.inf)]}, "capacity", "finite"),
     "ram capacity 0": (lambda p: {"tiers": [ram(capacity=0)]}, "(ram).capacity", "[1, inf)"),
-    "ram page_size 0": (lambda p: {"tiers": [ram(page_size=0)]}, "(ram).page_size", "[1, inf)"),
+    "ram page_size negative": (lambda p: {"tiers": [ram(page_size=-1)]}, "(ram).page_size", "must not be negative"),
     "ram page_size over capacity": (lambda p: {"tiers": [ram(capacity=4096, page_size=8192)]},
                                     "(ram).page_size", "[1, capacity=4096]"),
     "disk capacity 0": (lambda p: {"tiers": [ram(), disk(p, capacity=0)]}, "(disk).capacity", "[1, inf)"),
@@ -69,10 +69,20 @@ def test_tiers_built_by_hand_are_checked_too(tmp_path):
     from kvtier.tiers.disk import DiskConfig, DiskTier
     from kvtier.tiers.ram import RamConfig, RamTier
 
-    with pytest.raises(ConfigError, match=r"^mine\.page_size: must be in \[1, inf\), got 0$"):
-        RamTier(RamConfig(capacity=4096, page_size=0), name="mine")
+    with pytest.raises(ConfigError, match=r"^mine\.page_size: must be in \[0, inf\), got -1$"):
+        RamTier(RamConfig(capacity=4096, page_size=-1), name="mine")
     with pytest.raises(ConfigError, match=r"max_writes_in_flight: must be in \[1, 1024\], got 0"):
         DiskTier(DiskConfig(path=str(tmp_path), max_writes_in_flight=0))
+
+
+def test_a_ram_page_size_of_0_is_the_default_for_the_codec():
+    """0 (the default) is 256 KiB for a raw arena and 16 KiB for a coded one (whose entries'
+    last pages are partly empty); a page size given stays, whatever the codec."""
+    from kvtier.tiers.ram import RamConfig
+
+    assert RamConfig().page_size == RamConfig(page_size=0).page_size == 256 << 10
+    assert RamConfig(codec="lossless").page_size == 16 << 10
+    assert RamConfig(codec="lossless", page_size=256 << 10).page_size == 256 << 10
 
 
 def test_ranged_fields_are_a_general_mechanism():

@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 CODED_BUDGET = 16  # a coded arena's raw-byte budget (capacity_bytes) over its arena bytes
 DEFAULT_ELEMENT_BYTES = 2  # the shuffle width while the KV dtype is unknown (uint8): bf16/fp16 KV
 _CODER_QUEUE = 65536  # keys waiting for the coder; more are left raw (counted as queue_full)
+PAGE_SIZE = 256 * 1024  # a raw arena's default page
+CODED_PAGE_SIZE = 16 * 1024  # a coded arena's: rounding a coded entry up costs at most this
 _CODER_LOG_EVERY_S = 60.0  # a failing coder logs at most one line this often (the first with its traceback)
 _CODER_RETRIES = 3  # encodes of an entry a reader took while it was encoded, before it stays raw
 
@@ -66,7 +68,10 @@ class RamConfig:
     """Configuration of a RAM tier.
 
     capacity: arena bytes (rounded down to whole pages), e.g. "2GiB".
-    page_size: allocation unit; an entry occupies ceil(size / page_size) pages.
+    page_size: allocation unit; an entry occupies ceil(size / page_size) pages. 0 (the default)
+        is 256 KiB, or 16 KiB for a coded arena: a coded entry's last page is partly empty, and
+        with 256 KiB pages a 1 MiB chunk coded to 0.69 MiB still takes three of four pages (a
+        256 KiB chunk all of its one).
     pin_memory: "auto" pins the arena when torch with CUDA is present; true asks for it (falls back
         to ordinary memory with a warning when CUDA is absent); false never pins.
     prefault: touch every arena page at construction, so resident memory is the full arena from
@@ -80,11 +85,15 @@ class RamConfig:
     """
 
     capacity: Size = ranged(Size(1024**3), ge=1)
-    page_size: Size = ranged(Size(256 * 1024), ge=1)
+    page_size: Size = ranged(Size(0), ge=0)
     pin_memory: Literal["auto"] | bool = "auto"
     prefault: bool = False
     shm_path: str | None = None
     codec: Literal["none", "lossless"] = "none"
+
+    def __post_init__(self):
+        if not self.page_size:  # 0: the default for the codec
+            object.__setattr__(self, "page_size", Size(CODED_PAGE_SIZE if self.codec != "none" else PAGE_SIZE))
 
     def check(self, where: str) -> None:
         """Across fields: the arena holds at least one page (``config.validate`` calls this)."""
