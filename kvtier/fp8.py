@@ -135,6 +135,10 @@ def quantize(raw: memoryview, dtype: str, group: int = GROUP) -> tuple[bytes, by
     code = SOURCE_DTYPES.get(dtype)
     if code is None or raw.nbytes % _ITEMSIZE[code] or raw.nbytes == 0:
         return None
+    if code == _BF16 and raw.nbytes % (2 * group) == 0:
+        fast = _quantize_bf16(raw, group)
+        if fast is not NotImplemented:
+            return fast
     x = _to_float32(raw, dtype)
     count = x.size
     groups = -(-count // group)
@@ -156,6 +160,39 @@ def quantize(raw: memoryview, dtype: str, group: int = GROUP) -> tuple[bytes, by
     _dequantize(codes, k, count, code, memoryview(dequantized))
     if float(amax.max()) > _SAFE_MAX[code] and not _all_finite(memoryview(dequantized), code):
         return None  # rounding up carried past the dtype's largest value: keep it exact (raw)
+    return payload, bytes(dequantized)
+
+
+def _quantize_bf16(raw: memoryview, group: int) -> "tuple[bytes, bytes] | None":
+    """``quantize`` of bfloat16 KV in whole groups, on its 16-bit patterns (about twice as fast:
+    no float32 copy). A bf16 magnitude's pattern orders like its value, so a group's largest
+    pattern is its amax; dividing by the group's ``2^k`` subtracts ``k`` from every exponent
+    field, which is exact while the result stays a normal bf16 value, and below that (under
+    2^-126, far under E4M3's smallest 2^-9) the code is zero: the same codes as the float32
+    path, bit for bit. NotImplemented (the float32 path decides) when an element is a bf16
+    subnormal (scaled up, it would need renormalizing); None for a non-finite element."""
+    bits = np.frombuffer(raw, np.uint16)
+    mag = bits & np.uint16(0x7FFF)
+    if mag.max() >= 0x7F80:  # inf or NaN: stored raw
+        return None
+    if ((mag - np.uint16(1)) < np.uint16(0x7F)).any():  # 1..0x7F: subnormal (0 wraps to 0xFFFF)
+        return NotImplemented
+    count = bits.size
+    blocks = mag.reshape(-1, group)
+    amax = (_row_max(blocks).astype(np.uint32) << 16).view(np.float32)
+    k = np.clip(np.frexp(amax / np.float32(E4M3_MAX))[1], -_BIAS, _BIAS).astype(np.int32)  # amax / 2^k <= 448
+    shift = (k << 7).astype(np.uint16)  # k < 0 wraps: adding -k to the exponent field, exact
+    scaled = blocks - shift[:, None]
+    if k.max() > 0:  # a group of large values: its tiny elements' fields would go below 1
+        scaled[blocks < ((np.maximum(k, 0) + 1) << 7).astype(np.uint16)[:, None]] = 0
+    scaled |= (bits & np.uint16(0x8000)).reshape(-1, group)
+    codes = np.take(_LUT, scaled)
+    scales = (k + _BIAS).astype(np.uint8)
+    payload = b"".join((_HEAD.pack(VERSION, _BF16, group, count), scales.tobytes(), codes.tobytes()))
+    dequantized = bytearray(raw.nbytes)
+    _dequantize(codes, k, count, _BF16, memoryview(dequantized))
+    if float(amax.max()) > _SAFE_MAX[_BF16] and not _all_finite(memoryview(dequantized), _BF16):
+        return None  # rounding up carried past bf16's largest value: keep it exact (raw)
     return payload, bytes(dequantized)
 
 

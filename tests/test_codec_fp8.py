@@ -228,3 +228,29 @@ def test_the_connector_refuses_a_wrong_element_dtype_with_fp8_and_says_when_fp8_
     lossless = ConnectorConfig.from_extra_config({"tiers": [tiers[0], {**tiers[1], "codec": "none"}],
                                                   "element_dtype": "float16"})
     assert lossless.with_kv_dtype("auto", "torch.bfloat16").store.element_dtype == "float16"  # no lossy codec
+
+
+def test_the_bf16_path_gives_the_float32_paths_bytes_bit_for_bit(monkeypatch):
+    """``quantize`` of bfloat16 KV works on the 16-bit patterns (no float32 copy); on every kind of
+    group (tiny, huge, mixed with zeros and values far under the group's scale, random finite
+    patterns, bf16's largest) it must give exactly what the float32 path gives, and leave
+    subnormal and non-finite inputs to it."""
+    rng = np.random.default_rng(1)
+
+    def bf16(x) -> np.ndarray:
+        return (np.asarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+    cases = [bf16(rng.normal(0, scale, 1 << 14)) for scale in (1e-30, 1e-6, 0.004, 1.0, 60.0, 448.0, 1e4, 1e30)]
+    mixed = rng.normal(0, 1, 1 << 14).astype(np.float32)
+    mixed[::32], mixed[1::32], mixed[2::32], mixed[3::32] = 1e6, 1e-20, 0.0, -0.0  # tiny elements under huge scales
+    patterns = rng.integers(0, 1 << 16, 1 << 14).astype(np.uint16)
+    mag = patterns & 0x7FFF
+    patterns[(mag >= 0x7F80) | ((mag > 0) & (mag < 0x80))] = 0  # finite, no subnormals
+    subnormal, infinite = patterns.copy(), patterns.copy()
+    subnormal[5], infinite[7] = 0x0001, 0x7F80
+    cases += [bf16(mixed), patterns, subnormal, infinite, np.full(1024, 0x7F7F, np.uint16)]
+    fast = [fp8.quantize(memoryview(c).cast("B"), "bfloat16") for c in cases]
+    monkeypatch.setattr(fp8, "_quantize_bf16", lambda raw, group: NotImplemented)
+    exact = [fp8.quantize(memoryview(c).cast("B"), "bfloat16") for c in cases]
+    assert fast == exact
+    assert exact[-2] is None and exact[0] is not None  # a non-finite chunk is stored raw
