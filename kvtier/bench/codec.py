@@ -507,6 +507,7 @@ def shared_rereads(chunks: list[np.ndarray], rates_gbps: list[float], rounds: in
     import hashlib
     import sys
 
+    from kvtier.bench.delay_proxy import proxy_process
     from kvtier.harness.services import BinaryMissing, redis_server
     from kvtier.tiers.redis import RedisConfig, RedisTier
 
@@ -520,7 +521,7 @@ def shared_rereads(chunks: list[np.ndarray], rates_gbps: list[float], rounds: in
         return []
     try:
         for gbps in rates_gbps:
-            with _proxy_process(server.port, PROXY_DELAY_S, gbps * 1e9 / 8) as proxy_port, \
+            with proxy_process(server.port, PROXY_DELAY_S, gbps * 1e9 / 8) as proxy_port, \
                     contextlib.ExitStack() as stack:
                 tiers = {}
                 for codec in REREAD_CODECS:
@@ -538,42 +539,6 @@ def shared_rereads(chunks: list[np.ndarray], rates_gbps: list[float], rounds: in
     finally:
         server_cm.__exit__(None, None, None)
     return rows
-
-
-def _serve_proxy(port: int, delay_s: float, rate: float, conn) -> None:
-    """The delay proxy in a process of its own (``_proxy_process``): sends its port, then runs
-    until the parent sends anything or goes away."""
-    from kvtier.bench.delay_proxy import DelayProxy
-
-    with DelayProxy(("127.0.0.1", port), delay_s, link_rate=rate) as proxy:
-        conn.send(proxy.port)
-        try:
-            conn.recv()
-        except EOFError:
-            pass
-
-
-@contextlib.contextmanager
-def _proxy_process(port: int, delay_s: float, rate: float):
-    """The port of a delay proxy (``delay_s`` per request, all responses paced at ``rate`` bytes/s)
-    in front of ``port``, run in a child process: its pump threads then never wait for this
-    process's GIL (nor make the timed reads wait for it), which in-process moved the ratios by
-    more than the differences measured."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_serve_proxy, args=(port, delay_s, rate, child), daemon=True)
-    proc.start()
-    try:
-        if not parent.poll(60):
-            raise RuntimeError("the delay proxy process did not start in 60 s")
-        yield parent.recv()
-    finally:
-        parent.send(None)
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
 
 
 def local_rereads(chunks: list[np.ndarray], rounds: int, readers: int = 1) -> list[dict]:

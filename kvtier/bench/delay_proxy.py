@@ -17,11 +17,13 @@ shuts every connection.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
 import threading
 import time
+from typing import Iterator
 
 _F_SETPIPE_SZ = 1031  # Linux fcntl: set a pipe's capacity
 
@@ -206,3 +208,37 @@ class _RatePacer:
     def sent(self, n: int) -> None:
         with self._lock:
             self.free_at = max(self.free_at, time.monotonic() - self.slice / self.rate) + n / self.rate
+
+
+def _serve_in_child(port: int, delay_s: float, link_rate: float | None, conn) -> None:
+    """``proxy_process``'s child: sends the proxy's port, then runs until the parent sends
+    anything or goes away."""
+    with DelayProxy(("127.0.0.1", port), delay_s, link_rate=link_rate) as proxy:
+        conn.send(proxy.port)
+        try:
+            conn.recv()
+        except EOFError:
+            pass
+
+
+@contextlib.contextmanager
+def proxy_process(port: int, delay_s: float, link_rate: float | None = None) -> Iterator[int]:
+    """The port of a ``DelayProxy`` (``delay_s`` per request, all responses paced together at
+    ``link_rate`` bytes/s) in front of loopback ``port``, run in a child process: its pump threads
+    then never wait for the caller's GIL (nor make the caller's timed reads wait for them), which
+    in-process moved the benchmarks' ratios by more than the differences they measure."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve_in_child, args=(port, delay_s, link_rate, child), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(60):
+            raise RuntimeError("the delay proxy process did not start in 60 s")
+        yield parent.recv()
+    finally:
+        parent.send(None)
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
