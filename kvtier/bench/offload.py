@@ -56,6 +56,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 # pass and gives a re-read from it (fs: the NFS/Lustre case, here on local disk)
 FS_CODEC_SETTINGS = {"kvtier-ram+fs": "none", "kvtier-ram+fs-lossless": "lossless", "kvtier-ram+fs-fp8": "fp8"}
 OPTIONAL_SETTINGS = ("example-connector", "lmcache-mp", *FS_CODEC_SETTINGS)
+# RAM over a Redis tier across a link of R Gb/s (a real redis-server behind the project's delay
+# proxy, one link per setting) with a tier codec: what a re-read from a shared tier over the
+# network costs, per codec, beside recomputing (vLLM alone's first pass). E.g. kvtier-ram+redis-1g,
+# kvtier-ram+redis-10g-lossless, kvtier-ram+redis-1g-auto.
+SHARED_SETTING = re.compile(r"kvtier-ram\+redis-(\d+(?:\.\d+)?)g(?:-(none|lossless|auto|fp8))?")
+SHARED_DELAY_S = 0.0005  # the proxy's delay per request: a round trip inside a data centre
 PASSES = ("first", "again", "reverse")
 DEFAULT_FRACTIONS = (0.33, 0.67, 1.0, 1.33)
 CONNECTOR = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
@@ -151,8 +157,9 @@ def run(args: argparse.Namespace) -> int:
     # fractions too), so "larger than the working set" holds on models with recurrent state
     ram_set = args.docs * ram_bytes_per_document(shape, block, summary["formula_bytes"], boundaries)
     args.pool_blocks = pool_blocks(shape, args.pool_tokens, block, args.tokens)
-    with tempfile.TemporaryDirectory(prefix="kvtier-demo-", dir=args.work_dir) as work:
-        settings = _settings(settings_names, fractions, ram_set, Path(work), args.chunk_tokens)
+    with tempfile.TemporaryDirectory(prefix="kvtier-demo-", dir=args.work_dir) as work, \
+            shared_links(settings_names) as links:
+        settings = _settings(settings_names, fractions, ram_set, Path(work), args.chunk_tokens, links)
         _run_settings(settings, model, docs, warmup, hit_docs, args, Path(work))
     doc_bytes = working_set // args.docs
     report = _report(settings, working_set, doc_bytes, memcpy_gbps(doc_bytes))
@@ -173,9 +180,39 @@ def _parse_settings(text: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     valid = MAIN_SETTINGS + OPTIONAL_SETTINGS
     for name in names:
-        if name not in valid:
-            raise ConfigError(f"unknown setting {name!r}; valid: {', '.join(valid)}")
+        shared = SHARED_SETTING.fullmatch(name)
+        if shared and not 0 < float(shared.group(1)) <= 400:
+            raise ConfigError(f"setting {name!r}: the link rate must be above 0 and at most 400 Gb/s")
+        if name not in valid and not shared:
+            raise ConfigError(f"unknown setting {name!r}; valid: {', '.join(valid)}, "
+                              "kvtier-ram+redis-<R>g[-none|-lossless|-auto|-fp8] (a Redis tier across an R Gb/s link)")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--settings names a setting twice: {text!r}")
     return names
+
+
+@contextlib.contextmanager
+def shared_links(names: list[str]):
+    """For each ``kvtier-ram+redis-<R>g`` setting of ``names``, the URL of a link of R Gb/s to one
+    ``redis-server`` (the harness's, started here): a delay proxy in its own process,
+    ``SHARED_DELAY_S`` per request, its responses paced at the rate. {} when there is none."""
+    shared = {name: float(m.group(1)) for name in names if (m := SHARED_SETTING.fullmatch(name))}
+    if not shared:
+        yield {}
+        return
+    from kvtier.bench.delay_proxy import proxy_process
+    from kvtier.harness.services import BinaryMissing, redis_server
+
+    with contextlib.ExitStack() as stack:
+        try:
+            server = stack.enter_context(redis_server())
+        except BinaryMissing as exc:
+            raise ConfigError(f"the kvtier-ram+redis settings need redis-server: {exc}") from exc
+        urls = {}
+        for name, gbps in shared.items():
+            port = stack.enter_context(proxy_process(server.port, SHARED_DELAY_S, gbps * 1e9 / 8))
+            urls[name] = f"redis://127.0.0.1:{port}/0"
+        yield urls
 
 
 def _model_dir(args: argparse.Namespace) -> str:
@@ -376,8 +413,9 @@ def _kvtier(tiers: list[dict], chunk_tokens: int | None) -> dict:
 
 
 def _settings(names: list[str], fractions: list[float], working_set: int, work: Path,
-              chunk_tokens: int | None) -> list[Setting]:
-    """The engine runs to make: the main settings, then the capacity curve."""
+              chunk_tokens: int | None, links: dict | None = None) -> list[Setting]:
+    """The engine runs to make: the main settings, then the capacity curve. ``links``: the Redis
+    URL of each shared setting (``shared_links``)."""
     big = max([f for f in fractions if f > 1.0] or [1.33])
     settings: list[Setting] = []
     for name in names:
@@ -395,6 +433,12 @@ def _settings(names: list[str], fractions: list[float], working_set: int, work: 
             tiers = [{"type": "ram", "capacity": int(0.2 * working_set)},
                      {"type": "fs", "path": str(work / f"fs-{codec}"), "capacity": 2 * working_set + (256 << 20),
                       "codec": codec}]
+            settings.append(Setting(name, _kvtier(tiers, chunk_tokens)))
+        elif name in (links or {}):  # as kvtier-ram+fs, over a Redis tier across the setting's link
+            codec = SHARED_SETTING.fullmatch(name).group(2) or "none"
+            tiers = [{"type": "ram", "capacity": int(0.2 * working_set)},
+                     {"type": "redis", "url": links[name], "prefix": f"demo-{name}:",
+                      "capacity": 2 * working_set + (256 << 20), "codec": codec, "timeout_s": 30.0}]
             settings.append(Setting(name, _kvtier(tiers, chunk_tokens)))
         elif name == "example-connector":
             settings.append(Setting(name, {"kv_connector": "ExampleConnector", "kv_role": "kv_both",

@@ -387,6 +387,41 @@ def test_fs_codec_settings_put_ram_over_an_fs_tier_with_each_codec(tmp_path):
         offload._parse_settings("vllm,kvtier-ram+fs-zip")
 
 
+@pytest.mark.redis
+def test_shared_settings_put_ram_over_redis_across_a_paced_link_with_each_codec(tmp_path):
+    """``kvtier-ram+redis-<R>g[-codec]``: one real redis-server, a delay proxy per setting pacing
+    its responses at R Gb/s; the setting's Redis tier reaches redis through it (a chunk put and
+    read back bit-exact, the read no faster than the link allows), with the codec named."""
+    import time
+
+    import numpy as np
+
+    from kvtier.integrations.vllm.config import ConnectorConfig
+
+    names = ["kvtier-ram+redis-0.1g", "kvtier-ram+redis-10g-lossless"]
+    assert offload._parse_settings(",".join(names)) == names
+    with offload.shared_links(names) as links:
+        assert set(links) == set(names) and len(set(links.values())) == 2  # a link each
+        settings = offload._settings(names, [], 10 << 20, tmp_path, None, links)
+        for setting, codec in zip(settings, ("none", "lossless")):
+            extra = setting.kv_transfer_config["kv_connector_extra_config"]
+            ram, redis = extra["tiers"]
+            assert ram["type"] == "ram" and redis["type"] == "redis" and redis["codec"] == codec
+            assert redis["url"] == links[setting.name]
+        tier_spec = ConnectorConfig.from_extra_config(
+            settings[0].kv_transfer_config["kv_connector_extra_config"]).store.tiers[1]
+        chunk = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
+        with tier_spec.build() as tier:
+            assert tier.put(b"\x01" * 32, chunk)
+            out = np.empty_like(chunk)
+            start = time.monotonic()
+            assert tier.get_into(b"\x01" * 32, out) == chunk.nbytes and np.array_equal(out, chunk)
+            assert time.monotonic() - start >= 0.9 * chunk.nbytes / (0.1e9 / 8)  # 1 MiB at 0.1 Gb/s: 84 ms
+    for bad in ("kvtier-ram+redis-0g", "kvtier-ram+redis-1g-zip", "kvtier-ram+redis-1g,kvtier-ram+redis-1g"):
+        with pytest.raises(ConfigError, match="setting"):
+            offload._parse_settings(bad)
+
+
 def test_the_ram_tier_is_sized_on_arena_pages_where_state_entries_round_up():
     """A recurrent layer's state (smaller than the attention page vLLM pads it to) takes whole
     arena pages: the RAM working set adds that padding per stored boundary and layer; models
