@@ -118,6 +118,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lmcache-python", metavar="PATH", default=os.environ.get("KVTIER_LMCACHE_PYTHON"),
                         help="python of a virtualenv with vllm and lmcache, for the lmcache-mp setting "
                              "(default: $KVTIER_LMCACHE_PYTHON)")
+    parser.add_argument("--first-rounds", type=int, default=1,
+                        help="first-pass rounds, each on --docs fresh documents, the settings' order alternated "
+                             "round by round; the report gives each setting's first-pass TTFT over vLLM alone's "
+                             "per round (median, min, max). The re-reads use the last round's documents (1)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
 
 
@@ -134,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--capacity-fractions: expected numbers like 0.33,0.67, got {args.capacity_fractions!r}") from exc
     if args.docs < 1 or args.tokens < 256:
         raise ConfigError("--docs must be >= 1 and --tokens >= 256")
+    rounds = getattr(args, "first_rounds", 1)
+    if not 1 <= rounds <= 100:
+        raise ConfigError(f"--first-rounds must be 1..100, got {rounds}")
     check_pool(args.pool_tokens, args.tokens, BLOCK_TOKENS)
     if not 1 <= getattr(args, "compare_tokens", 1) <= 64:  # the engine's max_model_len leaves 64 tokens
         raise ConfigError(f"--compare-tokens must be 1..64, got {args.compare_tokens}")
@@ -144,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     check_pool(args.pool_tokens, args.tokens, block, model)
     chunk = check_chunk_tokens(shape, block, args.chunk_tokens, model)
     args.engine_args = engine_args(shape, block)
-    docs, warmup, hit_docs = _documents(args.docs, args.tokens, _vocab_size(config))
+    docs, warmup, hit_docs = _documents(args.docs * rounds, args.tokens, _vocab_size(config))
     generated = getattr(args, "compare_tokens", 1)
     stored = stored_tokens(args.tokens, generated, chunk)
     boundaries = state_boundaries(args.tokens, chunk) if any(k.state_bytes for k in shape.kinds) else 0
@@ -164,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
     doc_bytes = working_set // args.docs
     report = _report(settings, working_set, doc_bytes, memcpy_gbps(doc_bytes))
     report["model"] = {**summary, "pool_blocks": args.pool_blocks, "ram_working_set_bytes": ram_set}
-    report["stored_bytes"] = stored_bytes(settings, args.docs, report["model"]["formula_bytes"])
+    report["stored_bytes"] = stored_bytes(settings, args.docs * rounds, report["model"]["formula_bytes"])
+    report["first_rounds"] = first_rounds(settings)
     report["first_tokens"] = first_tokens(settings, getattr(args, "compare_tokens", 1))
     if args.plot:
         _plot(report, args.plot)
@@ -470,9 +478,13 @@ def _run_settings(settings: list[Setting], model: str, docs, warmup, hit_docs, a
     curve = [s for s in settings if s.name.startswith("capacity-")]
     size = max(1, args.max_engines)
     groups = [g[i : i + size] for g in (main, curve) for i in range(0, len(g), size)]
-    order = {"first": list(range(len(docs))), "again": list(range(len(docs))),
-             "reverse": list(reversed(range(len(docs))))}
-    total = sum(len(order[p]) for s in settings for p in s.passes) + sum(2 * s.engine_hit_docs for s in settings)
+    rounds = max(1, getattr(args, "first_rounds", 1))
+    n = len(docs) // rounds  # the first pass's rounds run on fresh documents each; the re-reads on the last round's
+    last = list(range((rounds - 1) * n, rounds * n))
+    order = {"first": [list(range(r * n, (r + 1) * n)) for r in range(rounds)], "again": [last],
+             "reverse": [last[::-1]]}
+    total = (sum(len(d) for s in settings for p in s.passes for d in order[p])
+             + sum(2 * s.engine_hit_docs for s in settings))
     quiet = args.json and not sys.stderr.isatty()
     with tqdm(total=total, desc="kvtier demo", unit="req", file=sys.stderr, disable=quiet) as bar:
         for group in groups:
@@ -504,19 +516,22 @@ def _run_group(group: list[Setting], order: dict, model: str, docs, warmup, hit_
         for setting in group:
             setting.result = {"passes": {p: [] for p in setting.passes}, "engine_hit": []}
         settle = args.settle_ms / 1000
+        counted = [s for s in group if "first" in s.passes and _is_kvtier(s)]
+        # the connector's counters around the first pass (all its rounds): each document stored once
+        before = {s.name: engines[s.name].ask({"stats": True}, settle) for s in counted}
         for k, name in enumerate(PASSES):
             members = [s for s in group if name in s.passes]
-            for setting in members[k % max(1, len(members)):] + members[: k % max(1, len(members))]:
-                bar.set_postfix_str(f"{setting.name}: {name}")
-                counted = name == "first" and _is_kvtier(setting)
-                if counted:  # the connector's counters around the first pass: each document stored once
-                    before = engines[setting.name].ask({"stats": True}, settle)
-                for j, doc in enumerate(order[name]):
-                    answer = engines[setting.name].ask({"doc": doc}, settle if j == 0 else 0.0)
-                    setting.result["passes"][name].append({**answer, "doc": doc})
-                    bar.update(1)
-                if counted:
-                    setting.result["stored"] = _counter_delta(before, engines[setting.name].ask({"stats": True}))
+            turn = members[k % max(1, len(members)):] + members[: k % max(1, len(members))]
+            for r, docs_of_round in enumerate(order[name]):
+                for setting in (turn if r % 2 == 0 else turn[::-1]):  # rounds alternate the order
+                    bar.set_postfix_str(f"{setting.name}: {name}" + (f" {r + 1}" if len(order[name]) > 1 else ""))
+                    for j, doc in enumerate(docs_of_round):
+                        answer = engines[setting.name].ask({"doc": doc}, settle if j == 0 else 0.0)
+                        setting.result["passes"][name].append({**answer, "doc": doc, "round": r})
+                        bar.update(1)
+            if name == "first":
+                for s in counted:
+                    s.result["stored"] = _counter_delta(before[s.name], engines[s.name].ask({"stats": True}, settle))
         for setting in group:
             for i in range(setting.engine_hit_docs):
                 first = engines[setting.name].ask({"hit": i}, settle if i == 0 else 0.0)
@@ -570,6 +585,32 @@ def stored_bytes(settings: list[Setting], num_docs: int, formula_bytes: int) -> 
                        "saved_chunks": counted["saved_chunks"],
                        "tier_written_per_document_bytes": {t: b / num_docs for t, b in counted["tier_written_bytes"].items()}}
     return out
+
+
+def first_rounds(settings: list[Setting]) -> dict:
+    """Each setting's first-pass TTFT over vLLM alone's, round by round (``--first-rounds``: the
+    same fresh documents per round, the settings interleaved): per round the ratio of the two
+    medians, then the median, min and max of those ratios; {} without vLLM alone."""
+    base = next((s for s in settings if s.name == "vllm"), None)
+    if base is None:
+        return {}
+
+    def medians(s: Setting) -> dict[int, float]:
+        by_round: dict[int, list[float]] = {}
+        for r in s.result["passes"].get("first", []):
+            by_round.setdefault(r.get("round", 0), []).append(r["ttft_ms"])
+        return {k: statistics.median(v) for k, v in sorted(by_round.items())}
+
+    ref = medians(base)
+    out = {}
+    for s in settings:
+        if s is base or "first" not in s.passes:
+            continue
+        ratios = [m / ref[k] for k, m in medians(s).items() if ref.get(k)]
+        if ratios:
+            out[s.name] = {"ratios": [round(x, 4) for x in ratios], "median": round(statistics.median(ratios), 4),
+                           "min": round(min(ratios), 4), "max": round(max(ratios), 4)}
+    return {"rounds": len(ref), "settings": out}
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -838,6 +879,11 @@ def _print(report: dict, args: argparse.Namespace, working_set: int) -> None:
                     [[f"{p['capacity_fraction']:g}", p["ttft_p50_ms"], p["ttft_mean_ms"],
                       f"{p['hit_tokens']:,} / {p['query_tokens']:,}"] for p in report["capacity_curve"]])
     print(f"\nvLLM's own prefix-cache hit (same document twice): TTFT p50 {report['engine_hit_ttft_p50_ms']:.1f} ms")
+    rounds = report.get("first_rounds") or {}
+    if rounds.get("settings"):
+        print_table(["setting", "first-pass TTFT / vLLM alone's: median", "min", "max"],
+                    [[name, r["median"], r["min"], r["max"]] for name, r in rounds["settings"].items()],
+                    title=f"first pass over {rounds['rounds']} round(s) of fresh documents, per round the ratio of medians")
     _print_model_checks(report)
     if report["breakeven_hit_rate"] is not None:
         be = report["breakeven"]

@@ -296,6 +296,25 @@ def test_first_tokens_are_compared_per_document_with_the_equal_prefix():
     json.dumps(report)  # the rest of the report still builds from these results
 
 
+def test_first_rounds_are_ratios_of_medians_round_by_round(capsys):
+    """``--first-rounds``: per round the setting's median first-pass TTFT over vLLM alone's of
+    the same round, then their median, min and max (a round's noise stays in its own ratio)."""
+    def first(ttfts_by_round):
+        return [{"doc": 10 * r + i, "round": r, "ttft_ms": t, "token_ids": []}
+                for r, ttfts in enumerate(ttfts_by_round) for i, t in enumerate(ttfts)]
+
+    alone = Setting("vllm", None, result={"passes": {"first": first([[100, 100, 300], [200, 200, 200], [50, 50, 50]])}})
+    kv = Setting("kvtier-ram", offload._kvtier([], None),
+                 result={"passes": {"first": first([[110, 90, 105], [200, 220, 210], [50, 60, 40]])}})
+    out = offload.first_rounds([alone, kv])
+    assert out["rounds"] == 3
+    # medians 105 / 100, 210 / 200, 50 / 50
+    assert out["settings"]["kvtier-ram"] == {"ratios": [1.05, 1.05, 1.0], "median": 1.05, "min": 1.0, "max": 1.05}
+    assert offload.first_rounds([kv]) == {}
+    assert main(["demo", "--first-rounds", "0"]) == 2  # one line, before any engine or model
+    assert "--first-rounds must be 1..100" in capsys.readouterr().err
+
+
 # -- one small engine run per family ----------------------------------------------------------
 def _tiny_demo(tmp_path, capsys, variant: str, pool_tokens: int):
     """``kvtier demo --variant VARIANT --json`` with 2 documents of 1,536 tokens, vLLM alone beside
