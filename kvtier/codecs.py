@@ -39,7 +39,10 @@ excluded; before the first read, over its puts, encode time excluded), so a fixe
 request, paid coded or raw, does not count as slowness. (An earlier form of the rule, ``S/E
 + S/(r B) + S/D < S/B``, charged every re-read with the one encode: with the zstd coder it stores
 raw at 1 Gb/s, where a coded re-read takes about 0.8 x a raw one.) ``E``/``D``/``r`` are measured
-on this machine at start (one 1 MiB bf16-like sample) and refreshed from real chunks. Now and then
+on this machine at start (one 1 MiB bf16-like sample) and refreshed from real chunks; once coded
+reads are timed, ``D`` is their decode speed, as the tier's readers see it: readers that decode at
+once share the cores (four on two cores each decode at half speed), and ``B``, from the same
+reads, is what one reader gets of a link they share, so the rule weighs like with like. Now and then
 one chunk is stored the other way, which keeps the inputs fresh and gives the fit two sizes: every
 ``PROBE_EVERY`` puts until the fit has told latency from bandwidth (it then keeps that latency
 while the tier sees one size), then every 32 while coding, and while storing raw as rarely as
@@ -315,6 +318,7 @@ class AutoChoice:
         self.reads = 0  # reads of the tier (the tier times one in kvtier.tiers.base.READ_SAMPLE)
         self._read_queue: collections.deque = collections.deque(maxlen=_READ_QUEUE)  # (bytes, s) not yet fitted
         self.encode_bps, self.decode_bps, self.ratio = _measure(codec, itemsize)
+        self.read_decode_bps: float | None = None  # as the tier's readers decode (``observe_get``)
         self.coding = False
         self.coded = 0
         self.raw = 0
@@ -327,7 +331,12 @@ class AutoChoice:
             b = self.tier_bps
             if not b or self.ratio <= 1.0:
                 return False
-            return 1.0 / self.decode_bps + 1.0 / (self.ratio * b) < 1.0 / b
+            return 1.0 / self._decode_speed() + 1.0 / (self.ratio * b) < 1.0 / b
+
+    def _decode_speed(self) -> float:
+        """``D`` of the rule (lock held): as the readers decode once a coded read was timed, else
+        as measured alone (at start, and on the writers' probes)."""
+        return self.read_decode_bps or self.decode_bps
 
     def encode(self, raw: memoryview, itemsize: int) -> bytes | None:
         """The coded bytes when the chunk is to be stored coded (or None: store raw): coded
@@ -380,7 +389,7 @@ class AutoChoice:
         b = self.tier_bps
         if b is None or math.isinf(b):
             return PROBE_EVERY_MAX
-        extra = b / self.decode_bps + 1.0 / max(self.ratio, 1.0) - 1.0
+        extra = b / self._decode_speed() + 1.0 / max(self.ratio, 1.0) - 1.0
         return max(PROBE_EVERY, min(PROBE_EVERY_MAX, math.ceil(extra / PROBE_BUDGET)))
 
     def observe_put(self, stored_bytes: int, seconds: float) -> None:
@@ -391,22 +400,29 @@ class AutoChoice:
             self._writes.add(stored_bytes, seconds)
             self._update()
 
-    def observe_get(self, stored_bytes: int, seconds: float) -> None:
-        """One read of the tier moved ``stored_bytes`` in ``seconds`` (decode time excluded).
-        Once reads are seen, the rule uses their bandwidth: a re-read is what an engine waits on.
-        On the read path, so it only queues the pair (no lock, no fit): the fit takes the queued
-        reads when the rule is next asked (``pays``, ``state``). Updating the fit on every read
-        cost ~20 us a read after the read's own copy had evicted the caches: 10% of a 1 MiB read
-        from a memory-speed tier."""
+    def observe_get(self, stored_bytes: int, seconds: float, raw_bytes: int = 0, decode_s: float = 0.0) -> None:
+        """One read of the tier moved ``stored_bytes`` in ``seconds`` (decode time excluded) and,
+        for a coded entry, decoded ``raw_bytes`` in ``decode_s``. Once reads are seen, the rule
+        uses their bandwidth: a re-read is what an engine waits on; and a decode timed on the
+        read path is the decode speed the rule uses, as the readers see it (several readers at
+        once share the cores: four decoding on two cores each take twice as long, which a probe
+        decoded alone on a writer never shows). On the read path, so it only queues (no lock,
+        no fit): the fit takes the queued reads when the rule is next asked (``pays``,
+        ``state``). Updating the fit on every read cost ~20 us a read after the read's own copy
+        had evicted the caches: 10% of a 1 MiB read from a memory-speed tier."""
         if stored_bytes > 0 and seconds > 0:
-            self._read_queue.append((stored_bytes, seconds))  # deque.append: atomic, bounded
+            self._read_queue.append((stored_bytes, seconds, raw_bytes, decode_s))  # deque.append: atomic, bounded
 
     def _take_reads(self) -> None:
-        """Fold the queued reads into the read fit, then ``_update`` (lock held)."""
+        """Fold the queued reads into the read fit and the decode speed, then ``_update`` (lock
+        held)."""
         queue = self._read_queue
         if queue:
             while queue:
-                self._reads.add(*queue.popleft())
+                stored, seconds, raw, decode_s = queue.popleft()
+                self._reads.add(stored, seconds)
+                if raw > 0 and decode_s > 0:
+                    self.read_decode_bps = _avg(self.read_decode_bps, raw / decode_s)
             self._update()
 
     def _update(self) -> None:
@@ -428,7 +444,8 @@ class AutoChoice:
             return {"coding": self.coding, **finite, "latency_s": self.latency_s,
                     "size_independent": self.tier_bps is not None and math.isinf(self.tier_bps),
                     "encode_bps": self.encode_bps,
-                    "decode_bps": self.decode_bps, "ratio": self.ratio, "coded_puts": self.coded,
+                    "decode_bps": self.decode_bps, "read_decode_bps": self.read_decode_bps,
+                    "ratio": self.ratio, "coded_puts": self.coded,
                     "raw_puts": self.raw}
 
 

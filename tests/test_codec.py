@@ -232,6 +232,25 @@ def test_auto_codes_where_a_re_read_pays(tier_mbps, pays):
     assert auto.pays() is pays
 
 
+def test_auto_weighs_the_decode_speed_its_readers_see():
+    """Four readers of a 10 Gb/s link each get 2.5 Gb/s of it (312 MB/s: under the break-even of
+    a 1.2 GB/s decoder, 372 MB/s), but four decodes at once on two cores run at half speed each:
+    the break-even falls to 186 MB/s and coding no longer pays. Once coded reads are timed, their
+    decode speed is the rule's, not the speed of a decode measured alone."""
+    auto = codecs.AutoChoice(codecs.LOSSLESS)
+    auto.encode_bps, auto.decode_bps, auto.ratio = 0.3e9, 1.2e9, 1.45
+    auto.tier_bps = 312e6
+    assert auto.pays() and auto.state()["read_decode_bps"] is None
+    for n in (1 << 20, 600_000) * 20:  # coded reads: the transfer at 312 MB/s, the decode at 0.6 GB/s
+        auto.observe_get(int(n / 1.45), n / 1.45 / 312e6, n, n / 0.6e9)
+    state = auto.state()
+    assert state["read_decode_bps"] == pytest.approx(0.6e9, rel=0.01) and state["decode_bps"] == 1.2e9
+    assert state["tier_bps"] == pytest.approx(312e6, rel=0.05) and not auto.pays()
+    for n in (1 << 20, 600_000) * 20:  # one reader: the decode at full speed again
+        auto.observe_get(int(n / 1.45), n / 1.45 / 312e6, n, n / 1.2e9)
+    assert auto.pays()
+
+
 def test_auto_stores_raw_on_a_fast_tier_and_codes_on_a_slow_one(redis_server, key_prefix):
     """``codec: auto`` on a real redis-server: direct (loopback, ~GB/s) the break-even rule
     keeps chunks raw; behind the project's delay proxy paced to ~40 MB/s a stream (2 ms per

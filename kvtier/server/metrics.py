@@ -156,6 +156,8 @@ _CODEC_GAUGES = {
                   "coded or raw)."),
     "encode_bps": ("encode_bytes_per_second", "The codec's encode speed on one core, as measured here."),
     "decode_bps": ("decode_bytes_per_second", "The codec's decode speed on one core, as measured here."),
+    "read_decode_bps": ("read_decode_bytes_per_second", "The codec's decode speed as the tier's readers saw it "
+                        "(readers decoding at once share the cores); the auto rule's decode speed once known."),
     "ratio": ("ratio", "Raw over coded bytes of the chunks the codec coded (moving average)."),
     # a coded server arena's (``RamTier.codec_state``): its pages, not ``tier_capacity_bytes`` (its
     # raw-byte budget, 16 x the arena), are the limit

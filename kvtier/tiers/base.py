@@ -471,7 +471,8 @@ def _timed_get(get_into):
         start = time.perf_counter()
         result = get_into(self, *args, **kwargs)
         if result:
-            auto.observe_get(_GET_CLOCK.stored, time.perf_counter() - start - clock.decode_s)
+            decode_s = clock.decode_s
+            auto.observe_get(_GET_CLOCK.stored, time.perf_counter() - start - decode_s, result, decode_s)
         return result
 
     timed.__doc__, timed.__name__, timed.__wrapped__ = get_into.__doc__, get_into.__name__, get_into
