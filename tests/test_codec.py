@@ -367,7 +367,8 @@ def test_kvtier_bench_codec_json_reports_ratio_speeds_and_a_bit_exact_store_pass
     assert lossy["encode_gbps"] > 0 and lossy["decode_gbps"] > 0 and "greedy" not in lossy  # synthetic: no model
     # the memory-speed tier, the codecs interleaved: per codec the median ratio to none and its spread
     rows = {r["codec"]: r for r in report["shared_reread"]}
-    assert set(rows) == {"none", "lossless", "auto"} and all(r["tier"].startswith("fs on") for r in rows.values())
+    assert set(rows) == {"none", "control", "lossless", "auto"} and all(r["tier"].startswith("fs on") for r in rows.values())
+    assert rows["control"]["tier_codec"] == "none" and rows["control"]["repeat"] > 1  # the A/A spread, timed longer
     assert rows["none"]["vs_none"] == {"median": 1.0, "min": 1.0, "max": 1.0}
     spread = rows["auto"]["vs_best"]
     assert 0 < spread["min"] <= spread["median"] <= spread["max"] and rows["auto"]["auto"]["codec"] == "auto"

@@ -29,8 +29,10 @@ is a floor, not a quality claim).
 Re-read (``--rates``, Gb/s): a real ``redis-server`` behind the project's delay proxy (in a
 process of its own; 2 ms per request, the responses of all connections paced together at the
 rate, one link: ``DelayProxy(link_rate=)``), one ``redis`` tier per codec (``none``,
-``lossless``, ``auto``, ``fp8``); and (``--local``) an ``fs`` tier on tmpfs per codec (``none``,
-``lossless``, ``auto``): the memory-speed tier. The chunks are read by ``--readers`` threads at
+``lossless``, ``auto``, ``fp8``) and a second ``none`` tier, ``control`` (the run's own A/A
+spread); and (``--local``) an ``fs`` tier on tmpfs per codec (``none``, ``control``,
+``lossless``, ``auto``): the memory-speed tier, where each round times ``LOCAL_REPEAT`` whole
+re-reads (one takes a few ms). The chunks are read by ``--readers`` threads at
 once, as the connector's ``load_threads`` read a request's chunks (4 by default; 1: one chunk
 after another, each chunk's decode then never overlapping the next one's transfer). The
 codecs are interleaved: each tier learns (``LEARN_PASSES`` put-and-read passes, taking turns),
@@ -426,8 +428,12 @@ def _spread(s: dict) -> str:
 
 PROXY_DELAY_S = 0.002
 LEARN_PASSES = 8  # put-and-read passes before the measured ones: ~30 transfers, the auto fit's memory
-REREAD_CODECS = ("none", "lossless", "auto", "fp8")
-LOCAL_CODECS = ("none", "lossless", "auto")  # the memory-speed tier: fp8 is a different KV, not a speed choice
+# re-read tiers: name -> codec. "control" is a second raw tier read like the others, so each run
+# states its own A/A spread (on a memory-speed tier a whole re-read takes a few ms, where this
+# machine's noise alone moves a round by 10-20%)
+REREAD_TIERS = {"none": "none", "control": "none", "lossless": "lossless", "auto": "auto", "fp8": "fp8"}
+LOCAL_TIERS = {"none": "none", "control": "none", "lossless": "lossless", "auto": "auto"}  # fp8: another KV
+LOCAL_REPEAT = 8  # whole re-reads per timed round on the memory-speed tier (a few ms each alone)
 
 
 def _median(xs: list[float]) -> float:
@@ -437,13 +443,14 @@ def _median(xs: list[float]) -> float:
 
 
 def interleaved_rereads(tiers: dict, keys: list[bytes], chunks: list[np.ndarray], rounds: int,
-                        readers: int = 1) -> dict:
-    """Re-read ``chunks`` from each of ``tiers`` ({codec: open tier}) by ``readers`` threads at
-    once, interleaved: every tier learns (``LEARN_PASSES`` put-and-read passes, the tiers taking
-    turns), gets the chunks put once more, then each of ``rounds`` rounds re-reads every tier
-    once, the order reversed every other round. Per codec: the median re-read seconds, its ratio
-    to ``none`` of the same round (median, min, max); ``auto`` also against the better of ``none``
-    and ``lossless`` of the same round, and how many of the re-read chunks it had stored coded."""
+                        readers: int = 1, repeat: int = 1) -> dict:
+    """Re-read ``chunks`` from each of ``tiers`` ({name: open tier}; ``none`` among them) by
+    ``readers`` threads at once, interleaved: every tier learns (``LEARN_PASSES`` put-and-read
+    passes, the tiers taking turns), gets the chunks put once more, then each of ``rounds``
+    rounds re-reads every tier ``repeat`` times (timed together), the order reversed every other
+    round. Per tier: the median re-read seconds (of one whole re-read), its ratio to ``none`` of
+    the same round (median, min, max); ``auto`` also against the better of ``none`` and
+    ``lossless`` of the same round, and how many of the re-read chunks each had stored coded."""
     from concurrent.futures import ThreadPoolExecutor
 
     size = max(c.nbytes for c in chunks)
@@ -458,8 +465,15 @@ def interleaved_rereads(tiers: dict, keys: list[bytes], chunks: list[np.ndarray]
 
         return all(pool.map(part, range(readers)))
 
+    def read_repeated(tier) -> bool:
+        return all([read_all(tier) for _ in range(repeat)])
+
     with pool:
-        return _timed_rereads(tiers, keys, chunks, rounds, read_all)
+        rows = _timed_rereads(tiers, keys, chunks, rounds, read_repeated)
+    for row in rows.values():
+        row["reread_s"] = round(row["reread_s"] / repeat, 6)
+        row["repeat"] = repeat
+    return rows
 
 
 def _timed_rereads(tiers: dict, keys: list[bytes], chunks: list[np.ndarray], rounds: int, read_all) -> dict:
@@ -488,7 +502,7 @@ def _timed_rereads(tiers: dict, keys: list[bytes], chunks: list[np.ndarray], rou
     rows = {}
     for name in names:
         ratios = [t / b for t, b in zip(times[name], times["none"])]
-        row = {"codec": name, "reread_s": round(_median(times[name]), 5),
+        row = {"codec": name, "tier_codec": tiers[name].config.codec, "reread_s": round(_median(times[name]), 5),
                "vs_none": {"median": round(_median(ratios), 3), "min": round(min(ratios), 3),
                            "max": round(max(ratios), 3)},
                "coded_chunks": coded[name], "chunks": len(keys)}
@@ -524,10 +538,10 @@ def shared_rereads(chunks: list[np.ndarray], rates_gbps: list[float], rounds: in
             with proxy_process(server.port, PROXY_DELAY_S, gbps * 1e9 / 8) as proxy_port, \
                     contextlib.ExitStack() as stack:
                 tiers = {}
-                for codec in REREAD_CODECS:
-                    config = RedisConfig(url=f"redis://127.0.0.1:{proxy_port}/0", prefix=f"bench-{codec}-{gbps}:",
+                for name, codec in REREAD_TIERS.items():
+                    config = RedisConfig(url=f"redis://127.0.0.1:{proxy_port}/0", prefix=f"bench-{name}-{gbps}:",
                                          capacity=1 << 30, codec=codec, timeout_s=30.0)
-                    tiers[codec] = stack.enter_context(RedisTier(config, name="redis"))
+                    tiers[name] = stack.enter_context(RedisTier(config, name="redis"))
                 try:
                     got = interleaved_rereads(tiers, keys, chunks, rounds, readers)
                 finally:
@@ -544,7 +558,7 @@ def shared_rereads(chunks: list[np.ndarray], rates_gbps: list[float], rounds: in
 def local_rereads(chunks: list[np.ndarray], rounds: int, readers: int = 1) -> list[dict]:
     """The same interleaved re-reads from a memory-speed tier: an ``fs`` tier on tmpfs
     (/dev/shm where there is one, else the temp dir, read back from the page cache); ``none``,
-    ``lossless``, ``auto``."""
+    its control, ``lossless``, ``auto``; each round reads every chunk ``LOCAL_REPEAT`` times."""
     import hashlib
 
     from kvtier.tiers.fs import FsConfig, FsTier
@@ -552,9 +566,9 @@ def local_rereads(chunks: list[np.ndarray], rounds: int, readers: int = 1) -> li
     keys = [hashlib.sha256(b"bench-codec-local-%d" % i).digest() for i in range(len(chunks))]
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-codec-", dir=base) as tmp, contextlib.ExitStack() as stack:
-        tiers = {codec: stack.enter_context(FsTier(FsConfig(path=os.path.join(tmp, codec), capacity=1 << 32,
-                                                            codec=codec), name="fs"))
-                 for codec in LOCAL_CODECS}
-        got = interleaved_rereads(tiers, keys, chunks, rounds, readers)
+        tiers = {name: stack.enter_context(FsTier(FsConfig(path=os.path.join(tmp, name), capacity=1 << 32,
+                                                           codec=codec), name="fs"))
+                 for name, codec in LOCAL_TIERS.items()}
+        got = interleaved_rereads(tiers, keys, chunks, rounds, readers, LOCAL_REPEAT)
     where = "tmpfs" if base else "the temp dir (page cache)"
     return [{"tier": f"fs on {where}", "gbps": None, **row} for row in got.values()]
