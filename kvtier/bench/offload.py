@@ -121,7 +121,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-rounds", type=int, default=1,
                         help="first-pass rounds, each on --docs fresh documents, the settings' order alternated "
                              "round by round; the report gives each setting's first-pass TTFT over vLLM alone's "
-                             "per round (median, min, max). The re-reads use the last round's documents (1)")
+                             "per round (median, min, max). The re-reads use the last round's documents, after the store "
+                             "has seen every round's (with the default admission, mostly misses) (1)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
 
 
