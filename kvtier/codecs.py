@@ -316,7 +316,7 @@ class AutoChoice:
         self.latency_s: float | None = None  # the fitted fixed cost per request of that bandwidth
         self._reads, self._writes = LinkFit(), LinkFit()
         self.reads = 0  # reads of the tier (the tier times one in kvtier.tiers.base.READ_SAMPLE)
-        self._read_queue: collections.deque = collections.deque(maxlen=_READ_QUEUE)  # (bytes, s) not yet fitted
+        self._read_queue: collections.deque = collections.deque(maxlen=_READ_QUEUE)  # reads not yet fitted (observe_get)
         self.encode_bps, self.decode_bps, self.ratio = _measure(codec, itemsize)
         self.read_decode_bps: float | None = None  # as the tier's readers decode (``observe_get``)
         self.coding = False
