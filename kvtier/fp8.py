@@ -153,13 +153,20 @@ def quantize(raw: memoryview, dtype: str, group: int = GROUP) -> tuple[bytes, by
     k = np.clip(np.frexp(amax / np.float32(E4M3_MAX))[1], -_BIAS, _BIAS).astype(np.int32)  # amax / 2^k <= 448
     inverse = np.ldexp(np.float32(1.0), -k).astype(np.float32)  # a power of two: the product is exact
     codes = _round_to_e4m3(blocks * inverse[:, None])  # (groups, group): padding codes 0
-    scales = (k + _BIAS).astype(np.uint8)
-    head = _HEAD.pack(VERSION, code, group, count)
-    payload = b"".join((head, scales.tobytes(), codes.reshape(-1)[:count].tobytes()))
-    dequantized = bytearray(raw.nbytes)
+    return _sealed(codes, k, count, code, group, float(amax.max()), raw.nbytes)
+
+
+def _sealed(codes: np.ndarray, k: np.ndarray, count: int, code: int, group: int, amax: float,
+            nbytes: int) -> "tuple[bytes, bytes] | None":
+    """``quantize``'s answer from the groups' ``codes`` and exponents ``k``: (payload,
+    dequantized bytes), or None when rounding up carried an element past the source dtype's
+    largest value (``amax`` near it; kept exact: stored raw)."""
+    payload = b"".join((_HEAD.pack(VERSION, code, group, count), (k + _BIAS).astype(np.uint8).tobytes(),
+                        codes.reshape(-1)[:count].tobytes()))
+    dequantized = bytearray(nbytes)
     _dequantize(codes, k, count, code, memoryview(dequantized))
-    if float(amax.max()) > _SAFE_MAX[code] and not _all_finite(memoryview(dequantized), code):
-        return None  # rounding up carried past the dtype's largest value: keep it exact (raw)
+    if amax > _SAFE_MAX[code] and not _all_finite(memoryview(dequantized), code):
+        return None
     return payload, bytes(dequantized)
 
 
@@ -186,14 +193,7 @@ def _quantize_bf16(raw: memoryview, group: int) -> "tuple[bytes, bytes] | None":
     if k.max() > 0:  # a group of large values: its tiny elements' fields would go below 1
         scaled[blocks < ((np.maximum(k, 0) + 1) << 7).astype(np.uint16)[:, None]] = 0
     scaled |= (bits & np.uint16(0x8000)).reshape(-1, group)
-    codes = np.take(_LUT, scaled)
-    scales = (k + _BIAS).astype(np.uint8)
-    payload = b"".join((_HEAD.pack(VERSION, _BF16, group, count), scales.tobytes(), codes.tobytes()))
-    dequantized = bytearray(raw.nbytes)
-    _dequantize(codes, k, count, _BF16, memoryview(dequantized))
-    if float(amax.max()) > _SAFE_MAX[_BF16] and not _all_finite(memoryview(dequantized), _BF16):
-        return None  # rounding up carried past bf16's largest value: keep it exact (raw)
-    return payload, bytes(dequantized)
+    return _sealed(np.take(_LUT, scaled), k, count, _BF16, group, float(amax.max()), raw.nbytes)
 
 
 def _all_finite(out: memoryview, code: int) -> bool:
