@@ -421,6 +421,13 @@ def _kvtier(tiers: list[dict], chunk_tokens: int | None) -> dict:
     return {**CONNECTOR, "kv_connector_extra_config": extra}
 
 
+def _ram_over(lower: dict, working_set: int) -> list[dict]:
+    """A RAM tier of 0.2 x ``working_set`` over ``lower`` (given twice the working set), so that
+    re-reads come from the lower tier."""
+    return [{"type": "ram", "capacity": int(0.2 * working_set)},
+            {**lower, "capacity": 2 * working_set + (256 << 20)}]
+
+
 def _settings(names: list[str], fractions: list[float], working_set: int, work: Path,
               chunk_tokens: int | None, links: dict | None = None) -> list[Setting]:
     """The engine runs to make: the main settings, then the capacity curve. ``links``: the Redis
@@ -434,21 +441,16 @@ def _settings(names: list[str], fractions: list[float], working_set: int, work: 
             tiers = [{"type": "ram", "capacity": int(big * working_set)}]
             settings.append(Setting(name, _kvtier(tiers, chunk_tokens), capacity_fraction=big))
         elif name == "kvtier-ram+disk":
-            tiers = [{"type": "ram", "capacity": int(0.2 * working_set)},
-                     {"type": "disk", "path": str(work / "disk"), "capacity": 2 * working_set + (256 << 20)}]
+            tiers = _ram_over({"type": "disk", "path": str(work / "disk")}, working_set)
             settings.append(Setting(name, _kvtier(tiers, chunk_tokens)))
         elif name in FS_CODEC_SETTINGS:  # the RAM tier as kvtier-ram+disk's: re-reads come from fs
             codec = FS_CODEC_SETTINGS[name]
-            tiers = [{"type": "ram", "capacity": int(0.2 * working_set)},
-                     {"type": "fs", "path": str(work / f"fs-{codec}"), "capacity": 2 * working_set + (256 << 20),
-                      "codec": codec}]
-            settings.append(Setting(name, _kvtier(tiers, chunk_tokens)))
+            lower = {"type": "fs", "path": str(work / f"fs-{codec}"), "codec": codec}
+            settings.append(Setting(name, _kvtier(_ram_over(lower, working_set), chunk_tokens)))
         elif name in (links or {}):  # as kvtier-ram+fs, over a Redis tier across the setting's link
-            codec = SHARED_SETTING.fullmatch(name).group(2) or "none"
-            tiers = [{"type": "ram", "capacity": int(0.2 * working_set)},
-                     {"type": "redis", "url": links[name], "prefix": f"demo-{name}:",
-                      "capacity": 2 * working_set + (256 << 20), "codec": codec, "timeout_s": 30.0}]
-            settings.append(Setting(name, _kvtier(tiers, chunk_tokens)))
+            lower = {"type": "redis", "url": links[name], "prefix": f"demo-{name}:", "timeout_s": 30.0,
+                     "codec": SHARED_SETTING.fullmatch(name).group(2) or "none"}
+            settings.append(Setting(name, _kvtier(_ram_over(lower, working_set), chunk_tokens)))
         elif name == "example-connector":
             settings.append(Setting(name, {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                                            "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}))
