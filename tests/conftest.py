@@ -36,8 +36,28 @@ def pytest_report_header(config) -> str | None:
 def pytest_collection_modifyitems(session, config, items) -> None:
     seed = config.getoption("--shuffle")
     if seed is not None:
-        random.Random(seed).shuffle(items)
+        items[:] = shuffled(items, random.Random(seed))
     _skip_bench_runs_on_slow_cpus(items)
+
+
+def shuffled(items: list, rng: random.Random) -> list:
+    """``items`` in a random order that keeps each test file's tests together, and each class's
+    within its file: the files in a random order, the classes and free tests of a file in a random
+    order, the tests of a class in a random order. A test's neighbours still change from seed to
+    seed (the order-dependence this check looks for), while a module- or class-scoped fixture (a
+    shared vLLM engine, a server) is set up once per file or class instead of once per test: a
+    whole shuffle tore the suite's shared engines down and started them again between tests."""
+    files: dict[str, dict[str, list]] = {}
+    for item in items:
+        path, _, rest = item.nodeid.partition("::")
+        group = rest.split("::")[0] if "::" in rest else ""  # a class, or "" for free tests
+        files.setdefault(path, {}).setdefault(group, []).append(item)
+    out: list = []
+    for groups in rng.sample(list(files.values()), len(files)):
+        units: list[list] = [[t] for t in groups.pop("", [])] + list(groups.values())
+        for unit in rng.sample(units, len(units)):
+            out.extend(rng.sample(unit, len(unit)))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
