@@ -211,6 +211,10 @@ PROBE_BUDGET = 0.01
 _EWMA = 0.2  # weight of the newest observation in the moving averages of the codec's speeds
 _FIT_EWMA = 0.03  # weight of the newest transfer in a tier's latency/bandwidth fit (~30 transfers)
 _READ_QUEUE = 256  # reads queued for the fit between two decisions (an older one would weigh < 0.0005)
+# the measured side of the rule: each kind of re-read (coded: move and decode; raw: move) as a
+# moving average of its seconds per raw byte; it decides once both kinds have MEASURED_MIN reads
+MEASURED_MIN = 4
+_MEASURED_EWMA = 0.1
 
 
 class LinkFit:
@@ -323,15 +327,35 @@ class AutoChoice:
         self.coded = 0
         self.raw = 0
         self._since_probe = 0
+        self.read_cost: dict[str, float | None] = {"coded": None, "raw": None}  # s per raw byte, measured
+        self.read_count = {"coded": 0, "raw": 0}
 
     def pays(self) -> bool:
-        """Whether coding pays at the current inputs (False until the tier is measured)."""
+        """Whether coding pays at the current inputs (False until the tier is measured): once
+        both kinds of entry have been re-read ``MEASURED_MIN`` times, whether a coded re-read
+        took less time per raw byte than a raw one (``measured``); before, the rule on the
+        fitted bandwidth and the decode speed."""
         with self._lock:
             self._take_reads()
+            measured = self._measured()
+            if measured is not None:
+                return measured
             b = self.tier_bps
             if not b or self.ratio <= 1.0:
                 return False
             return 1.0 / self._decode_speed() + 1.0 / (self.ratio * b) < 1.0 / b
+
+    def _measured(self) -> bool | None:
+        """The rule with both sides measured (lock held): whether the tier's coded re-reads
+        (move the coded bytes, decode them) took less time per raw byte than its raw re-reads
+        (move the raw bytes), or None until each kind has ``MEASURED_MIN`` timed reads. Both
+        kinds are read by the same readers over the same link and cores, so whatever the fit
+        does not model (a link whose speed is the CPU's, readers that queue behind each other, a
+        proxy or server sharing the cores) is in both; a fixed cost per request is too, and
+        cancels for chunks of one size (the connector's)."""
+        if min(self.read_count.values()) < MEASURED_MIN:
+            return None
+        return self.read_cost["coded"] < self.read_cost["raw"]
 
     def _decode_speed(self) -> float:
         """``D`` of the rule (lock held): as the readers decode once a coded read was timed, else
@@ -414,8 +438,9 @@ class AutoChoice:
             self._read_queue.append((stored_bytes, seconds, raw_bytes, decode_s))  # deque.append: atomic, bounded
 
     def _take_reads(self) -> None:
-        """Fold the queued reads into the read fit and the decode speed, then ``_update`` (lock
-        held)."""
+        """Fold the queued reads into the read fit, the decode speed and the measured cost of
+        each kind of re-read (a read that reports its raw bytes: coded when it decoded), then
+        ``_update`` (lock held)."""
         queue = self._read_queue
         if queue:
             while queue:
@@ -423,6 +448,12 @@ class AutoChoice:
                 self._reads.add(stored, seconds)
                 if raw > 0 and decode_s > 0:
                     self.read_decode_bps = _avg(self.read_decode_bps, raw / decode_s)
+                if raw > 0:
+                    kind = "coded" if decode_s > 0 else "raw"
+                    old = self.read_cost[kind]
+                    new = (seconds + decode_s) / raw
+                    self.read_cost[kind] = new if old is None else (1 - _MEASURED_EWMA) * old + _MEASURED_EWMA * new
+                    self.read_count[kind] += 1
             self._update()
 
     def _update(self) -> None:
@@ -441,12 +472,16 @@ class AutoChoice:
             self._take_reads()
             bandwidths = (("tier_bps", self.tier_bps), ("read_bps", self.read_bps), ("write_bps", self.write_bps))
             finite = {k: (v if v is None or math.isfinite(v) else None) for k, v in bandwidths}
-            return {"coding": self.coding, **finite, "latency_s": self.latency_s,
+            measured = self._measured()
+            return {"coding": self.coding, "decided_by": "rule" if measured is None else "measured reads",
+                    **finite, "latency_s": self.latency_s,
                     "size_independent": self.tier_bps is not None and math.isinf(self.tier_bps),
                     "encode_bps": self.encode_bps,
                     "decode_bps": self.decode_bps, "read_decode_bps": self.read_decode_bps,
                     "ratio": self.ratio, "coded_puts": self.coded,
-                    "raw_puts": self.raw}
+                    "raw_puts": self.raw,
+                    "coded_read_s_per_byte": self.read_cost["coded"], "raw_read_s_per_byte": self.read_cost["raw"],
+                    "coded_reads_timed": self.read_count["coded"], "raw_reads_timed": self.read_count["raw"]}
 
 
 def _avg(old: float | None, new: float) -> float:

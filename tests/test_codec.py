@@ -264,9 +264,10 @@ def test_auto_stores_raw_on_a_fast_tier_and_codes_on_a_slow_one(redis_server, ke
         state = _learn_then_put(fast, keys, chunks)
         assert state["codec"] == "auto" and (state["tier_bps"] or 0) > 0 or state["size_independent"]
         tier_bps = float("inf") if state["size_independent"] else state["tier_bps"]
-        # the rule's break-even bandwidth at the measured codec speeds and ratio
-        breakeven = (1 - 1 / state["ratio"]) / (1 / state["encode_bps"] + 1 / state["decode_bps"])
-        if tier_bps > 1.5 * breakeven:  # clearly faster than break-even (not on a saturated host)
+        # the rule's break-even bandwidth, D (1 - 1/r), at the decode speed and ratio it uses (a
+        # loaded host decodes slower, and its loopback moves fewer bytes a second)
+        breakeven = (1 - 1 / state["ratio"]) * (state["read_decode_bps"] or state["decode_bps"])
+        if tier_bps > 1.5 * breakeven and state["decided_by"] == "rule":  # clearly faster than break-even
             assert state["second_pass_coded"] <= 2 and not state["coding"], state  # <= 2: the probes
     with DelayProxy(("127.0.0.1", redis_server.port), 0.002, window=80_000) as proxy:
         with _auto_redis(f"redis://127.0.0.1:{proxy.port}/0", key_prefix + "slow:") as slow:
@@ -450,3 +451,61 @@ def test_a_raw_auto_tier_keeps_its_coded_probes_under_one_percent_of_the_reads()
     assert slow["coding"] and slow["raw_puts"] <= 300 // codecs.PROBE_EVERY_CODING + 2, slow
     mid = _rule_on(1.25e9, 0.002, 300).state()
     assert not mid["coding"] and 300 // codecs.PROBE_EVERY_MAX < mid["coded_puts"] <= 300 // codecs.PROBE_EVERY + 1, mid
+
+
+def _reads(auto, kind: str, n: int, raw: int, seconds_per_byte: float) -> None:
+    """``n`` timed re-reads of ``raw`` bytes each of one kind, at ``seconds_per_byte`` of raw
+    bytes in all (a coded one: a third of it decoding)."""
+    for _ in range(n):
+        total = raw * seconds_per_byte
+        if kind == "coded":
+            auto.observe_get(int(raw / 1.45), total * 2 / 3, raw, total / 3)
+        else:
+            auto.observe_get(raw, total, raw, 0.0)
+
+
+def test_auto_follows_the_measured_re_reads_over_its_model():
+    """Where the fit's model and the tier disagree, the tier wins: a link whose per-read speed
+    says code (80 MB/s a read: four readers queueing on one link, a proxy and a server sharing
+    the cores) while the coded re-reads, decode included, take longer per raw byte than the raw
+    ones. Once each kind has MEASURED_MIN timed reads the measured sides decide, both ways."""
+    auto = codecs.AutoChoice(codecs.LOSSLESS)
+    auto.encode_bps, auto.decode_bps, auto.ratio = 0.3e9, 1.2e9, 1.45
+    auto.tier_bps = 80e6
+    assert auto.pays() and auto.state()["decided_by"] == "rule"
+    _reads(auto, "raw", codecs.MEASURED_MIN, 1 << 20, 1 / 80e6)
+    _reads(auto, "coded", codecs.MEASURED_MIN - 1, 1 << 20, 1.2 / 80e6)
+    assert auto.state()["decided_by"] == "rule", "one kind short of MEASURED_MIN"
+    _reads(auto, "coded", 1, 1 << 20, 1.2 / 80e6)
+    state = auto.state()
+    assert not auto.pays() and state["decided_by"] == "measured reads"
+    assert state["coded_read_s_per_byte"] > state["raw_read_s_per_byte"] > 0
+    assert state["coded_reads_timed"] == state["raw_reads_timed"] == codecs.MEASURED_MIN
+    _reads(auto, "coded", 30, 1 << 20, 0.7 / 80e6)  # the link slows: coded re-reads now win
+    assert auto.pays()
+
+
+def test_an_auto_tier_times_every_re_read_of_the_kind_it_does_not_store(tmp_path):
+    """The rarer kind of re-read (a coded probe while the tier stores raw) is timed every time;
+    the usual kind one read in READ_SAMPLE. Reads are bit-exact either way."""
+    from kvtier.tiers.base import READ_SAMPLE
+    from kvtier.tiers.fs import FsConfig, FsTier
+
+    chunks = _model_like_chunks(2, 1 << 18)
+    with FsTier(FsConfig(path=str(tmp_path), capacity=1 << 26, codec="auto"), name="fs") as tier:
+        tier.codec  # resolve: the AutoChoice is made
+        auto = tier._auto
+        keys = [hashlib.sha256(b"kind-%d" % i).digest() for i in range(2)]
+        auto.pays = lambda: True  # the rule's answer, set: the first chunk is stored coded
+        assert tier.put(keys[0], chunks[0], "bfloat16") and tier.stats.as_dict().get("coded") == 1
+        auto.pays = lambda: False  # ... the second raw
+        assert tier.put(keys[1], chunks[1], "bfloat16") and tier.stats.as_dict().get("coded") == 1
+        auto.coding = False  # the tier stores raw now: coded entries are the rarer kind
+        out = np.empty(chunks[0].size, np.uint16)
+        reads = 4 * READ_SAMPLE
+        for _ in range(reads):
+            for k, c in zip(keys, chunks):
+                assert tier.get_into(k, out) == c.nbytes and np.array_equal(out, c)
+        auto._take_reads()
+        assert auto.read_count["coded"] == reads
+        assert 0 < auto.read_count["raw"] <= 2 * reads // READ_SAMPLE < reads  # sampled: not every raw read

@@ -452,27 +452,28 @@ READ_SAMPLE = 4
 
 
 def _timed_get(get_into):
-    """Wrap a tier's ``get_into``: for an ``auto`` tier, one read in ``READ_SAMPLE``: a hit's
-    time minus the time spent decoding feeds the tier's read bandwidth (stored bytes, from
-    ``Tier._note_read``); timing every read cost ~3% of a 1 MiB read from a memory-speed tier
-    (more for smaller chunks), and the fit remembers ~30 transfers anyway. Other tiers pay one
-    attribute look-up."""
+    """Wrap a tier's ``get_into``: for an ``auto`` tier, a hit's time minus the time spent
+    decoding feeds the tier's read bandwidth (stored bytes, from ``Tier._note_read``) and the
+    measured cost of its kind of re-read, for one read in ``READ_SAMPLE`` of the kind the tier
+    stores now and for every read of the other kind (its probes: the rarer side of the measured
+    rule). The fit remembers ~30 transfers anyway, and queueing every read cost ~3% of a 1 MiB
+    read from a memory-speed tier. Other tiers pay one attribute look-up."""
 
     def timed(self, *args, **kwargs):
         auto = getattr(self, "_auto", None)
         if auto is None:
             return get_into(self, *args, **kwargs)
         auto.reads += 1
-        if auto.reads % READ_SAMPLE:  # one read in READ_SAMPLE is timed: the rest pay one count
-            return get_into(self, *args, **kwargs)
         clock = _decode_clock()
         _GET_CLOCK.stored = 0
         clock.decode_s = 0.0
         start = time.perf_counter()
         result = get_into(self, *args, **kwargs)
+        took = time.perf_counter() - start
         if result:
             decode_s = clock.decode_s
-            auto.observe_get(_GET_CLOCK.stored, time.perf_counter() - start - decode_s, result, decode_s)
+            if (decode_s > 0) != auto.coding or not auto.reads % READ_SAMPLE:
+                auto.observe_get(_GET_CLOCK.stored, took - decode_s, result, decode_s)
         return result
 
     timed.__doc__, timed.__name__, timed.__wrapped__ = get_into.__doc__, get_into.__name__, get_into
