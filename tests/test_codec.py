@@ -509,3 +509,71 @@ def test_an_auto_tier_times_every_re_read_of_the_kind_it_does_not_store(tmp_path
         auto._take_reads()
         assert auto.read_count["coded"] == reads
         assert 0 < auto.read_count["raw"] <= 2 * reads // READ_SAMPLE < reads  # sampled: not every raw read
+
+
+def _probed(points, nbytes: int = 1 << 20) -> "codecs.AutoChoice":
+    """An AutoChoice whose read probe answers ``points`` (or raises it), probed by one encode."""
+    auto = codecs.AutoChoice(codecs.LOSSLESS)
+    auto.encode_bps, auto.decode_bps, auto.ratio = 0.4e9, 1.2e9, 1.45
+
+    def probe(n: int):
+        assert n == nbytes and auto.probe_link(n), "a put made by the probe itself is stored raw"
+        if isinstance(points, Exception):
+            raise points
+        return points
+
+    auto.link_probe = probe
+    chunk = _model_like_chunks(1, nbytes)[0]
+    auto.encode(memoryview(chunk).cast("B"), 2)
+    return auto
+
+
+def test_auto_seeds_its_read_fit_from_a_probe_of_two_sizes():
+    """Before its first decision an auto tier times reads of a chunk-sized entry and one a
+    sixteenth of it: far enough apart that the fit tells a fixed cost per request from the
+    bandwidth at once. At 1 Gb/s with 0.5 ms a request coding pays; at 10 Gb/s it does not (the
+    decode costs more than the bytes saved); with the same total times at one size, the
+    latency would have counted as slowness."""
+    n = 1 << 20
+    for bps, pays in ((125e6, True), (1.25e9, False)):
+        auto = _probed([(n // 16, 5e-4 + n / 16 / bps), (n, 5e-4 + n / bps)] * 2, n)
+        state = auto.state()
+        assert state["latency_s"] == pytest.approx(5e-4, rel=1e-3)
+        assert state["read_bps"] == pytest.approx(bps, rel=1e-3) and auto.pays() is pays
+        assert state["raw_puts"] + state["coded_puts"] == 1  # the probed chunk itself was decided
+
+
+def test_a_failing_read_probe_leaves_the_rule_to_the_transfers(caplog):
+    auto = _probed(OSError("link down"))
+    assert "read probe of the tier failed" in caplog.text and auto.state()["read_bps"] is None
+    assert auto.probe_link(1 << 20) is False  # once: never probed again
+    assert not auto.pays()  # nothing measured: raw
+
+
+def test_an_auto_tier_codes_its_first_chunks_behind_a_slow_link(redis_server, key_prefix):
+    """On a real redis-server behind the delay proxy (2 ms a round trip, 80 KB a round trip: a
+    ~40 MB/s stream) the read probe runs on the first put, so the first chunks are already coded
+    (the probe's own entries are gone after); direct (loopback) they are stored raw."""
+    from kvtier.bench.delay_proxy import DelayProxy
+
+    chunks = _model_like_chunks(6)
+    keys = [hashlib.sha256(b"first-%d" % i).digest() for i in range(len(chunks))]
+    with DelayProxy(("127.0.0.1", redis_server.port), 0.002, window=80_000) as proxy:
+        with _auto_redis(f"redis://127.0.0.1:{proxy.port}/0", key_prefix + "probe-slow:") as slow:
+            for k, c in zip(keys, chunks):
+                assert slow.put(k, c, "bfloat16")
+            state = slow.codec_state()
+            assert state["coded_puts"] >= len(chunks) - 1 and state["read_bps"] < 1e8, state
+            assert state["latency_s"] is not None, state  # the two sizes told it from the bandwidth
+            assert sorted(slow.keys()) == sorted(keys)  # the probe's entries were deleted
+            out = np.empty(chunks[0].size, np.uint16)
+            for k, c in zip(keys, chunks):
+                assert slow.get_into(k, out) == c.nbytes and np.array_equal(out, c)
+                slow.delete(k)
+    with _auto_redis(f"redis://127.0.0.1:{redis_server.port}/0", key_prefix + "probe-fast:") as fast:
+        assert fast.put(keys[0], chunks[0], "bfloat16")
+        state = fast.codec_state()
+        breakeven = (1 - 1 / state["ratio"]) * state["decode_bps"]
+        if (state["read_bps"] or float("inf")) > 1.5 * breakeven:  # loopback clearly faster (not a saturated host)
+            assert state["coded_puts"] == 0 and not state["coding"], state
+        fast.delete(keys[0])

@@ -34,6 +34,7 @@ Imports: ``kvtier.keys``, ``kvtier.entry``, ``kvtier.config``, ``kvtier.errors``
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -191,6 +192,7 @@ class Tier(ABC):
                 codec = get_codec(name, f"tier {self.name}.codec")
                 if name == "auto":
                     auto = AutoChoice(codec)
+                    auto.link_probe = self._probe_reads
                     codec = _AutoCodec(auto)
             self._auto = auto
             self._codec = codec  # last: a reader that sees it sees _auto too
@@ -210,6 +212,36 @@ class Tier(ABC):
         self.codec  # resolve
         auto = getattr(self, "_auto", None)
         return {"codec": name, **(auto.state() if auto is not None else {})}
+
+    def _probe_reads(self, nbytes: int) -> list[tuple[int, float]]:
+        """An ``auto`` codec's read probe (``AutoChoice.probe_link``): two raw entries, of
+        ``nbytes`` and of a sixteenth of it (at least 4 KiB), put under random keys, each read
+        back ``PROBE_READS`` times in turn and deleted; [(bytes, seconds)] with the fastest read
+        of each size twice (the link as it is when nothing else waits: a read slowed by a busy
+        core says nothing of the link), or [] when the tier refuses either entry."""
+        import hashlib
+        import os
+
+        get_into = type(self).get_into
+        get_into = getattr(get_into, "__wrapped__", get_into)  # untimed: the probe is fitted here
+        sizes = (max(4096, nbytes // 16), nbytes)
+        keys = [hashlib.sha256(b"kvtier read probe" + os.urandom(16)).digest() for _ in sizes]
+        best = [math.inf, math.inf]
+        buffer = bytearray(nbytes)
+        try:
+            for key, size in zip(keys, sizes):
+                if not self.put(key, os.urandom(size)):
+                    return []
+            for _ in range(PROBE_READS):
+                for i, (key, size) in enumerate(zip(keys, sizes)):
+                    start = time.perf_counter()
+                    if get_into(self, key, buffer) != size:
+                        return []
+                    best[i] = min(best[i], time.perf_counter() - start)
+        finally:
+            for key in keys:
+                self.delete(key)
+        return [(sizes[0], best[0]), (sizes[1], best[1])] * 2
 
     # Capabilities (class-level: answered from a configuration, before any tier is opened).
 
@@ -449,6 +481,7 @@ def _decode_clock():
 
 _CLOCK = None
 READ_SAMPLE = 4
+PROBE_READS = 3  # reads of each of an auto tier's two probe entries (``Tier._probe_reads``)
 
 
 def _timed_get(get_into):
