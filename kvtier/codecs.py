@@ -457,17 +457,22 @@ class AutoChoice:
 
     def _probe_every(self, code: bool) -> int:
         """Puts between two probes (lock held): ``PROBE_EVERY`` until a fit has told the tier's
-        latency from its bandwidth; then ``PROBE_EVERY_CODING`` while coding, and while storing
-        raw as many as keep a coded probe's extra read time (``B/D + 1/r - 1`` of a raw read)
-        under ``PROBE_BUDGET``, at most ``PROBE_EVERY_MAX``."""
-        if self._reads.latency is None and self._writes.latency is None:
+        latency from its bandwidth, or the measured re-reads decide; then ``PROBE_EVERY_CODING``
+        while coding, and while storing raw as many as keep a coded probe's extra read time
+        under ``PROBE_BUDGET``, at most ``PROBE_EVERY_MAX``: the extra is measured once the
+        re-reads decide (coded over raw, less one), else the model's ``B/D + 1/r - 1``."""
+        measured = self._measured() is not None
+        if not measured and self._reads.latency is None and self._writes.latency is None:
             return PROBE_EVERY
         if code:
             return PROBE_EVERY_CODING
-        b = self.tier_bps
-        if b is None or math.isinf(b):
-            return PROBE_EVERY_MAX
-        extra = b / self._decode_speed() + 1.0 / max(self.ratio, 1.0) - 1.0
+        if measured:
+            extra = self.read_cost["coded"] / self.read_cost["raw"] - 1.0
+        else:
+            b = self.tier_bps
+            if b is None or math.isinf(b):
+                return PROBE_EVERY_MAX
+            extra = b / self._decode_speed() + 1.0 / max(self.ratio, 1.0) - 1.0
         return max(PROBE_EVERY, min(PROBE_EVERY_MAX, math.ceil(extra / PROBE_BUDGET)))
 
     def observe_put(self, stored_bytes: int, seconds: float) -> None:

@@ -577,3 +577,18 @@ def test_an_auto_tier_codes_its_first_chunks_behind_a_slow_link(redis_server, ke
         if (state["read_bps"] or float("inf")) > 1.5 * breakeven:  # loopback clearly faster (not a saturated host)
             assert state["coded_puts"] == 0 and not state["coding"], state
         fast.delete(keys[0])
+
+
+def test_auto_spaces_its_coded_probes_by_what_they_measurably_cost():
+    """Storing raw because the measured re-reads say so, the coded probes are spaced so their
+    extra read time stays under PROBE_BUDGET of the reads: a coded re-read measured 20% slower
+    per byte is probed every 20 puts (at 1%), not every PROBE_EVERY as when the model thinks
+    coding costs nothing."""
+    auto = codecs.AutoChoice(codecs.LOSSLESS)
+    auto.encode_bps, auto.decode_bps, auto.ratio = 0.3e9, 1.2e9, 1.45
+    auto.tier_bps = 80e6  # the model: coding pays
+    _reads(auto, "raw", codecs.MEASURED_MIN, 1 << 20, 1 / 80e6)
+    _reads(auto, "coded", codecs.MEASURED_MIN, 1 << 20, 1.2 / 80e6)
+    assert not auto.pays()
+    with auto._lock:
+        assert auto._probe_every(False) == round(0.2 / codecs.PROBE_BUDGET)
