@@ -76,10 +76,9 @@ def engine_entries(family: str, tokens: int, timeout_s: float = 900.0) -> dict:
         spec_path, log_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "engine.log")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
-        env = dict(os.environ)
-        cores = sorted(os.sched_getaffinity(0))
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0]))
-        env.setdefault("OMP_NUM_THREADS", str(len(cores)))
+        from kvtier.harness.cpus import engine_cpu_env
+
+        env = {**engine_cpu_env(), **os.environ}  # a binding given in the environment wins
         start = time.perf_counter()
         with open(log_path, "w") as log:
             proc = subprocess.run([sys.executable, "-m", "kvtier.bench.codec_engine", spec_path], env=env,

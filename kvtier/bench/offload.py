@@ -768,10 +768,9 @@ def _lmcache_server(setting: Setting, args, work: Path, env: dict):
 
 def _engine_env() -> dict:
     """The environment of every engine run: the same CPU thread binding for all settings."""
-    env = dict(os.environ)
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0]))
-    env.setdefault("OMP_NUM_THREADS", str(len(cores)))
+    from kvtier.harness.cpus import engine_cpu_env
+
+    env = {**engine_cpu_env(), **os.environ}  # a binding given in the environment wins
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     return env
 

@@ -15,6 +15,8 @@ same real processes the same way, and so that every one of them ends with whoeve
   ports, as context managers that yield a small handle and stop the server on exit.
 - ``cpu_hog``: ``python -m kvtier.harness.cpu_hog -- COMMAND`` runs a command while every core
   is kept busy (``make test-loaded``, the race check).
+- ``cpus``: ``engine_cpu_env(tp)``, the OpenMP thread binding of every vLLM CPU engine they start
+  (one thread per rank under ``cpu_hog``).
 
 Every name the benchmarks and tests use is public and documented; anything with a leading
 underscore is private to its module.

@@ -3,9 +3,11 @@
     python -m kvtier.harness.cpu_hog [--procs N] -- COMMAND [ARGS...]
 
 starts N busy-loop processes (default: one per core this process may run on), runs COMMAND,
-stops the loops and exits with COMMAND's exit code. The loops are started through
-``kvtier.harness.procs``, so they end with this process even when it is SIGKILLed. Readiness
-waits, deadlines and ports that only work on an idle machine fail under this load.
+stops the loops and exits with COMMAND's exit code. COMMAND's engines get one OpenMP thread per
+rank (``KVTIER_ENGINE_THREADS=1`` unless set; ``kvtier.harness.cpus`` says why). The loops are
+started through ``kvtier.harness.procs``, so they end with this process even when it is
+SIGKILLed. Readiness waits, deadlines and ports that only work on an idle machine fail under this
+load.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import subprocess
 import sys
 
+from kvtier.harness.cpus import THREADS_ENV
 from kvtier.harness.procs import Child, spawn
 
 __all__ = ["start_hogs", "main"]
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give a command after --, and --procs >= 0")
     hogs = start_hogs(args.procs)
     try:
-        return subprocess.call(command)
+        return subprocess.call(command, env={**os.environ, THREADS_ENV: os.environ.get(THREADS_ENV) or "1"})
     finally:
         for hog in hogs:
             hog.stop(grace=1.0)

@@ -41,11 +41,9 @@ def _docs(n: int) -> list[list[int]]:
 
 
 def _engine_env() -> dict:
-    env = dict(os.environ)
-    cores = sorted(os.sched_getaffinity(0))
-    env["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
-    env["OMP_NUM_THREADS"] = str(len(cores))
-    return env
+    from kvtier.harness.cpus import engine_cpu_env
+
+    return {**os.environ, **engine_cpu_env()}
 
 
 def run_scenario(tmp: Path, name: str, spec: dict) -> tuple[int, dict, str]:

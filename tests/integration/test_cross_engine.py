@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.integrations.vllm.shard import cpu_bind
+from kvtier.harness.cpus import engine_cpu_env
 from kvtier.server import ServerStore
 from tests.server.conftest import ServerProcess, free_port
 
@@ -44,8 +44,7 @@ def _engine(model: Path, kv_extra: dict, doc: list[int] | list[list[int]], warm:
     several = bool(doc) and isinstance(doc[0], list)
     spec = json.dumps({"model": str(model), "kv_extra": kv_extra, ("docs" if several else "doc"): doc, "warm": warm,
                        "tp": tp, **sizes})
-    bind = "0-1" if tp == 1 else cpu_bind(tp, sorted(os.sched_getaffinity(0)))  # a share of the CPUs per rank
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bind, "OMP_NUM_THREADS": "2" if tp == 1 else "1"}
+    env = {**os.environ, **engine_cpu_env(tp)}  # a share of the CPUs per rank
     proc = subprocess.run([sys.executable, str(ENGINE), spec], capture_output=True, text=True, timeout=600, env=env)
     log.write_text(proc.stdout + proc.stderr)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

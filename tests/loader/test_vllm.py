@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvtier.integrations.vllm.shard import cpu_bind
+from kvtier.harness.cpus import engine_cpu_env
 
 pytestmark = pytest.mark.vllm
 
@@ -18,8 +18,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "_vllm_greedy.py")
 
 def _tokens(model: str, load_format: str, extra: dict | None = None, tp: int = 1) -> list:
     cmd = [sys.executable, SCRIPT, model, load_format, json.dumps(extra) if extra else "", str(tp)]
-    bind = "0-1" if tp == 1 else cpu_bind(tp, sorted(os.sched_getaffinity(0)))  # a share of the CPUs per rank
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bind, "OMP_NUM_THREADS": "2" if tp == 1 else "1"}
+    env = {**os.environ, **engine_cpu_env(tp)}  # a share of the CPUs per rank
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("TOKENS ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
