@@ -54,7 +54,8 @@ an engine writes each chunk before anything is read back, on cores its own step 
 a put's time is mostly waiting for a core. Chunks put while it runs, or when it fails, are stored
 raw. Once both kinds of entry have been re-read ``MEASURED_MIN`` times, the rule's two sides are
 measured instead of modelled: coded iff the tier's coded re-reads (move and decode) took less time
-per raw byte than its raw ones (every re-read of the kind the tier does not store now is timed).
+per raw byte than its raw ones (medians of the last ``MEASURED_WINDOW`` of each kind; every
+re-read of the kind the tier does not store now is timed).
 The model misses what a shared host adds: on this project's 2-core VM, four readers of a Redis
 tier behind a 10 Gb/s proxy fit a per-read link of ~105 MB/s (the rule codes) while the coded
 re-reads took 1.17 x the raw ones (the proxy, the server and the decoders share the cores).
@@ -228,7 +229,8 @@ _READ_QUEUE = 256  # reads queued for the fit between two decisions (an older on
 # the measured side of the rule: each kind of re-read (coded: move and decode; raw: move) as a
 # moving average of its seconds per raw byte; it decides once both kinds have MEASURED_MIN reads
 MEASURED_MIN = 4
-_MEASURED_EWMA = 0.1
+MEASURED_WINDOW = 15  # each side is the median of its last MEASURED_WINDOW reads (one slow read moves neither)
+PROBE_MIN_BYTES = 64 * 1024  # the read probe waits for a chunk of at least this size (sizes 16 x apart)
 
 
 class LinkFit:
@@ -341,12 +343,14 @@ class AutoChoice:
         self.coded = 0
         self.raw = 0
         self._since_probe = 0
-        self.read_cost: dict[str, float | None] = {"coded": None, "raw": None}  # s per raw byte, measured
+        # s per raw byte of the last MEASURED_WINDOW timed re-reads of each kind (``_measured``)
+        self._read_costs: dict[str, collections.deque] = {k: collections.deque(maxlen=MEASURED_WINDOW)
+                                                          for k in ("coded", "raw")}
         self.read_count = {"coded": 0, "raw": 0}
         # set by the tier: timed reads of two probe entries, [(stored bytes, seconds)] (``probe_link``)
         self.link_probe: Callable[[int], list[tuple[int, float]]] | None = None
         self._probed = False
-        self._probing = False
+        self._probing = 0  # the thread id of the probe in flight, else 0
 
     def pays(self) -> bool:
         """Whether coding pays at the current inputs (False until the tier is measured): once
@@ -373,7 +377,15 @@ class AutoChoice:
         cancels for chunks of one size (the connector's)."""
         if min(self.read_count.values()) < MEASURED_MIN:
             return None
-        return self.read_cost["coded"] < self.read_cost["raw"]
+        return self._read_cost("coded") < self._read_cost("raw")
+
+    def _read_cost(self, kind: str) -> float | None:
+        """The median seconds per raw byte of the last ``MEASURED_WINDOW`` timed re-reads of
+        ``kind`` (lock held), or None before one: a median, so one read slowed by a cold cache
+        or a descheduled reader moves neither side (with a moving average it kept a tier raw for
+        thousands of puts where coding paid)."""
+        costs = self._read_costs[kind]
+        return _median(costs) if costs else None
 
     def _decode_speed(self) -> float:
         """``D`` of the rule (lock held): as the readers decode once a coded read was timed, else
@@ -386,8 +398,9 @@ class AutoChoice:
         probe that is coded is also decoded, to refresh ``D``. The first call times the tier's
         reads first (``probe_link``); chunks put meanwhile, and the probe's own, are stored raw."""
         if self.probe_link(raw.nbytes):
-            with self._lock:
-                self.raw += 1
+            if self._probing != threading.get_ident():  # another writer's chunk, not the probe's own
+                with self._lock:
+                    self.raw += 1
             return None
         code = self.pays()
         with self._lock:
@@ -439,20 +452,25 @@ class AutoChoice:
         with self._lock:
             if self._probing:
                 return True
-            if self._probed or self.link_probe is None:
-                return False
-            self._probed = self._probing = True
+            if self._probed or self.link_probe is None or nbytes < PROBE_MIN_BYTES:
+                return False  # a chunk too small to tell sizes apart leaves the probe to a later one
+            self._probed = True
+            self._probing = threading.get_ident()  # the probe's own puts come from this thread
         points: list[tuple[int, float]] = []
         try:
             points = self.link_probe(nbytes)
+            if not points:
+                _log.info("auto codec: no read probe of the tier (no room, or an entry refused); "
+                          "deciding from its transfers")
         except Exception as exc:  # noqa: BLE001 - a tier's failure: the fit learns from transfers instead
             _log.warning("auto codec: the read probe of the tier failed (%s); deciding from its transfers", exc)
-        with self._lock:
-            for stored, seconds in points:
-                if stored > 0 and seconds > 0:
-                    self._reads.add(stored, seconds)
-            self._update()
-            self._probing = False
+        finally:
+            with self._lock:
+                for stored, seconds in points:
+                    if stored > 0 and seconds > 0:
+                        self._reads.add(stored, seconds)
+                self._update()
+                self._probing = 0
         return False
 
     def _probe_every(self, code: bool) -> int:
@@ -467,7 +485,7 @@ class AutoChoice:
         if code:
             return PROBE_EVERY_CODING
         if measured:
-            extra = self.read_cost["coded"] / self.read_cost["raw"] - 1.0
+            extra = self._read_cost("coded") / self._read_cost("raw") - 1.0
         else:
             b = self.tier_bps
             if b is None or math.isinf(b):
@@ -507,11 +525,9 @@ class AutoChoice:
                 self._reads.add(stored, seconds)
                 if raw > 0 and decode_s > 0:
                     self.read_decode_bps = _avg(self.read_decode_bps, raw / decode_s)
-                if raw > 0:
+                if raw >= _MIN_BYTES:  # smaller ones are never coded: not a side of the rule
                     kind = "coded" if decode_s > 0 else "raw"
-                    old = self.read_cost[kind]
-                    new = (seconds + decode_s) / raw
-                    self.read_cost[kind] = new if old is None else (1 - _MEASURED_EWMA) * old + _MEASURED_EWMA * new
+                    self._read_costs[kind].append((seconds + decode_s) / raw)
                     self.read_count[kind] += 1
             self._update()
 
@@ -539,8 +555,14 @@ class AutoChoice:
                     "decode_bps": self.decode_bps, "read_decode_bps": self.read_decode_bps,
                     "ratio": self.ratio, "coded_puts": self.coded,
                     "raw_puts": self.raw,
-                    "coded_read_s_per_byte": self.read_cost["coded"], "raw_read_s_per_byte": self.read_cost["raw"],
+                    "coded_read_s_per_byte": self._read_cost("coded"), "raw_read_s_per_byte": self._read_cost("raw"),
                     "coded_reads_timed": self.read_count["coded"], "raw_reads_timed": self.read_count["raw"]}
+
+
+def _median(xs) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
 def _avg(old: float | None, new: float) -> float:

@@ -137,3 +137,143 @@ def test_a_coding_tier_that_becomes_latency_bound_stops_coding():
         auto.observe_get(n, (0.020 + n / 5e9) * (1 + rng.normal(0, 0.05)))
     state = auto.state()
     assert not auto.pays(), f"coding a latency-bound tier read as {state['tier_bps'] / 1e6:.0f} MB/s"
+
+
+# ---------------------------------------------------------------------------------------------
+# The read probe and the measured rule of ``auto`` (found by attacking them)
+
+
+def _key(s: str) -> bytes:
+    return hashlib.sha256(s.encode()).digest()
+
+
+def test_the_read_probe_never_evicts_an_entry_of_a_nearly_full_tier(tmp_path):
+    """A tier with room for one more chunk: the probe (two more entries) would have evicted the
+    oldest real ones; it is skipped instead, and the tier decides from its transfers."""
+    from tests.test_codec import _model_like_chunks
+
+    n = 1 << 18
+    chunks = _model_like_chunks(11, n)
+    capacity = 11 * n + 8192
+    with FsTier(FsConfig(path=str(tmp_path), capacity=capacity, codec="none", usage_refresh_s=0), name="fs") as plain:
+        for i in range(10):
+            assert plain.put(_key(f"c{i}"), chunks[i], "bfloat16")
+    with FsTier(FsConfig(path=str(tmp_path), capacity=capacity, codec="auto", usage_refresh_s=0), name="fs") as tier:
+        assert tier.put(_key("c10"), chunks[10], "bfloat16")
+        assert set(tier.keys()) == {_key(f"c{i}") for i in range(11)}
+        assert tier._auto._probed and tier.codec_state()["read_bps"] is None  # skipped, not run
+
+
+def test_a_small_first_chunk_leaves_the_probe_to_a_larger_one(tmp_path):
+    """A 1,000-byte first put cannot tell sizes 16 x apart (and read a 4 KiB probe entry into
+    its own buffer: a counted error): the probe waits for a chunk of PROBE_MIN_BYTES."""
+    from tests.test_codec import _model_like_chunks
+
+    with FsTier(FsConfig(path=str(tmp_path), capacity=1 << 26, codec="auto", usage_refresh_s=0), name="fs") as tier:
+        assert tier.put(_key("small"), np.arange(500, dtype=np.uint16), "bfloat16")
+        assert not tier._auto._probed and tier.stats.as_dict().get("errors", 0) == 0
+        assert tier.put(_key("large"), _model_like_chunks(1, codecs.PROBE_MIN_BYTES)[0], "bfloat16")
+        state = tier.codec_state()
+        assert tier._auto._probed and state["read_bps"] is not None
+        assert state["raw_puts"] + state["coded_puts"] == 2  # the probe's own puts are not chunks
+        assert set(tier.keys()) == {_key("small"), _key("large")}
+
+
+def test_writers_at_the_first_put_run_one_probe_and_store_raw_meanwhile(tmp_path):
+    import threading
+    import time
+
+    from tests.test_codec import _model_like_chunks
+
+    probes = []
+    with FsTier(FsConfig(path=str(tmp_path), capacity=1 << 28, codec="auto", usage_refresh_s=0), name="fs") as tier:
+        tier.codec
+        real = tier._auto.link_probe
+
+        def slow_probe(n: int):
+            probes.append(n)
+            time.sleep(0.3)  # the other writers arrive while it runs
+            return real(n)
+
+        tier._auto.link_probe = slow_probe
+        chunks = _model_like_chunks(8, 1 << 18)
+        start = threading.Barrier(8)
+
+        def write(i: int) -> None:
+            start.wait()
+            assert tier.put(_key(f"w{i}"), chunks[i], "bfloat16")
+
+        threads = [threading.Thread(target=write, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(probes) == 1
+        out = np.empty(chunks[0].size, np.uint16)
+        for i, c in enumerate(chunks):
+            assert tier.get_into(_key(f"w{i}"), out) == c.nbytes and np.array_equal(out, c)
+        state = tier.codec_state()
+        assert state["raw_puts"] + state["coded_puts"] == 8
+        assert sorted(tier.keys()) == sorted(_key(f"w{i}") for i in range(8))
+
+
+def test_a_probe_interrupted_by_a_base_exception_does_not_leave_the_tier_raw():
+    """Ctrl-C (or SystemExit) inside the probe: the probe is over, and later chunks are decided."""
+    from tests.test_codec import _model_like_chunks
+
+    auto = codecs.AutoChoice(codecs.LOSSLESS)
+
+    def probe(n: int):
+        raise KeyboardInterrupt
+
+    auto.link_probe = probe
+    chunk = memoryview(_model_like_chunks(1, codecs.PROBE_MIN_BYTES)[0]).cast("B")
+    with pytest.raises(KeyboardInterrupt):
+        auto.encode(chunk, 2)
+    assert not auto._probing
+    auto.tier_bps = 1e6  # a slow link: coding pays by the rule
+    assert sum(auto.encode(chunk, 2) is not None for _ in range(20)) > 10
+
+
+def test_one_slow_first_coded_read_does_not_keep_the_tier_raw():
+    """Coded re-reads cost 0.7 x raw ones, but the first was 50 x slow (a cold cache, a
+    descheduled reader): each side is a median, so the tier codes at once, not after thousands
+    of raw puts (a moving average seeded by that read kept it raw for 8,135)."""
+    from tests.test_codec import _model_like_chunks, _reads
+
+    auto = codecs.AutoChoice(codecs.LOSSLESS)
+    n = 1 << 16
+    chunk = memoryview(_model_like_chunks(1, n)[0]).cast("B")
+    _reads(auto, "raw", codecs.MEASURED_MIN, n, 1 / 80e6)
+    _reads(auto, "coded", 1, n, 50 / 80e6)
+    _reads(auto, "coded", codecs.MEASURED_MIN - 1, n, 0.7 / 80e6)
+    assert auto.pays()
+    puts = 0
+    while not auto.coding and puts < 500:
+        coded = auto.encode(chunk, 2) is not None
+        puts += 1
+        _reads(auto, "coded" if coded else "raw", 1, n, (0.7 if coded else 1.0) / 80e6)
+    assert auto.coding and puts <= 2, puts
+
+
+def test_the_read_probe_never_evicts_an_entry_of_a_nearly_full_redis_tier(redis_server, key_prefix):
+    from kvtier.tiers.redis import RedisConfig, RedisTier
+    from tests.test_codec import _model_like_chunks
+
+    n = 1 << 18
+    chunks = _model_like_chunks(11, n)
+    url = f"redis://127.0.0.1:{redis_server.port}/0"
+
+    def tier(codec: str) -> RedisTier:
+        return RedisTier(RedisConfig(url=url, prefix=key_prefix, capacity=11 * n + 100, codec=codec,
+                                     timeout_s=10.0), name="redis")
+
+    with tier("none") as plain:
+        for i in range(10):
+            assert plain.put(_key(f"c{i}"), chunks[i], "bfloat16")
+    with tier("auto") as auto:
+        assert auto.put(_key("c10"), chunks[10], "bfloat16")
+        assert set(auto.keys()) == {_key(f"c{i}") for i in range(11)}
+        assert auto.stats.as_dict().get("evictions", 0) == 0
+        for i in range(11):
+            auto.delete(_key(f"c{i}"))

@@ -13,6 +13,7 @@ threads are the faster).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 
 __all__ = ["THREADS_ENV", "engine_cpu_env"]
@@ -41,13 +42,13 @@ def engine_cpu_env(tp: int = 1, environ: Mapping[str, str] | None = None,
     (default ``os.environ``). ValueError when there are fewer cores than ranks, or the cap is not
     a positive integer."""
     environ = os.environ if environ is None else environ
-    cores = _cores() if cores is None else sorted(cores)
+    cores = _cores() if cores is None else sorted(set(cores))
     if tp < 1 or len(cores) < tp:
         raise ValueError(f"an engine of {tp} ranks needs at least {tp} cores; {len(cores)} are available")
     per_rank = len(cores) // tp
     cap = environ.get(THREADS_ENV)
     if cap:
-        if not cap.isdigit() or int(cap) < 1:
+        if not re.fullmatch(r"[1-9][0-9]*", cap):
             raise ValueError(f"{THREADS_ENV}={cap!r}: give a positive number of threads per engine rank")
         per_rank = min(per_rank, int(cap))
     ranks = [cores[r * per_rank:(r + 1) * per_rank] for r in range(tp)]

@@ -160,9 +160,9 @@ _CODEC_GAUGES = {
                         "(readers decoding at once share the cores); the auto rule's decode speed once known."),
     "ratio": ("ratio", "Raw over coded bytes of the chunks the codec coded (moving average)."),
     "coded_read_s_per_byte": ("coded_read_seconds_per_byte", "Time per raw byte of the tier's timed re-reads of "
-                              "coded entries, decode included (moving average): one side of the measured rule."),
+                              "coded entries, decode included (median of the last 15): one side of the measured rule."),
     "raw_read_s_per_byte": ("raw_read_seconds_per_byte", "Time per raw byte of the tier's timed re-reads of raw "
-                            "entries (moving average): the other side of the measured rule."),
+                            "entries (median of the last 15): the other side of the measured rule."),
     # a coded server arena's (``RamTier.codec_state``): its pages, not ``tier_capacity_bytes`` (its
     # raw-byte budget, 16 x the arena), are the limit
     "arena_bytes": ("arena_bytes", "Bytes of a coded arena's pages (its tier_capacity_bytes is a raw-byte budget)."),

@@ -218,16 +218,23 @@ class Tier(ABC):
         ``nbytes`` and of a sixteenth of it (at least 4 KiB), put under random keys, each read
         back ``PROBE_READS`` times in turn and deleted; [(bytes, seconds)] with the fastest read
         of each size twice (the link as it is when nothing else waits: a read slowed by a busy
-        core says nothing of the link), or [] when the tier refuses either entry."""
+        core says nothing of the link). [] when the tier has no room for both beside what it
+        holds (a probe must never evict an entry) or refuses or loses either. They are real
+        operations of the tier, counted in its stats (2 puts, 6 hits, 2 deletes); a fault
+        that stops the deletes leaves two entries under random keys that nothing reads, which
+        the tier's capacity policy (or ``ttl_s``) removes in time."""
         import hashlib
         import os
 
+        sizes = (max(4096, nbytes // 16), nbytes)
+        capacity = self.capacity_bytes
+        if capacity > 0 and capacity - self.used_bytes() < 2 * sum(sizes):
+            return []
         get_into = type(self).get_into
         get_into = getattr(get_into, "__wrapped__", get_into)  # untimed: the probe is fitted here
-        sizes = (max(4096, nbytes // 16), nbytes)
         keys = [hashlib.sha256(b"kvtier read probe" + os.urandom(16)).digest() for _ in sizes]
         best = [math.inf, math.inf]
-        buffer = bytearray(nbytes)
+        buffer = bytearray(max(sizes))
         try:
             for key, size in zip(keys, sizes):
                 if not self.put(key, os.urandom(size)):

@@ -12,6 +12,7 @@ def test_an_engine_gets_every_core_split_among_its_ranks():
     assert engine_cpu_env(2, {}, [0, 1]) == {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "OMP_NUM_THREADS": "1"}
     assert engine_cpu_env(2, {}, [0, 1, 2, 3, 4]) == {"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3", "OMP_NUM_THREADS": "2"}
     assert engine_cpu_env(1, {}, [3, 5]) == {"VLLM_CPU_OMP_THREADS_BIND": "3,5", "OMP_NUM_THREADS": "2"}
+    assert engine_cpu_env(1, {}, [1, 1, 0]) == {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2"}
 
 
 def test_the_loaded_suite_caps_each_rank():
@@ -25,6 +26,8 @@ def test_the_loaded_suite_caps_each_rank():
     (2, {}, [0], "needs at least 2 cores"),
     (1, {THREADS_ENV: "0"}, [0, 1], "positive number"),
     (1, {THREADS_ENV: "two"}, [0, 1], "positive number"),
+    (1, {THREADS_ENV: "\u00b2"}, [0, 1], "positive number"),  # a superscript two: isdigit() says yes
+    (1, {THREADS_ENV: " 2"}, [0, 1], "positive number"),
 ])
 def test_impossible_bindings_are_one_line(tp, env, cores, says):
     with pytest.raises(ValueError, match=says):
