@@ -509,7 +509,8 @@ def _timed_rereads(tiers: dict, keys: list[bytes], chunks: list[np.ndarray], rou
         if name == "auto" and "lossless" in times:
             best = [t / min(a, b) for t, a, b in zip(times[name], times["none"], times["lossless"])]
             row["vs_best"] = {"median": round(_median(best), 3), "min": round(min(best), 3), "max": round(max(best), 3)}
-            row["auto"] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in tiers[name].codec_state().items()}
+            row["auto"] = {k: (float(f"{v:.4g}") if isinstance(v, float) else v)  # 4 significant digits:
+                           for k, v in tiers[name].codec_state().items()}  # seconds per byte are ~1e-9
         rows[name] = row
     return rows
 
