@@ -59,8 +59,9 @@ OPTIONAL_SETTINGS = ("example-connector", "lmcache-mp", *FS_CODEC_SETTINGS)
 # RAM over a Redis tier across a link of R Gb/s (a real redis-server behind the project's delay
 # proxy, one link per setting) with a tier codec: what a re-read from a shared tier over the
 # network costs, per codec, beside recomputing (vLLM alone's first pass). E.g. kvtier-ram+redis-1g,
-# kvtier-ram+redis-10g-lossless, kvtier-ram+redis-1g-auto.
-SHARED_SETTING = re.compile(r"kvtier-ram\+redis-(\d+(?:\.\d+)?)g(?:-(none|lossless|auto|fp8))?")
+# kvtier-ram+redis-10g-lossless, kvtier-ram+redis-1g-auto; -nice puts its writers at nice 19.
+SHARED_SETTING = re.compile(r"kvtier-ram\+redis-(\d+(?:\.\d+)?)g(?:-(none|lossless|auto|fp8))?(-nice)?")
+NICE_WRITERS = 19  # a -nice setting's writer_nice: its lower-tier writers (and their encoders) yield the cores
 SHARED_DELAY_S = 0.0005  # the proxy's delay per request: a round trip inside a data centre
 PASSES = ("first", "again", "reverse")
 DEFAULT_FRACTIONS = (0.33, 0.67, 1.0, 1.33)
@@ -194,7 +195,8 @@ def _parse_settings(text: str) -> list[str]:
             raise ConfigError(f"setting {name!r}: the link rate must be above 0 and at most 400 Gb/s")
         if name not in valid and not shared:
             raise ConfigError(f"unknown setting {name!r}; valid: {', '.join(valid)}, "
-                              "kvtier-ram+redis-<R>g[-none|-lossless|-auto|-fp8] (a Redis tier across an R Gb/s link)")
+                              "kvtier-ram+redis-<R>g[-none|-lossless|-auto|-fp8][-nice] (a Redis tier across an R Gb/s link; "
+                              "-nice: its writers at nice 19)")
     if len(set(names)) != len(names):
         raise ConfigError(f"--settings names a setting twice: {text!r}")
     return names
@@ -448,9 +450,13 @@ def _settings(names: list[str], fractions: list[float], working_set: int, work: 
             lower = {"type": "fs", "path": str(work / f"fs-{codec}"), "codec": codec}
             settings.append(Setting(name, _kvtier(_ram_over(lower, working_set), chunk_tokens)))
         elif name in (links or {}):  # as kvtier-ram+fs, over a Redis tier across the setting's link
+            shared = SHARED_SETTING.fullmatch(name)
             lower = {"type": "redis", "url": links[name], "prefix": f"demo-{name}:", "timeout_s": 30.0,
-                     "codec": SHARED_SETTING.fullmatch(name).group(2) or "none"}
-            settings.append(Setting(name, _kvtier(_ram_over(lower, working_set), chunk_tokens)))
+                     "codec": shared.group(2) or "none"}
+            config = _kvtier(_ram_over(lower, working_set), chunk_tokens)
+            if shared.group(3):
+                config["kv_connector_extra_config"]["writer_nice"] = NICE_WRITERS
+            settings.append(Setting(name, config))
         elif name == "example-connector":
             settings.append(Setting(name, {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                                            "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}))
