@@ -417,16 +417,17 @@ def test_shared_settings_put_ram_over_redis_across_a_paced_link_with_each_codec(
 
     from kvtier.integrations.vllm.config import ConnectorConfig
 
-    names = ["kvtier-ram+redis-0.1g", "kvtier-ram+redis-10g-lossless"]
+    names = ["kvtier-ram+redis-0.1g", "kvtier-ram+redis-10g-lossless", "kvtier-ram+redis-10g-lossless-nice"]
     assert offload._parse_settings(",".join(names)) == names
     with offload.shared_links(names) as links:
-        assert set(links) == set(names) and len(set(links.values())) == 2  # a link each
+        assert set(links) == set(names) and len(set(links.values())) == 3  # a link each
         settings = offload._settings(names, [], 10 << 20, tmp_path, None, links)
-        for setting, codec in zip(settings, ("none", "lossless")):
+        for setting, codec, nice in zip(settings, ("none", "lossless", "lossless"), (0, 0, offload.NICE_WRITERS)):
             extra = setting.kv_transfer_config["kv_connector_extra_config"]
             ram, redis = extra["tiers"]
             assert ram["type"] == "ram" and redis["type"] == "redis" and redis["codec"] == codec
             assert redis["url"] == links[setting.name]
+            assert ConnectorConfig.from_extra_config(extra).store.writer_nice == nice
         tier_spec = ConnectorConfig.from_extra_config(
             settings[0].kv_transfer_config["kv_connector_extra_config"]).store.tiers[1]
         chunk = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
@@ -436,7 +437,8 @@ def test_shared_settings_put_ram_over_redis_across_a_paced_link_with_each_codec(
             start = time.monotonic()
             assert tier.get_into(b"\x01" * 32, out) == chunk.nbytes and np.array_equal(out, chunk)
             assert time.monotonic() - start >= 0.9 * chunk.nbytes / (0.1e9 / 8)  # 1 MiB at 0.1 Gb/s: 84 ms
-    for bad in ("kvtier-ram+redis-0g", "kvtier-ram+redis-1g-zip", "kvtier-ram+redis-1g,kvtier-ram+redis-1g"):
+    for bad in ("kvtier-ram+redis-0g", "kvtier-ram+redis-1g-zip", "kvtier-ram+redis-1g,kvtier-ram+redis-1g",
+                "kvtier-ram+redis-1g-nice-lossless"):
         with pytest.raises(ConfigError, match="setting"):
             offload._parse_settings(bad)
 
