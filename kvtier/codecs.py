@@ -226,8 +226,8 @@ PROBE_BUDGET = 0.01
 _EWMA = 0.2  # weight of the newest observation in the moving averages of the codec's speeds
 _FIT_EWMA = 0.03  # weight of the newest transfer in a tier's latency/bandwidth fit (~30 transfers)
 _READ_QUEUE = 256  # reads queued for the fit between two decisions (an older one would weigh < 0.0005)
-# the measured side of the rule: each kind of re-read (coded: move and decode; raw: move) as a
-# moving average of its seconds per raw byte; it decides once both kinds have MEASURED_MIN reads
+# the measured sides of the rule: each kind of re-read (coded: move and decode; raw: move) as the
+# median seconds per raw byte of its last reads; they decide once both kinds have MEASURED_MIN reads
 MEASURED_MIN = 4
 MEASURED_WINDOW = 15  # each side is the median of its last MEASURED_WINDOW reads (one slow read moves neither)
 PROBE_MIN_BYTES = 64 * 1024  # the read probe waits for a chunk of at least this size (sizes 16 x apart)
@@ -560,6 +560,7 @@ class AutoChoice:
 
 
 def _median(xs) -> float:
+    """The median of a non-empty collection of numbers."""
     s = sorted(xs)
     n = len(s)
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
