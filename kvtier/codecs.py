@@ -98,6 +98,10 @@ def _lib():
                 except ImportError as exc:
                     raise ConfigError("codec 'lossless' needs the blosc2 package (pip install 'kvtier[codec]'); "
                                       "valid codecs without it: none") from exc
+                # Blosc2 holds the GIL while it codes unless told otherwise: an encoder on a
+                # writer thread (at any niceness) or a decoder on a load thread then stalls the
+                # engine's own Python threads in the same process for the whole chunk
+                blosc2.set_releasegil(True)
                 _blosc2 = blosc2
     return _blosc2
 

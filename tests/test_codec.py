@@ -592,3 +592,12 @@ def test_auto_spaces_its_coded_probes_by_what_they_measurably_cost():
     assert not auto.pays()
     with auto._lock:
         assert auto._probe_every(False) == round(0.2 / codecs.PROBE_BUDGET)
+
+
+def test_the_lossless_coder_releases_the_gil():
+    """Blosc2 holds the GIL while it codes unless told otherwise; kvtier tells it (on the first
+    use of the library), so an encoder on a writer thread or a decoder on a load thread never
+    stalls the engine's own Python threads, and four load threads decode on every core."""
+    lib = codecs._lib()
+    assert lib.set_releasegil(True) is True  # it was already on
+
