@@ -68,6 +68,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -389,7 +390,7 @@ class AutoChoice:
         or a descheduled reader moves neither side (with a moving average it kept a tier raw for
         thousands of puts where coding paid)."""
         costs = self._read_costs[kind]
-        return _median(costs) if costs else None
+        return statistics.median(costs) if costs else None
 
     def _decode_speed(self) -> float:
         """``D`` of the rule (lock held): as the readers decode once a coded read was timed, else
@@ -561,13 +562,6 @@ class AutoChoice:
                     "raw_puts": self.raw,
                     "coded_read_s_per_byte": self._read_cost("coded"), "raw_read_s_per_byte": self._read_cost("raw"),
                     "coded_reads_timed": self.read_count["coded"], "raw_reads_timed": self.read_count["raw"]}
-
-
-def _median(xs) -> float:
-    """The median of a non-empty collection of numbers."""
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
 def _avg(old: float | None, new: float) -> float:

@@ -192,7 +192,9 @@ def test_writers_at_the_first_put_run_one_probe_and_store_raw_meanwhile(tmp_path
 
         def slow_probe(n: int):
             probes.append(n)
-            time.sleep(0.3)  # the other writers arrive while it runs
+            deadline = time.monotonic() + 30
+            while tier._auto.raw < 7 and time.monotonic() < deadline:  # the other writers, stored raw meanwhile
+                time.sleep(0.005)
             return real(n)
 
         tier._auto.link_probe = slow_probe
