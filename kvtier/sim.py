@@ -9,7 +9,10 @@ Synthetic traces (deterministic for a given seed) come from :func:`synthetic`:
 ``loop:KEYSxREPEATS``, ``zipf:ALPHA,KEYS,REQUESTS[,SEED]`` and
 ``mix:HOT,ALPHA,LOOPKEYS,REQUESTS[,SEED]`` (Zipf over HOT keys interleaved one-for-one with a
 loop over LOOPKEYS other keys) and ``scan:HOT,ALPHA,SCANLEN,REQUESTS[,SEED]`` (Zipf over HOT
-keys, every SCANLEN of its requests followed by a scan of SCANLEN keys never requested again).
+keys, every SCANLEN of its requests followed by a scan of SCANLEN keys never requested again) and
+``recency:NEW,SPAN,REQUESTS[,SEED]`` (a NEW share of requests for keys never seen before, the
+rest re-reads of recent keys, their age in keys exponential with mean SPAN: the pattern of
+conversations that re-read their own recent turns, where recency, not frequency, predicts reuse).
 
 A policy with a ``window_history`` (the adaptive W-TinyLFU) reports its window share over the
 run in :attr:`SimResult.window`.
@@ -138,9 +141,25 @@ def scan_trace(hot_keys: int, alpha: float, scan_len: int, n_requests: int, seed
     return out
 
 
+def recency_trace(new: float, span: int, n_requests: int, seed: int = 0) -> list[int]:
+    """A share ``new`` of requests for new keys (0, 1, 2, ... in order), the rest re-reads of a
+    recent key: ``age`` keys back from the newest, ``age`` exponential with mean ``span``."""
+    rng = random.Random(seed)
+    out: list[int] = []
+    fresh = 0
+    for _ in range(n_requests):
+        if fresh == 0 or rng.random() < new:
+            out.append(fresh)
+            fresh += 1
+        else:
+            out.append(max(0, fresh - 1 - int(rng.expovariate(1.0 / span))))
+    return out
+
+
 def synthetic(spec: str) -> Trace:
     """A trace from ``loop:1000x30``, ``zipf:0.8,50000,500000[,SEED]``,
-    ``mix:2000,0.8,20000,400000[,SEED]`` or ``scan:2000,0.8,5000,400000[,SEED]``."""
+    ``mix:2000,0.8,20000,400000[,SEED]``, ``scan:2000,0.8,5000,400000[,SEED]`` or
+    ``recency:0.3,800,100000[,SEED]``."""
     kind, _, args = spec.partition(":")
     try:
         if kind == "loop":
@@ -158,10 +177,14 @@ def synthetic(spec: str) -> Trace:
             seed = int(parts[4]) if len(parts) == 5 else 0
             return Trace(scan_trace(_pos_int(parts[0]), float(parts[1]), _pos_int(parts[2]),
                                     _pos_int(parts[3]), seed))
+        if kind == "recency" and len(parts) in (3, 4) and 0.0 < float(parts[0]) <= 1.0:
+            seed = int(parts[3]) if len(parts) == 4 else 0
+            return Trace(recency_trace(float(parts[0]), _pos_int(parts[1]), _pos_int(parts[2]), seed))
     except ValueError:
         pass
     raise ConfigError(f"bad synthetic trace {spec!r}; use loop:KEYSxREPEATS, zipf:ALPHA,KEYS,REQUESTS[,SEED], "
-                      "mix:HOT,ALPHA,LOOPKEYS,REQUESTS[,SEED] or scan:HOT,ALPHA,SCANLEN,REQUESTS[,SEED]")
+                      "mix:HOT,ALPHA,LOOPKEYS,REQUESTS[,SEED], scan:HOT,ALPHA,SCANLEN,REQUESTS[,SEED] or "
+                      "recency:NEW,SPAN,REQUESTS[,SEED] (NEW in (0, 1])")
 
 
 def _pos_int(text: str) -> int:

@@ -181,17 +181,37 @@ def test_adaptive_on_zipf_and_scans_is_no_worse_than_the_fixed_window():
 
 def test_adaptive_shrinks_the_window_on_a_loop():
     result = simulate(_trace("loop:1500x10"), ADAPTIVE, 800)
-    assert result.window[-1][1] == 0.0  # frequency only: the window is useless on a cycle
+    assert result.window[-1][1] <= 0.05  # frequency only: the window is useless on a cycle
     assert result.hit_ratio >= _ratio("loop:1500x10", "wtinylfu", 800)
     assert result.hit_ratio >= _ratio("loop:1500x10", "opt", 800) - 0.03
 
 
 def test_adaptive_grows_the_window_on_a_recency_trace():
-    # Measured: LRU 0.2651, W-TinyLFU (1% window) 0.0774, adaptive 0.1277 ending near 0.5.
+    # Measured: LRU 0.2651, W-TinyLFU (1% window) 0.0774; adaptive 0.2531 ending at 1.0 (with the
+    # hill climber it replaced: 0.1277, ending near 0.5).
     trace = _recency_trace(100_000, 33)
     result = simulate(trace, ADAPTIVE, 500)
-    assert result.window[-1][1] >= 0.3
-    assert result.hit_ratio >= simulate(trace, "wtinylfu", 500).hit_ratio + 0.03
+    assert result.window[-1][1] >= 0.5
+    assert result.hit_ratio >= simulate(trace, "lru", 500).hit_ratio - 0.02
+
+
+def test_the_recency_family_is_the_generator_the_tests_use():
+    assert synthetic("recency:0.3,800,5000,33").keys == _recency_trace(5000, 33).keys
+    for bad in ("recency:0,800,100", "recency:1.5,800,100", "recency:0.3,800", "recency:0.3,-1,100"):
+        with pytest.raises(ConfigError, match="recency:NEW"):
+            synthetic(bad)
+
+
+# Other seeds and shapes than the ones the choice was tuned on (the module's figures); each family
+# once: the default is within 2 points of the best of a sweep of fixed windows.
+@pytest.mark.parametrize("spec, capacity", [
+    ("loop:2500x12", 900), ("zipf:0.8,20000,80000,41", 800), ("mix:1500,0.8,7000,80000,42", 2500),
+    ("scan:1500,0.8,3000,80000,43", 1000), ("recency:0.25,1500,80000,44", 700),
+])
+def test_adaptive_is_near_the_best_fixed_window_on_every_family(spec, capacity):
+    trace = _trace(spec)
+    best = max(simulate(trace, "wtinylfu", capacity, window=w).hit_ratio for w in (0.0, 0.01, 0.1, 0.3, 0.6, 1.0))
+    assert _ratio(spec, ADAPTIVE, capacity) >= best - 0.02
 
 
 def test_simulate_cli_json_reports_the_window_share(capsys):

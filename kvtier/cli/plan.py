@@ -19,6 +19,8 @@ traces: --trace FILE holds one key per line, optionally followed by the entry's 
                                         interleaved one-for-one with a loop over LOOPKEYS keys)
   scan:HOT,ALPHA,SCANLEN,REQUESTS[,SEED] e.g. scan:2000,0.8,5000,400000 (Zipf over HOT keys, every
                                         SCANLEN of its requests followed by SCANLEN one-off keys)
+  recency:NEW,SPAN,REQUESTS[,SEED]      e.g. recency:0.3,800,100000 (a NEW share of new keys, the rest
+                                        re-reads of recent ones, mean age SPAN keys: conversations)
 'opt' (Belady: evict the key used farthest in the future) is always reported as the bound.
 With --json, wtinylfu_adaptive also reports window_share: [requests seen, share] per period.
 """

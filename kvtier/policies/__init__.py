@@ -2,8 +2,8 @@
 
 - ``base.py``: ``EvictionPolicy``, the protocol (``admit``, ``miss``, ``insert``, ``access``,
   ``remove``, ``victim``); one policy per file (``lru``, ``fifo``, ``s3fifo``, ``wtinylfu`` with
-  ``_sketch``, its frequency sketch, ``wtinylfu_adaptive`` with ``_climber``, the hill climber
-  of its window share); ``registry.py``: ``POLICIES`` and ``make_policy``.
+  ``_sketch``, its frequency sketch, ``wtinylfu_adaptive`` with ``_minisim``, the miniature
+  simulations that choose its window share); ``registry.py``: ``POLICIES`` and ``make_policy``.
 - ``admission.py``: break-even admission (``Admission``), asked by the store before a write.
 
 Imports: ``kvtier.registry``, ``kvtier.config``, ``kvtier.errors`` only; never tiers, the store

@@ -1,12 +1,19 @@
-"""Adaptive W-TinyLFU: the window's share of the capacity follows the trace (hill climbing).
+"""Adaptive W-TinyLFU: the window's share of the capacity follows the trace.
 
 The same structure as ``wtinylfu`` (window LRU, frequency-guarded segmented main area; sizes are
-bytes, shares are shares of the capacity's bytes), but the window starts at 1% and a
-:class:`~kvtier.policies._climber.HillClimber` moves it once per sample period by the request hit
-rate it measured (``access`` is a hit, ``miss`` a miss). Sampling starts when the cache is first
-full (the owner's first ``victim`` call): the hit rate of a cache still filling says nothing about
-its window. A period lasts ``period_factor`` x the resident entries at its start (at least
-``min_period`` requests), so a period sees each resident entry several times.
+bytes, shares are shares of the capacity's bytes), but the window starts at 1% and, once per
+sample period, takes the share that did best in miniature simulations of the same requests
+(:class:`~kvtier.policies._minisim.MiniSims`: sampled W-TinyLFU caches, one per candidate
+share). The miniatures are built when the cache is first full (the owner's first ``victim``
+call), sized from the capacity and the entries resident then; with a ``capacity_hint`` they are
+built at the first insert (entries estimated from its size) and warm up while the cache fills. A period lasts ``period_factor``
+x the resident entries at its start (at least ``min_period`` requests), so a period sees each
+resident entry several times.
+
+A request reaches the miniatures with its entry's size when the policy knows it (a hit) and the
+mean resident size otherwise (a miss: the size comes with the ``insert`` that may follow).
+Removals are not replayed: the policy cannot tell an eviction from a delete, and the miniatures
+evict by themselves.
 
 Resizing is immediate where it shrinks a segment (a smaller window spills its oldest entries to
 probation; a smaller main area demotes protected entries to probation) and gradual where it
@@ -17,43 +24,47 @@ grows one: a larger window fills from the next inserts, as the main area's victi
 from __future__ import annotations
 
 from collections import deque
+from typing import Sequence
 
-from kvtier.policies._climber import HillClimber
+from kvtier.policies._minisim import SHARES, MiniSims, check_shares
 from kvtier.policies.base import Key
 from kvtier.policies.wtinylfu import WTinyLFUPolicy
 
 
 class AdaptiveWTinyLFUPolicy(WTinyLFUPolicy):
-    """W-TinyLFU whose window share is tuned by hill climbing on the hit rate."""
+    """W-TinyLFU whose window share is chosen by miniature simulations of its own requests."""
 
     HISTORY = 1024
 
     def __init__(self, capacity_hint: int | None = None, window: float = 0.01, protected: float = 0.8,
-                 step: float = -0.0625, max_window: float = 0.8, period_factor: int = 10,
-                 min_period: int = 4096):
+                 shares: Sequence[float] = SHARES, period_factor: int = 10, min_period: int = 4096):
         super().__init__(capacity_hint=capacity_hint, window=window, protected=protected)
-        self._climber = HillClimber(share=window, step=step, max_share=max(window, max_window))
+        self._candidates = check_shares(shares)
+        self._sims: MiniSims | None = None  # built when the cache is first full
         self._period_factor = max(1, int(period_factor))
         self._min_period = max(1, int(min_period))
-        self._sampling = False
+        self._full = False  # periods count from the first victim
         self._period = 0
-        self._hits = 0
         self._requests = 0
         self._seen = 0
         self.window_history: deque[tuple[int, float]] = deque(maxlen=self.HISTORY)
 
     # -- sampling -------------------------------------------------------------------------
-    def _record(self, hit: bool) -> None:
-        """Count one request of the current period; at its end, climb and resize."""
+    def _record(self, key: Key, size: int) -> None:
+        """Count one request (and replay it in the miniatures); at a period's end, take their
+        choice of share and resize."""
         self._seen += 1
-        if not self._sampling:
+        sims = self._sims
+        if sims is None:
+            return
+        sims.request(key, size)
+        if not self._full:
             return
         self._requests += 1
-        self._hits += hit
         if self._requests < self._period:
             return
-        share = self._climber.climb(self._hits / self._requests, self._requests)
-        self._hits = self._requests = 0
+        share = sims.choose(self._window_share)
+        self._requests = 0
         self._period = self._period_length()
         if share != self._window_share:
             self._window_share = share
@@ -68,23 +79,44 @@ class AdaptiveWTinyLFUPolicy(WTinyLFUPolicy):
         self._spill_window()
         self._demote_protected()
 
+    def _size_of(self, key: Key) -> int:
+        """A resident key's size, else the mean resident size (at least 1)."""
+        for segment in (self._window, self._probation, self._protected):
+            size = segment.get(key)
+            if size is not None:
+                return size
+        return max(1, self._used() // max(1, len(self)))
+
     @property
     def window_share(self) -> float:
         """The window's current share of the capacity."""
         return self._window_share
 
+    @property
+    def sample_rate(self) -> int | None:
+        """1 in how many keys the miniatures see (None until the cache is first full)."""
+        return None if self._sims is None else self._sims.rate
+
     # -- protocol -------------------------------------------------------------------------
     def miss(self, key: Key) -> None:
         super().miss(key)
-        self._record(False)
+        self._record(key, self._size_of(key))
 
     def access(self, key: Key) -> None:
+        size = self._size_of(key)
         super().access(key)
-        self._record(True)
+        self._record(key, size)
+
+    def insert(self, key: Key, size: int) -> None:
+        super().insert(key, size)
+        if self._sims is None and self._hint:  # a known capacity: the miniatures warm up with the cache
+            self._sims = MiniSims(self._hint, max(1, self._hint // max(1, size)), self._candidates, warmup=1)
 
     def victim(self) -> Key | None:
-        if not self._sampling:  # the owner asks for a victim only when full: warm-up is over
-            self._sampling = True
+        if self._sims is None and len(self):  # no capacity given: built once full (the first victim)
+            self._sims = MiniSims(self._capacity(), len(self), self._candidates)
+        if not self._full:
+            self._full = True  # periods start now: the hit rate of a cache still filling says nothing
             self._period = self._period_length()
             self.window_history.append((self._seen, self._window_share))
         return super().victim()

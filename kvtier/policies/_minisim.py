@@ -1,0 +1,155 @@
+"""Miniature simulations: how the adaptive W-TinyLFU picks its window share.
+
+A larger admission window favours recency (re-reads of recent prefixes, bursts, a hot set that
+shifts); a smaller one favours frequency (loops, stable popularity, scans). Rather than move its
+real window by trial and error, the policy replays a spatial sample of its own requests (the keys
+whose hash falls in one of ``rate`` buckets) through small W-TinyLFU caches of ``1/rate`` of its
+capacity, one per candidate share, and takes the share whose miniature hit most. A cache of 1/R of
+the size fed 1/R of the keys sees every reuse distance divided by R, so its hit ratio estimates
+the full cache's (Waldspurger et al., "Cache Modeling and Optimization using Miniature
+Simulations", USENIX ATC 2017; applied to W-TinyLFU's window by Einziger et al., "Adaptive
+Software Cache Management", Middleware 2018). Every candidate is measured on the same requests
+at once: no hits are spent exploring, and a share far from the current one is reached in one
+decision, where a hill climber needs a period per step and is thrown back by noise.
+
+Pure bookkeeping: no clock, no randomness, no I/O; the same requests give the same choices.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Sequence
+
+from kvtier.errors import ConfigError
+from kvtier.policies.base import Key
+from kvtier.policies.wtinylfu import WTinyLFUPolicy
+
+# Candidate window shares, smallest first (ties go to the smaller window: scan- and loop-resistant).
+SHARES = (0.0, 0.01, 0.05, 0.15, 0.3, 0.5, 0.75, 1.0)
+MINI_ENTRIES = 128  # entries a miniature aims to hold; fewer sampled keys only on smaller caches
+MIN_MINI_ENTRIES = 8  # a miniature never holds fewer (a tiny cache is sampled less sparsely)
+COST = 2  # the sample is sparse enough that a request costs at most 1/COST miniature updates on average
+BAND = 1.0  # a lead smaller than this many standard deviations of a hit count is a tie
+WARMUP_PERIODS = 2  # periods whose hits only warm the miniatures (their sketches and segments)
+DECAY = 0.5  # weight of the previous periods' hits in a candidate's score
+
+_MASK = (1 << 64) - 1
+
+
+def key_hash(key: Key) -> int:
+    """A 64-bit hash of ``key`` that is the same in every process (Python's ``hash`` of bytes and
+    str is salted per process): BLAKE2b of a bytes key (every byte counts: keys may share long
+    prefixes), an int through splitmix64's finaliser (sequential ints spread over the buckets),
+    anything else by its ``repr``."""
+    if isinstance(key, int):
+        x = (key + 0x9E3779B97F4A7C15) & _MASK
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+        return x ^ (x >> 31)
+    data = bytes(key) if isinstance(key, (bytes, bytearray, memoryview)) else repr(key).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def sample_rate(entries: int, candidates: int) -> int:
+    """1 in how many keys the miniatures see, for a cache of ``entries`` resident entries and
+    ``candidates`` miniatures: each miniature holds about ``MINI_ENTRIES`` (at least
+    ``MIN_MINI_ENTRIES``), and no request costs more than one miniature update on average
+    (``rate >= candidates``) unless the cache is too small for that."""
+    rate = max(COST * candidates, entries // MINI_ENTRIES)
+    return max(1, min(rate, entries // MIN_MINI_ENTRIES))
+
+
+def check_shares(shares: Sequence[float]) -> tuple[float, ...]:
+    """``shares`` sorted, or ConfigError unless they are a non-empty list of numbers in [0, 1]."""
+    try:
+        out = tuple(sorted(float(s) for s in shares))
+    except (TypeError, ValueError):
+        out = ()
+    if not out or not all(0.0 <= s <= 1.0 for s in out):
+        raise ConfigError(f"window shares must be a non-empty list of numbers in [0, 1], got {shares!r}")
+    return out
+
+
+class _Miniature:
+    """One sampled cache of a fixed window share, under the owner loop of ``policies.base``."""
+
+    __slots__ = ("policy", "capacity", "used", "sizes", "hits")
+
+    def __init__(self, capacity: int, share: float):
+        self.policy = WTinyLFUPolicy(capacity_hint=capacity, window=share)
+        self.capacity = capacity
+        self.used = 0
+        self.sizes: dict[Key, int] = {}
+        self.hits = 0
+
+    def request(self, key: Key, size: int) -> None:
+        policy = self.policy
+        if key in policy:
+            policy.access(key)
+            self.hits += 1
+            return
+        policy.miss(key)
+        if size > self.capacity:
+            return
+        while self.used + size > self.capacity:
+            out = policy.victim()
+            if out is None:
+                break
+            policy.remove(out)
+            self.used -= self.sizes.pop(out)
+        policy.insert(key, size)
+        self.sizes[key] = size
+        self.used += size
+
+
+class MiniSims:
+    """Miniature W-TinyLFU caches of one candidate window share each, fed a sample of requests.
+
+    ``capacity``: the real cache's bytes; ``entries``: its resident entries when built (it is
+    built once the cache is full, so ``capacity / entries`` is the mean entry size). ``request``
+    replays one request (sampled keys only); ``choose`` closes a period and returns the share to
+    use next.
+    """
+
+    def __init__(self, capacity: int, entries: int, shares: Sequence[float] = SHARES,
+                 warmup: int = WARMUP_PERIODS):
+        shares = check_shares(shares)
+        if capacity < 1 or entries < 1:
+            raise ValueError(f"need a positive capacity and entry count, got {capacity}, {entries}")
+        self.shares = shares
+        self.rate = sample_rate(entries, len(shares))
+        mini = max(1, capacity // self.rate)
+        self._minis = [_Miniature(mini, share) for share in shares]
+        self._scores = [0.0] * len(shares)
+        self._warming = max(0, int(warmup))  # periods that only fill the miniatures: their hits favour fast fillers
+
+    def request(self, key: Key, size: int) -> None:
+        """Replay a request of ``key`` (``size`` bytes) if the key is in the sample."""
+        if self.rate > 1 and key_hash(key) % self.rate:
+            return
+        for mini in self._minis:
+            mini.request(key, size)
+
+    def choose(self, current: float) -> float:
+        """Close a period: fold each miniature's hits into its score (earlier periods weigh
+        ``DECAY`` per period) and return the best candidate's share, or ``current`` when the
+        best does not beat the candidate nearest ``current`` by more than one standard deviation
+        of a hit count (``sqrt`` of it): a near-tie is noise, and moving costs the real cache
+        its warmed segments."""
+        for i, mini in enumerate(self._minis):
+            self._scores[i] = DECAY * self._scores[i] + mini.hits if not self._warming else 0.0
+            mini.hits = 0
+        if self._warming:
+            self._warming -= 1
+            return current
+        best = max(range(len(self.shares)), key=lambda i: (self._scores[i], -i))
+        here = min(range(len(self.shares)), key=lambda i: abs(self.shares[i] - current))
+        if self._scores[best] - self._scores[here] <= BAND * math.sqrt(max(self._scores[best], 1.0)):
+            return current
+        return self.shares[best]
+
+    @property
+    def scores(self) -> list[float]:
+        """Each candidate's decayed hit count, in ``shares`` order."""
+        return list(self._scores)
