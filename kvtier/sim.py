@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import math
 import random
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -143,7 +144,8 @@ def scan_trace(hot_keys: int, alpha: float, scan_len: int, n_requests: int, seed
 
 def recency_trace(new: float, span: int, n_requests: int, seed: int = 0) -> list[int]:
     """A share ``new`` of requests for new keys (0, 1, 2, ... in order), the rest re-reads of a
-    recent key: ``age`` keys back from the newest, ``age`` exponential with mean ``span``."""
+    recent key: ``age`` keys back from the newest, ``age`` exponential with mean ``span``
+    truncated to the keys that exist (no key is hot for being the oldest)."""
     rng = random.Random(seed)
     out: list[int] = []
     fresh = 0
@@ -151,8 +153,10 @@ def recency_trace(new: float, span: int, n_requests: int, seed: int = 0) -> list
         if fresh == 0 or rng.random() < new:
             out.append(fresh)
             fresh += 1
-        else:
-            out.append(max(0, fresh - 1 - int(rng.expovariate(1.0 / span))))
+            continue
+        below = -math.expm1(-fresh / span)  # P(age < fresh): the inverse CDF, truncated there
+        age = int(-span * math.log1p(-rng.random() * below))
+        out.append(fresh - 1 - min(age, fresh - 1))
     return out
 
 
@@ -180,7 +184,7 @@ def synthetic(spec: str) -> Trace:
         if kind == "recency" and len(parts) in (3, 4) and 0.0 < float(parts[0]) <= 1.0:
             seed = int(parts[3]) if len(parts) == 4 else 0
             return Trace(recency_trace(float(parts[0]), _pos_int(parts[1]), _pos_int(parts[2]), seed))
-    except ValueError:
+    except (ValueError, OverflowError):
         pass
     raise ConfigError(f"bad synthetic trace {spec!r}; use loop:KEYSxREPEATS, zipf:ALPHA,KEYS,REQUESTS[,SEED], "
                       "mix:HOT,ALPHA,LOOPKEYS,REQUESTS[,SEED], scan:HOT,ALPHA,SCANLEN,REQUESTS[,SEED] or "

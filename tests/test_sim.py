@@ -11,7 +11,7 @@ import pytest
 from kvtier.cli import main
 from kvtier.errors import ConfigError
 from kvtier.policies.registry import DEFAULT_POLICY, POLICIES
-from kvtier.sim import Trace, mixed_trace, read_trace, simulate, synthetic, zipf_trace
+from kvtier.sim import Trace, mixed_trace, read_trace, recency_trace, simulate, synthetic, zipf_trace
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,15 +141,7 @@ ADAPTIVE = "wtinylfu_adaptive"
 
 def _recency_trace(n: int, seed: int, span: int = 800) -> Trace:
     """30% new keys, the rest re-reads of recent keys (exponential age): recency, not frequency."""
-    rng = random.Random(seed)
-    keys, fresh = [], 0
-    for _ in range(n):
-        if fresh == 0 or rng.random() < 0.3:
-            keys.append(fresh)
-            fresh += 1
-        else:
-            keys.append(max(0, fresh - 1 - int(rng.expovariate(1 / span))))
-    return Trace(keys)
+    return Trace(recency_trace(0.3, span, n, seed))
 
 
 def test_scan_trace_shape():
@@ -195,9 +187,21 @@ def test_adaptive_grows_the_window_on_a_recency_trace():
     assert result.hit_ratio >= simulate(trace, "lru", 500).hit_ratio - 0.02
 
 
-def test_the_recency_family_is_the_generator_the_tests_use():
-    assert synthetic("recency:0.3,800,5000,33").keys == _recency_trace(5000, 33).keys
-    for bad in ("recency:0,800,100", "recency:1.5,800,100", "recency:0.3,800", "recency:0.3,-1,100"):
+def test_the_recency_family_re_reads_recent_keys_without_a_hot_oldest_one():
+    keys = synthetic("recency:0.3,800,50000,33").keys
+    assert keys[0] == 0 and max(keys) < 0.32 * len(keys)
+    newest, ages = -1, []
+    for k in keys:
+        if k > newest:
+            newest = k
+        elif newest > 5000:  # far from the start: the truncation no longer matters
+            ages.append(newest - k)
+    assert 700 < sum(ages) / len(ages) < 900  # mean age ~ SPAN
+    assert keys.count(0) < 0.002 * len(keys)  # the oldest key is no hot spot (it was clamped to)
+    huge = synthetic("recency:0.5," + "9" * 300 + ",1000,1").keys  # a SPAN beyond floats: uniform ages, no hang
+    assert len(huge) == 1000
+    for bad in ("recency:0,800,100", "recency:1.5,800,100", "recency:0.3,800", "recency:0.3,-1,100",
+                "recency:0.3,1" + "0" * 400 + ",100"):
         with pytest.raises(ConfigError, match="recency:NEW"):
             synthetic(bad)
 

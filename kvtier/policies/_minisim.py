@@ -12,12 +12,12 @@ Software Cache Management", Middleware 2018). Every candidate is measured on the
 at once: no hits are spent exploring, and a share far from the current one is reached in one
 decision, where a hill climber needs a period per step and is thrown back by noise.
 
-Pure bookkeeping: no clock, no randomness, no I/O; the same requests give the same choices.
+Pure bookkeeping: no clock, no randomness, no I/O. The same int keys give the same choices in
+every process; bytes and str keys are sampled by Python's salted hash (see ``key_hash``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Sequence
 
@@ -28,7 +28,7 @@ from kvtier.policies.wtinylfu import WTinyLFUPolicy
 # Candidate window shares, smallest first (ties go to the smaller window: scan- and loop-resistant).
 SHARES = (0.0, 0.01, 0.05, 0.15, 0.3, 0.5, 0.75, 1.0)
 MINI_ENTRIES = 128  # entries a miniature aims to hold; fewer sampled keys only on smaller caches
-MIN_MINI_ENTRIES = 8  # a miniature never holds fewer (a tiny cache is sampled less sparsely)
+MIN_MINI_ENTRIES = 8  # a miniature never holds fewer (smaller caches keep their window)
 COST = 2  # the sample is sparse enough that a request costs at most 1/COST miniature updates on average
 BAND = 1.0  # a lead smaller than this many standard deviations of a hit count is a tie
 WARMUP_PERIODS = 2  # periods whose hits only warm the miniatures (their sketches and segments)
@@ -38,26 +38,32 @@ _MASK = (1 << 64) - 1
 
 
 def key_hash(key: Key) -> int:
-    """A 64-bit hash of ``key`` that is the same in every process (Python's ``hash`` of bytes and
-    str is salted per process): BLAKE2b of a bytes key (every byte counts: keys may share long
-    prefixes), an int through splitmix64's finaliser (sequential ints spread over the buckets),
-    anything else by its ``repr``."""
-    if isinstance(key, int):
-        x = (key + 0x9E3779B97F4A7C15) & _MASK
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-        return x ^ (x >> 31)
-    data = bytes(key) if isinstance(key, (bytes, bytearray, memoryview)) else repr(key).encode()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    """A 64-bit hash of ``key``: Python's ``hash`` through splitmix64's finaliser (so that
+    sequential ints spread over the buckets). Ints hash the same in every process (the
+    simulator's choices are reproducible); bytes and str are hashed with Python's per-process
+    salt, so which of the store's keys fall in the sample cannot be known outside the process: a
+    client that could choose sampled keys would weigh the choice of window R times over and
+    cost R miniature updates per request. Choices for such keys can differ between processes,
+    as the frequency sketch's estimates already do."""
+    x = hash(key) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def min_entries(candidates: int) -> int:
+    """The fewest entries a cache holds for its window to be chosen by miniatures: each holds
+    ``MIN_MINI_ENTRIES`` at a sample sparse enough that a request costs at most ``1/COST``
+    miniature updates. A smaller cache keeps its window (the miniatures would cost more than
+    the cache itself per request and say little)."""
+    return COST * candidates * MIN_MINI_ENTRIES
 
 
 def sample_rate(entries: int, candidates: int) -> int:
-    """1 in how many keys the miniatures see, for a cache of ``entries`` resident entries and
-    ``candidates`` miniatures: each miniature holds about ``MINI_ENTRIES`` (at least
-    ``MIN_MINI_ENTRIES``), and no request costs more than one miniature update on average
-    (``rate >= candidates``) unless the cache is too small for that."""
-    rate = max(COST * candidates, entries // MINI_ENTRIES)
-    return max(1, min(rate, entries // MIN_MINI_ENTRIES))
+    """1 in how many keys the miniatures see, for a cache of ``entries`` entries (at least
+    ``min_entries``) and ``candidates`` miniatures: each miniature holds about ``MINI_ENTRIES``,
+    and a request costs at most ``1/COST`` miniature updates on average."""
+    return max(COST * candidates, entries // MINI_ENTRIES)
 
 
 def check_shares(shares: Sequence[float]) -> tuple[float, ...]:
@@ -106,18 +112,21 @@ class _Miniature:
 class MiniSims:
     """Miniature W-TinyLFU caches of one candidate window share each, fed a sample of requests.
 
-    ``capacity``: the real cache's bytes; ``entries``: its resident entries when built (it is
-    built once the cache is full, so ``capacity / entries`` is the mean entry size). ``request``
-    replays one request (sampled keys only); ``choose`` closes a period and returns the share to
-    use next.
+    ``capacity``: the real cache's bytes; ``entries``: how many entries it holds when full (its
+    count at the first eviction, or the capacity over the first entry's size), which sets the
+    sample rate. ``warmup``: periods whose hits are not scored. ``request`` replays one request
+    (sampled keys only); ``choose`` closes a period and returns the share to use next.
     """
 
     def __init__(self, capacity: int, entries: int, shares: Sequence[float] = SHARES,
                  warmup: int = WARMUP_PERIODS):
         shares = check_shares(shares)
-        if capacity < 1 or entries < 1:
-            raise ValueError(f"need a positive capacity and entry count, got {capacity}, {entries}")
+        if capacity < 1 or entries < min_entries(len(shares)):
+            raise ValueError(f"need a positive capacity and at least {min_entries(len(shares))} entries, "
+                             f"got {capacity} bytes, {entries} entries")
         self.shares = shares
+        self.capacity = capacity
+        self.entries = entries
         self.rate = sample_rate(entries, len(shares))
         mini = max(1, capacity // self.rate)
         self._minis = [_Miniature(mini, share) for share in shares]
@@ -136,7 +145,7 @@ class MiniSims:
         ``DECAY`` per period) and return the best candidate's share, or ``current`` when the
         best does not beat the candidate nearest ``current`` by more than one standard deviation
         of a hit count (``sqrt`` of it): a near-tie is noise, and moving costs the real cache
-        its warmed segments."""
+        its warmed segments. A ``current`` that is not a candidate always moves to the best."""
         for i, mini in enumerate(self._minis):
             self._scores[i] = DECAY * self._scores[i] + mini.hits if not self._warming else 0.0
             mini.hits = 0
@@ -144,7 +153,9 @@ class MiniSims:
             self._warming -= 1
             return current
         best = max(range(len(self.shares)), key=lambda i: (self._scores[i], -i))
-        here = min(range(len(self.shares)), key=lambda i: abs(self.shares[i] - current))
+        if current not in self.shares:  # a share no miniature measures: the best measured one
+            return self.shares[best]
+        here = self.shares.index(current)
         if self._scores[best] - self._scores[here] <= BAND * math.sqrt(max(self._scores[best], 1.0)):
             return current
         return self.shares[best]

@@ -4,11 +4,12 @@ The same structure as ``wtinylfu`` (window LRU, frequency-guarded segmented main
 bytes, shares are shares of the capacity's bytes), but the window starts at 1% and, once per
 sample period, takes the share that did best in miniature simulations of the same requests
 (:class:`~kvtier.policies._minisim.MiniSims`: sampled W-TinyLFU caches, one per candidate
-share). The miniatures are built when the cache is first full (the owner's first ``victim``
-call), sized from the capacity and the entries resident then; with a ``capacity_hint`` they are
-built at the first insert (entries estimated from its size) and warm up while the cache fills. A period lasts ``period_factor``
-x the resident entries at its start (at least ``min_period`` requests), so a period sees each
-resident entry several times.
+share). With a ``capacity_hint`` they are built at the first insert (the entries the cache will
+hold estimated as the capacity over that entry's size) and warm up while the cache fills; they
+are rebuilt when the cache is first full (the owner's first ``victim`` call) if it then holds
+over twice as many or under half as many, and built then without a hint. A period lasts
+``period_factor`` x the resident entries at its start (at least ``min_period`` requests), so a
+period sees each resident entry several times.
 
 A request reaches the miniatures with its entry's size when the policy knows it (a hit) and the
 mean resident size otherwise (a miss: the size comes with the ``insert`` that may follow).
@@ -26,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
-from kvtier.policies._minisim import SHARES, MiniSims, check_shares
+from kvtier.policies._minisim import SHARES, MiniSims, check_shares, min_entries
 from kvtier.policies.base import Key
 from kvtier.policies.wtinylfu import WTinyLFUPolicy
 
@@ -79,6 +80,15 @@ class AdaptiveWTinyLFUPolicy(WTinyLFUPolicy):
         self._spill_window()
         self._demote_protected()
 
+    def _miniatures(self, capacity: int, entries: int, warmup: int | None = None) -> MiniSims | None:
+        """Miniatures for a cache of ``capacity`` bytes holding ``entries``; None (the window
+        stays) for a cache too small to be worth them (``min_entries``)."""
+        if capacity < 1 or entries < min_entries(len(self._candidates)):
+            return None
+        if warmup is None:
+            return MiniSims(capacity, entries, self._candidates)
+        return MiniSims(capacity, entries, self._candidates, warmup=warmup)
+
     def _size_of(self, key: Key) -> int:
         """A resident key's size, else the mean resident size (at least 1)."""
         for segment in (self._window, self._probation, self._protected):
@@ -109,12 +119,19 @@ class AdaptiveWTinyLFUPolicy(WTinyLFUPolicy):
 
     def insert(self, key: Key, size: int) -> None:
         super().insert(key, size)
-        if self._sims is None and self._hint:  # a known capacity: the miniatures warm up with the cache
-            self._sims = MiniSims(self._hint, max(1, self._hint // max(1, size)), self._candidates, warmup=1)
+        if self._sims is None and not self._full and self._hint and self._hint > 0:
+            # a known capacity: the miniatures warm up while the cache fills
+            self._sims = self._miniatures(self._hint, self._hint // max(1, size), warmup=0)
 
     def victim(self) -> Key | None:
-        if self._sims is None and len(self):  # no capacity given: built once full (the first victim)
-            self._sims = MiniSims(self._capacity(), len(self), self._candidates)
+        if not self._full and len(self):
+            # built now without a capacity hint, or rebuilt when the first entry's size or the hint
+            # misjudged the full cache by over 2 x (in entries: a sample too sparse or too costly;
+            # in bytes: a hint that is not the real budget): from what the full cache holds
+            used, sims = max(1, self._used()), self._sims
+            if sims is None or not (len(self) / 2 <= sims.entries <= 2 * len(self)
+                                    and used / 2 <= sims.capacity <= 2 * used):
+                self._sims = self._miniatures(used, len(self))
         if not self._full:
             self._full = True  # periods start now: the hit rate of a cache still filling says nothing
             self._period = self._period_length()

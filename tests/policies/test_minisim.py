@@ -11,17 +11,19 @@ import sys
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.policies._minisim import SHARES, MiniSims, key_hash, sample_rate
+from kvtier.policies._minisim import SHARES, MiniSims, key_hash, min_entries, sample_rate
 from kvtier.policies.registry import make_policy
 
 
-def test_key_hash_is_stable_and_spreads_structured_keys_over_buckets():
-    assert key_hash(b"k" * 32) == key_hash(bytes(b"k" * 32)) == key_hash(bytearray(b"k" * 32))
-    # no per-process salt (Python's own hash of bytes and str has one): another interpreter agrees
-    code = "from kvtier.policies._minisim import key_hash; print(key_hash(b'k' * 32), key_hash('s'), key_hash(7))"
-    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={**os.environ, "PYTHONHASHSEED": "12345"})
-    assert other.stdout.split() == [str(key_hash(b"k" * 32)), str(key_hash("s")), str(key_hash(7))]
+def test_key_hash_is_reproducible_for_ints_salted_for_bytes_and_spreads_structured_keys():
+    # ints (the simulator's keys) hash the same in another interpreter; bytes and str (the
+    # store's) with Python's per-process salt, so a client cannot know which keys are sampled
+    code = "from kvtier.policies._minisim import key_hash; print(key_hash(7), key_hash(b'k' * 32), key_hash('s'))"
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout.split() for seed in ("1", "2")]
+    assert runs[0][0] == runs[1][0] == str(key_hash(7))
+    assert runs[0][1] != runs[1][1] and runs[0][2] != runs[1][2]
+    assert key_hash(b"k" * 32) == key_hash(bytes(b"k" * 32))
     for keys in (range(20_000), [i.to_bytes(32, "big") for i in range(20_000)], [f"k{i}" for i in range(20_000)]):
         buckets = [0] * 16
         for k in keys:
@@ -30,10 +32,19 @@ def test_key_hash_is_stable_and_spreads_structured_keys_over_buckets():
 
 
 def test_sample_rate_keeps_miniatures_useful_and_cheap():
+    assert min_entries(8) == 128  # smaller caches keep their window: no miniatures
     assert sample_rate(100_000, 8) == 100_000 // 128  # large caches: miniatures of ~128 entries
-    assert sample_rate(1000, 8) == 16  # small: at most half a miniature update per request
-    assert sample_rate(40, 8) == 5  # tiny: never fewer than 8 entries per miniature
-    assert sample_rate(3, 8) == 1
+    assert sample_rate(1000, 8) == sample_rate(128, 8) == 16  # small: half a miniature update per request
+    with pytest.raises(ValueError, match="at least 128 entries"):
+        MiniSims(capacity=1000, entries=100)
+    policy = make_policy("wtinylfu_adaptive", capacity_hint=100)
+    for key in range(300):  # a 100-entry cache under the owner loop: never any miniatures
+        if key not in policy:
+            policy.miss(key)
+            if len(policy) == 100:
+                policy.remove(policy.victim())
+            policy.insert(key, 1)
+    assert policy.sample_rate is None and policy.window_share == 0.01
 
 
 def _replay(sims: MiniSims, keys, periods: int) -> list[float]:
@@ -73,11 +84,13 @@ def test_a_loop_larger_than_the_cache_keeps_the_smallest_window():
     assert sims.scores[-1] == min(sims.scores) < max(sims.scores)  # an LRU-like window thrashes
 
 
-def test_a_near_tie_keeps_the_current_share():
-    sims = MiniSims(capacity=100, entries=100, shares=(0.0, 0.5))
-    same = [i % 50 for i in range(10_000)]  # fits in every miniature: equal hits
+def test_a_near_tie_keeps_the_current_share_and_a_share_no_miniature_measures_moves():
+    sims = MiniSims(capacity=200, entries=200, shares=(0.0, 0.01, 0.5))
+    same = [i % 100 for i in range(20_000)]  # fits in every miniature: equal hits
     assert _replay(sims, same, 4) == [0.01] * 4
-    assert sims.scores[0] == sims.scores[1] > 0
+    assert sims.scores[0] == sims.scores[1] == sims.scores[2] > 0
+    only = MiniSims(capacity=200, entries=200, shares=(1.0,))  # 0.01 is not measured: it moves
+    assert _replay(only, same, 4)[-1] == 1.0
 
 
 @pytest.mark.parametrize("shares", [(), (0.5, 1.5), (-0.1,), ("x",)])
@@ -106,7 +119,7 @@ def test_adaptive_window_moves_once_full_and_keeps_its_byte_limit():
     keys = recency_trace(0.3, 600, 30_000, 8)  # re-reads of recent keys: the window grows
     policy = make_policy("wtinylfu_adaptive", capacity_hint=capacity, min_period=500, period_factor=1)
     assert policy.sample_rate is None  # no miniatures before the first insert
-    used = checked = 0
+    used = checked = first_full = 0
     resident: dict[int, int] = {}
     periods = 0
     for key in keys:
@@ -116,6 +129,7 @@ def test_adaptive_window_moves_once_full_and_keeps_its_byte_limit():
         else:
             policy.miss(key)
             while used + size > capacity:
+                first_full = first_full or len(policy)
                 out = policy.victim()
                 policy.remove(out)
                 used -= resident.pop(out)
@@ -129,6 +143,62 @@ def test_adaptive_window_moves_once_full_and_keeps_its_byte_limit():
     seen = [s for s, _ in policy.window_history]
     assert seen[0] > capacity // 7 and seen == sorted(seen) and checked >= 20
     assert len({share for _, share in policy.window_history}) > 1  # it did move
-    # built at the first insert (key 0, 1 byte): entries estimated as capacity / that size
-    assert policy.sample_rate == sample_rate(capacity // 1, len(SHARES))
+    # built at the first insert (key 0, 1 byte: 4,000 entries estimated), rebuilt when the cache
+    # was first full with about a quarter of that (sizes 1-7)
+    assert first_full < capacity // 2 and policy.sample_rate == sample_rate(first_full, len(SHARES))
     assert policy.window_share >= 0.5
+
+
+def test_miniatures_built_at_the_first_insert_are_kept_when_the_estimate_holds():
+    policy = make_policy("wtinylfu_adaptive", capacity_hint=64 * 1000)
+    used, resident = 0, {}
+    for key in range(3000):  # uniform sizes: the first entry's size gives the count exactly
+        if key not in policy:
+            policy.miss(key)
+            while used + 64 > 64 * 1000:
+                out = policy.victim()
+                policy.remove(out)
+                used -= resident.pop(out)
+            policy.insert(key, 64)
+            resident[key] = 64
+            used += 64
+        if key == 0:
+            sims = policy._sims
+    assert policy._sims is sims and sims.entries == 1000 and policy.sample_rate == sample_rate(1000, len(SHARES))
+
+
+def _fill(policy, capacity: int, sizes) -> int:
+    """Insert keys 0.. with ``sizes`` under the owner loop of a ``capacity``-byte cache; the
+    entries resident when it was first full."""
+    used, resident, first_full = 0, {}, 0
+    for key, size in enumerate(sizes):
+        policy.miss(key)
+        while used + size > capacity:
+            first_full = first_full or len(policy)
+            out = policy.victim()
+            policy.remove(out)
+            used -= resident.pop(out)
+        policy.insert(key, size)
+        resident[key] = size
+        used += size
+    return first_full
+
+
+def test_miniatures_are_rebuilt_from_the_full_cache_when_the_first_entry_or_the_hint_misjudged_it():
+    # a first entry 100 x the others: 10 entries estimated (too few for miniatures), 1,000 held
+    big_first = make_policy("wtinylfu_adaptive", capacity_hint=64_000)
+    held = _fill(big_first, 64_000, [6400] + [64] * 3000)
+    assert big_first.sample_rate == sample_rate(held, len(SHARES)) and big_first._sims.capacity > 60_000
+    # a hint 16 x the real budget (a coded RAM arena's): the miniatures take the bytes really held
+    over = make_policy("wtinylfu_adaptive", capacity_hint=16 * 64_000)
+    _fill(over, 64_000, [64] * 3000)
+    assert 60_000 < over._sims.capacity <= 64_000
+
+
+def test_a_policy_with_no_or_a_zero_hint_never_raises_from_the_owner_loop():
+    for hint in (None, 0, 5):
+        policy = make_policy("wtinylfu_adaptive", capacity_hint=hint)
+        policy.insert("a", 0)
+        assert policy.victim() == "a"
+        policy.remove("a")
+        assert policy.victim() is None
