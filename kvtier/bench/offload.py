@@ -60,7 +60,9 @@ OPTIONAL_SETTINGS = ("example-connector", "lmcache-mp", *FS_CODEC_SETTINGS)
 # proxy, one link per setting) with a tier codec: what a re-read from a shared tier over the
 # network costs, per codec, beside recomputing (vLLM alone's first pass). E.g. kvtier-ram+redis-1g,
 # kvtier-ram+redis-10g-lossless, kvtier-ram+redis-1g-auto; -nice puts its writers at nice 19.
-SHARED_SETTING = re.compile(r"kvtier-ram\+redis-(\d+(?:\.\d+)?)g(?:-(none|lossless|auto|fp8))?(-nice)?")
+SHARED_SETTING = re.compile(r"kvtier-ram\+redis-(\d+(?:\.\d+)?)g(?:-(none|lossless|auto|fp8))?(-nice)?(?:-async)?")
+# any kvtier setting with -async: the same tiers with the connector's transfer_mode "async"
+ASYNC_SUFFIX = "-async"
 NICE_WRITERS = 19  # a -nice setting's writer_nice: its lower-tier writers (and their encoders) yield the cores
 SHARED_DELAY_S = 0.0005  # the proxy's delay per request: a round trip inside a data centre
 PASSES = ("first", "again", "reverse")
@@ -99,7 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool-tokens", type=int, default=21504,
                         help="vLLM's own KV pool in tokens, smaller than the working set (default 21504)")
     parser.add_argument("--settings", default=",".join(MAIN_SETTINGS),
-                        help=f"comma list of {', '.join(MAIN_SETTINGS + OPTIONAL_SETTINGS)} (default: the first three)")
+                        help=f"comma list of {', '.join(MAIN_SETTINGS + OPTIONAL_SETTINGS)}, "
+                             "kvtier-ram+redis-<R>g[-codec][-nice], and any kvtier-* setting with -async (the same tiers, "
+                             "transfer_mode async) (default: the first three)")
     parser.add_argument("--capacity-fractions", default=",".join(map(str, DEFAULT_FRACTIONS)),
                         help="RAM-tier sizes for the capacity curve, as fractions of the working set; '' to skip")
     parser.add_argument("--compare-tokens", type=int, default=16,
@@ -189,17 +193,24 @@ def run(args: argparse.Namespace) -> int:
 def _parse_settings(text: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     valid = MAIN_SETTINGS + OPTIONAL_SETTINGS
+    kvtier = [v for v in valid if v.startswith("kvtier-")]
     for name in names:
         shared = SHARED_SETTING.fullmatch(name)
         if shared and not 0 < float(shared.group(1)) <= 400:
             raise ConfigError(f"setting {name!r}: the link rate must be above 0 and at most 400 Gb/s")
-        if name not in valid and not shared:
+        if name not in valid and not shared and _sync_name(name) not in kvtier:
             raise ConfigError(f"unknown setting {name!r}; valid: {', '.join(valid)}, "
                               "kvtier-ram+redis-<R>g[-none|-lossless|-auto|-fp8][-nice] (a Redis tier across an R Gb/s link; "
-                              "-nice: its writers at nice 19)")
+                              "-nice: its writers at nice 19), and any kvtier-* setting with -async (the connector's "
+                              "transfer_mode async)")
     if len(set(names)) != len(names):
         raise ConfigError(f"--settings names a setting twice: {text!r}")
     return names
+
+
+def _sync_name(name: str) -> str:
+    """The setting ``name`` names without its ``-async`` suffix."""
+    return name[: -len(ASYNC_SUFFIX)] if name.endswith(ASYNC_SUFFIX) else name
 
 
 @contextlib.contextmanager
@@ -437,17 +448,21 @@ def _settings(names: list[str], fractions: list[float], working_set: int, work: 
     big = max([f for f in fractions if f > 1.0] or [1.33])
     settings: list[Setting] = []
     for name in names:
+        count, asked = len(settings), name
+        if not SHARED_SETTING.fullmatch(name):  # a Redis setting keeps its name: it names its link
+            name = _sync_name(name)
+        own = asked[len(name):]  # "-async" or "": the setting's own directories
         if name == "vllm":
             settings.append(Setting(name, None, engine_hit_docs=3))
         elif name == "kvtier-ram":  # large enough for the working set; doubles as the curve's top point
             tiers = [{"type": "ram", "capacity": int(big * working_set)}]
             settings.append(Setting(name, _kvtier(tiers, chunk_tokens), capacity_fraction=big))
         elif name == "kvtier-ram+disk":
-            tiers = _ram_over({"type": "disk", "path": str(work / "disk")}, working_set)
+            tiers = _ram_over({"type": "disk", "path": str(work / f"disk{own}")}, working_set)
             settings.append(Setting(name, _kvtier(tiers, chunk_tokens)))
         elif name in FS_CODEC_SETTINGS:  # the RAM tier as kvtier-ram+disk's: re-reads come from fs
             codec = FS_CODEC_SETTINGS[name]
-            lower = {"type": "fs", "path": str(work / f"fs-{codec}"), "codec": codec}
+            lower = {"type": "fs", "path": str(work / f"fs-{codec}{own}"), "codec": codec}
             settings.append(Setting(name, _kvtier(_ram_over(lower, working_set), chunk_tokens)))
         elif name in (links or {}):  # as kvtier-ram+fs, over a Redis tier across the setting's link
             shared = SHARED_SETTING.fullmatch(name)
@@ -462,6 +477,10 @@ def _settings(names: list[str], fractions: list[float], working_set: int, work: 
                                            "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}))
         elif name == "lmcache-mp":  # LMCache's server with an L1 as large as kvtier-ram's RAM tier
             settings.append(Setting(name, None, lmcache_l1_bytes=int(big * working_set)))
+        if asked.endswith(ASYNC_SUFFIX) and len(settings) > count and settings[-1].kv_transfer_config:
+            setting = settings[-1]
+            setting.name = asked
+            setting.kv_transfer_config["kv_connector_extra_config"]["transfer_mode"] = "async"
     for fraction in fractions:
         if fraction == big and "kvtier-ram" in names:
             continue

@@ -406,6 +406,28 @@ def test_fs_codec_settings_put_ram_over_an_fs_tier_with_each_codec(tmp_path):
         offload._parse_settings("vllm,kvtier-ram+fs-zip")
 
 
+def test_async_settings_are_the_same_tiers_in_transfer_mode_async_with_their_own_directories(tmp_path):
+    from kvtier.integrations.vllm.config import ConnectorConfig
+
+    names = ["kvtier-ram", "kvtier-ram-async", "kvtier-ram+disk", "kvtier-ram+disk-async", "kvtier-ram+fs-lossless-async"]
+    assert offload._parse_settings(",".join(names)) == names
+    settings = {s.name: s for s in offload._settings(names, [], 10 << 20, tmp_path, None)}
+    assert set(settings) == set(names)
+    for name in names:
+        extra = settings[name].kv_transfer_config["kv_connector_extra_config"]
+        mode = ConnectorConfig.from_extra_config(extra).transfer_mode
+        assert mode == ("async" if name.endswith("-async") else "sync"), name
+        sync = settings.get(name.removesuffix("-async"))
+        if sync is not None and sync is not settings[name]:  # the same tiers, another directory
+            twin = sync.kv_transfer_config["kv_connector_extra_config"]["tiers"]
+            tiers = extra["tiers"]
+            assert [t["type"] for t in tiers] == [t["type"] for t in twin]
+            assert all(a.get("path") != b.get("path") for a, b in zip(tiers, twin) if "path" in a)
+    for bad in ("vllm-async", "example-connector-async", "kvtier-ram-async-async", "kvtier-ram-asyn"):
+        with pytest.raises(ConfigError, match="-async"):
+            offload._parse_settings(bad)
+
+
 @pytest.mark.redis
 def test_shared_settings_put_ram_over_redis_across_a_paced_link_with_each_codec(tmp_path):
     """``kvtier-ram+redis-<R>g[-codec]``: one real redis-server, a delay proxy per setting pacing
