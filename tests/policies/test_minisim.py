@@ -110,32 +110,45 @@ def test_same_requests_give_same_choices():
 
 
 # -- the adaptive policy --------------------------------------------------------------------
+class _Owner:
+    """The owner loop of ``policies.base`` over a ``capacity``-byte cache; ``first_full``: the
+    entries resident at the first eviction."""
+
+    def __init__(self, policy, capacity: int):
+        self.policy, self.capacity = policy, capacity
+        self.used, self.resident, self.first_full = 0, {}, 0
+
+    def request(self, key, size: int) -> None:
+        policy = self.policy
+        if key in policy:
+            policy.access(key)
+            return
+        policy.miss(key)
+        while self.used + size > self.capacity:
+            self.first_full = self.first_full or len(policy)
+            out = policy.victim()
+            policy.remove(out)
+            self.used -= self.resident.pop(out)
+        policy.insert(key, size)
+        self.resident[key] = size
+        self.used += size
+
+    def fill(self, sizes) -> None:
+        for key, size in enumerate(sizes):
+            self.request(key, size)
+
+
 def test_adaptive_window_moves_once_full_and_keeps_its_byte_limit():
     """Sized entries under the owner loop: the share moves only once the cache is full, once per
     period, and after each move the window holds no more bytes than its share (plus one entry)."""
     from kvtier.sim import recency_trace
 
     capacity = 4000
-    keys = recency_trace(0.3, 600, 30_000, 8)  # re-reads of recent keys: the window grows
     policy = make_policy("wtinylfu_adaptive", capacity_hint=capacity, min_period=500, period_factor=1)
     assert policy.sample_rate is None  # no miniatures before the first insert
-    used = checked = first_full = 0
-    resident: dict[int, int] = {}
-    periods = 0
-    for key in keys:
-        size = 1 + key % 7
-        if key in policy:
-            policy.access(key)
-        else:
-            policy.miss(key)
-            while used + size > capacity:
-                first_full = first_full or len(policy)
-                out = policy.victim()
-                policy.remove(out)
-                used -= resident.pop(out)
-            policy.insert(key, size)
-            resident[key] = size
-            used += size
+    owner, checked, periods = _Owner(policy, capacity), 0, 0
+    for key in recency_trace(0.3, 600, 30_000, 8):  # re-reads of recent keys: the window grows
+        owner.request(key, 1 + key % 7)
         if len(policy.window_history) != periods:
             periods = len(policy.window_history)
             assert policy._bytes["window"] <= max(1, int(capacity * policy.window_share)) + 7
@@ -145,53 +158,28 @@ def test_adaptive_window_moves_once_full_and_keeps_its_byte_limit():
     assert len({share for _, share in policy.window_history}) > 1  # it did move
     # built at the first insert (key 0, 1 byte: 4,000 entries estimated), rebuilt when the cache
     # was first full with about a quarter of that (sizes 1-7)
-    assert first_full < capacity // 2 and policy.sample_rate == sample_rate(first_full, len(SHARES))
+    assert owner.first_full < capacity // 2 and policy.sample_rate == sample_rate(owner.first_full, len(SHARES))
     assert policy.window_share >= 0.5
 
 
 def test_miniatures_built_at_the_first_insert_are_kept_when_the_estimate_holds():
     policy = make_policy("wtinylfu_adaptive", capacity_hint=64 * 1000)
-    used, resident = 0, {}
-    for key in range(3000):  # uniform sizes: the first entry's size gives the count exactly
-        if key not in policy:
-            policy.miss(key)
-            while used + 64 > 64 * 1000:
-                out = policy.victim()
-                policy.remove(out)
-                used -= resident.pop(out)
-            policy.insert(key, 64)
-            resident[key] = 64
-            used += 64
-        if key == 0:
-            sims = policy._sims
+    owner = _Owner(policy, 64 * 1000)
+    owner.request(0, 64)
+    sims = policy._sims
+    owner.fill([64] * 3000)  # uniform sizes: the first entry's size gave the count exactly
     assert policy._sims is sims and sims.entries == 1000 and policy.sample_rate == sample_rate(1000, len(SHARES))
-
-
-def _fill(policy, capacity: int, sizes) -> int:
-    """Insert keys 0.. with ``sizes`` under the owner loop of a ``capacity``-byte cache; the
-    entries resident when it was first full."""
-    used, resident, first_full = 0, {}, 0
-    for key, size in enumerate(sizes):
-        policy.miss(key)
-        while used + size > capacity:
-            first_full = first_full or len(policy)
-            out = policy.victim()
-            policy.remove(out)
-            used -= resident.pop(out)
-        policy.insert(key, size)
-        resident[key] = size
-        used += size
-    return first_full
 
 
 def test_miniatures_are_rebuilt_from_the_full_cache_when_the_first_entry_or_the_hint_misjudged_it():
     # a first entry 100 x the others: 10 entries estimated (too few for miniatures), 1,000 held
-    big_first = make_policy("wtinylfu_adaptive", capacity_hint=64_000)
-    held = _fill(big_first, 64_000, [6400] + [64] * 3000)
+    big_first = _Owner(make_policy("wtinylfu_adaptive", capacity_hint=64_000), 64_000)
+    big_first.fill([6400] + [64] * 3000)
+    held, big_first = big_first.first_full, big_first.policy
     assert big_first.sample_rate == sample_rate(held, len(SHARES)) and big_first._sims.capacity > 60_000
     # a hint 16 x the real budget (a coded RAM arena's): the miniatures take the bytes really held
     over = make_policy("wtinylfu_adaptive", capacity_hint=16 * 64_000)
-    _fill(over, 64_000, [64] * 3000)
+    _Owner(over, 64_000).fill([64] * 3000)
     assert 60_000 < over._sims.capacity <= 64_000
 
 
