@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
-from kvtier.policies._minisim import SHARES, MiniSims, check_shares, min_entries
+from kvtier.policies._minisim import SHARES, WARMUP_PERIODS, MiniSims, check_shares, min_entries
 from kvtier.policies.base import Key
 from kvtier.policies.wtinylfu import WTinyLFUPolicy
 
@@ -41,7 +41,7 @@ class AdaptiveWTinyLFUPolicy(WTinyLFUPolicy):
                  shares: Sequence[float] = SHARES, period_factor: int = 10, min_period: int = 4096):
         super().__init__(capacity_hint=capacity_hint, window=window, protected=protected)
         self._candidates = check_shares(shares)
-        self._sims: MiniSims | None = None  # built when the cache is first full
+        self._sims: MiniSims | None = None  # at the first insert with a hint, else when first full
         self._period_factor = max(1, int(period_factor))
         self._min_period = max(1, int(min_period))
         self._full = False  # periods count from the first victim
@@ -80,13 +80,11 @@ class AdaptiveWTinyLFUPolicy(WTinyLFUPolicy):
         self._spill_window()
         self._demote_protected()
 
-    def _miniatures(self, capacity: int, entries: int, warmup: int | None = None) -> MiniSims | None:
+    def _miniatures(self, capacity: int, entries: int, warmup: int = WARMUP_PERIODS) -> MiniSims | None:
         """Miniatures for a cache of ``capacity`` bytes holding ``entries``; None (the window
         stays) for a cache too small to be worth them (``min_entries``)."""
         if capacity < 1 or entries < min_entries(len(self._candidates)):
             return None
-        if warmup is None:
-            return MiniSims(capacity, entries, self._candidates)
         return MiniSims(capacity, entries, self._candidates, warmup=warmup)
 
     def _size_of(self, key: Key) -> int:
@@ -104,7 +102,8 @@ class AdaptiveWTinyLFUPolicy(WTinyLFUPolicy):
 
     @property
     def sample_rate(self) -> int | None:
-        """1 in how many keys the miniatures see (None until the cache is first full)."""
+        """1 in how many keys the miniatures see (None without them: before the first insert,
+        or a cache too small for them)."""
         return None if self._sims is None else self._sims.rate
 
     # -- protocol -------------------------------------------------------------------------
