@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from kvtier.errors import ConfigError
+from kvtier.policies.base import Owner
 from kvtier.policies.registry import make_policy
 
 OPT = "opt"
@@ -204,29 +205,13 @@ def simulate(trace: Trace, policy: str, capacity: int, **options) -> SimResult:
     if policy == OPT:
         return simulate_opt(trace, capacity)
     pol = make_policy(policy, capacity_hint=capacity, **options)
-    contains, access, miss, admit = pol.__contains__, pol.access, pol.miss, pol.admit
-    victim, remove, insert = pol.victim, pol.remove, pol.insert
-    resident: dict[int, int] = {}
-    used = hits = hit_bytes = 0
+    request = Owner(pol, capacity).request
+    hits = hit_bytes = 0
     sizes = trace.sizes if trace.sizes is not None else itertools.repeat(1)
     for key, size in zip(trace.keys, sizes):
-        if contains(key):
-            access(key)
+        if request(key, size):
             hits += 1
             hit_bytes += size
-            continue
-        miss(key)
-        if size > capacity or not admit(key, size):
-            continue
-        while used + size > capacity:
-            out = victim()
-            if out is None:
-                break
-            remove(out)
-            used -= resident.pop(out)
-        insert(key, size)
-        resident[key] = size
-        used += size
     result = _result(policy, capacity, trace, hits, hit_bytes)
     history = getattr(pol, "window_history", None)
     if history is not None:

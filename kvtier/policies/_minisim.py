@@ -22,7 +22,7 @@ import math
 from typing import Sequence
 
 from kvtier.errors import ConfigError
-from kvtier.policies.base import Key
+from kvtier.policies.base import Key, Owner
 from kvtier.policies.wtinylfu import WTinyLFUPolicy
 
 # Candidate window shares, smallest first (ties go to the smaller window: scan- and loop-resistant).
@@ -77,38 +77,6 @@ def check_shares(shares: Sequence[float]) -> tuple[float, ...]:
     return out
 
 
-class _Miniature:
-    """One sampled cache of a fixed window share, under the owner loop of ``policies.base``."""
-
-    __slots__ = ("policy", "capacity", "used", "sizes", "hits")
-
-    def __init__(self, capacity: int, share: float):
-        self.policy = WTinyLFUPolicy(capacity_hint=capacity, window=share)
-        self.capacity = capacity
-        self.used = 0
-        self.sizes: dict[Key, int] = {}
-        self.hits = 0
-
-    def request(self, key: Key, size: int) -> None:
-        policy = self.policy
-        if key in policy:
-            policy.access(key)
-            self.hits += 1
-            return
-        policy.miss(key)
-        if size > self.capacity:
-            return
-        while self.used + size > self.capacity:
-            out = policy.victim()
-            if out is None:
-                break
-            policy.remove(out)
-            self.used -= self.sizes.pop(out)
-        policy.insert(key, size)
-        self.sizes[key] = size
-        self.used += size
-
-
 class MiniSims:
     """Miniature W-TinyLFU caches of one candidate window share each, fed a sample of requests.
 
@@ -129,16 +97,18 @@ class MiniSims:
         self.entries = entries
         self.rate = sample_rate(entries, len(shares))
         mini = max(1, capacity // self.rate)
-        self._minis = [_Miniature(mini, share) for share in shares]
+        self._minis = [Owner(WTinyLFUPolicy(capacity_hint=mini, window=share), mini) for share in shares]
+        self._hits = [0] * len(shares)  # this period's, per miniature
         self._scores = [0.0] * len(shares)
         self._warming = max(0, int(warmup))  # periods that only fill the miniatures: their hits favour fast fillers
 
     def request(self, key: Key, size: int) -> None:
         """Replay a request of ``key`` (``size`` bytes) if the key is in the sample."""
-        if self.rate > 1 and key_hash(key) % self.rate:
+        if key_hash(key) % self.rate:
             return
-        for mini in self._minis:
-            mini.request(key, size)
+        for i, mini in enumerate(self._minis):
+            if mini.request(key, size):
+                self._hits[i] += 1
 
     def choose(self, current: float) -> float:
         """Close a period: fold each miniature's hits into its score (earlier periods weigh
@@ -146,9 +116,9 @@ class MiniSims:
         best does not beat the candidate nearest ``current`` by more than one standard deviation
         of a hit count (``sqrt`` of it): a near-tie is noise, and moving costs the real cache
         its warmed segments. A ``current`` that is not a candidate always moves to the best."""
-        for i, mini in enumerate(self._minis):
-            self._scores[i] = DECAY * self._scores[i] + mini.hits if not self._warming else 0.0
-            mini.hits = 0
+        for i, hits in enumerate(self._hits):
+            self._scores[i] = DECAY * self._scores[i] + hits if not self._warming else 0.0
+        self._hits = [0] * len(self.shares)
         if self._warming:
             self._warming -= 1
             return current

@@ -59,3 +59,37 @@ class EvictionPolicy(ABC):
     def admit(self, key: Key, size: int) -> bool:
         """Whether a missed ``key`` is worth storing at all (default: always)."""
         return True
+
+
+class Owner:
+    """The owner loop above over a ``capacity``-sized cache (bytes, or entries of size 1): what the
+    simulator replays a trace through, and each of the adaptive W-TinyLFU's miniatures."""
+
+    __slots__ = ("policy", "capacity", "used", "sizes")
+
+    def __init__(self, policy: EvictionPolicy, capacity: int):
+        self.policy = policy
+        self.capacity = capacity
+        self.used = 0
+        self.sizes: dict[Key, int] = {}
+
+    def request(self, key: Key, size: int) -> bool:
+        """One request of ``key`` (``size`` bytes); whether it hit. A miss stores the key when
+        the policy admits it and it fits at all, evicting the policy's victims first."""
+        policy = self.policy
+        if key in policy:
+            policy.access(key)
+            return True
+        policy.miss(key)
+        if size > self.capacity or not policy.admit(key, size):
+            return False
+        while self.used + size > self.capacity:
+            out = policy.victim()
+            if out is None:
+                break
+            policy.remove(out)
+            self.used -= self.sizes.pop(out)
+        policy.insert(key, size)
+        self.sizes[key] = size
+        self.used += size
+        return False

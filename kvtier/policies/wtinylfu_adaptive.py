@@ -11,8 +11,9 @@ over twice as many or under half as many, and built then without a hint. A perio
 ``period_factor`` x the resident entries at its start (at least ``min_period`` requests), so a
 period sees each resident entry several times.
 
-A request reaches the miniatures with its entry's size when the policy knows it (a hit) and the
-mean resident size otherwise (a miss: the size comes with the ``insert`` that may follow).
+A request reaches the miniatures with its entry's size when the policy holds it (a hit) and the
+mean resident size otherwise (a miss: the size comes with the ``insert`` that may follow); the
+sizes are looked up only while there are miniatures.
 Removals are not replayed: the policy cannot tell an eviction from a delete, and the miniatures
 evict by themselves.
 
@@ -51,14 +52,14 @@ class AdaptiveWTinyLFUPolicy(WTinyLFUPolicy):
         self.window_history: deque[tuple[int, float]] = deque(maxlen=self.HISTORY)
 
     # -- sampling -------------------------------------------------------------------------
-    def _record(self, key: Key, size: int) -> None:
-        """Count one request (and replay it in the miniatures); at a period's end, take their
-        choice of share and resize."""
+    def _record(self, key: Key) -> None:
+        """Count one request (and replay it in the miniatures, after the policy has seen it); at
+        a period's end, take their choice of share and resize."""
         self._seen += 1
         sims = self._sims
         if sims is None:
             return
-        sims.request(key, size)
+        sims.request(key, self._size_of(key))
         if not self._full:
             return
         self._requests += 1
@@ -109,29 +110,27 @@ class AdaptiveWTinyLFUPolicy(WTinyLFUPolicy):
     # -- protocol -------------------------------------------------------------------------
     def miss(self, key: Key) -> None:
         super().miss(key)
-        self._record(key, self._size_of(key))
+        self._record(key)
 
     def access(self, key: Key) -> None:
-        size = self._size_of(key)
         super().access(key)
-        self._record(key, size)
+        self._record(key)
 
     def insert(self, key: Key, size: int) -> None:
         super().insert(key, size)
-        if self._sims is None and not self._full and self._hint and self._hint > 0:
+        if self._sims is None and not self._full and self._hint:
             # a known capacity: the miniatures warm up while the cache fills
             self._sims = self._miniatures(self._hint, self._hint // max(1, size), warmup=0)
 
     def victim(self) -> Key | None:
-        if not self._full and len(self):
+        if not self._full:
             # built now without a capacity hint, or rebuilt when the first entry's size or the hint
             # misjudged the full cache by over 2 x (in entries: a sample too sparse or too costly;
             # in bytes: a hint that is not the real budget): from what the full cache holds
             used, sims = max(1, self._used()), self._sims
-            if sims is None or not (len(self) / 2 <= sims.entries <= 2 * len(self)
-                                    and used / 2 <= sims.capacity <= 2 * used):
+            if len(self) and (sims is None or not (len(self) / 2 <= sims.entries <= 2 * len(self)
+                                                   and used / 2 <= sims.capacity <= 2 * used)):
                 self._sims = self._miniatures(used, len(self))
-        if not self._full:
             self._full = True  # periods start now: the hit rate of a cache still filling says nothing
             self._period = self._period_length()
             self.window_history.append((self._seen, self._window_share))
