@@ -89,6 +89,13 @@ class KVStore(ABC):
         process). No side effects. By default: none is."""
         return [False] * len(keys)
 
+    @property
+    def memcpy_writes(self) -> bool:
+        """Whether ``write`` is a copy into this process's memory: no I/O and no round trip on
+        the caller's thread (lower tiers, if any, are written in the background). By default:
+        not."""
+        return False
+
     def get_into(self, key: Key, out: Any) -> int | None:
         """Copy ``key``'s payload into the writable buffer ``out``; the byte count or None.
 

@@ -231,6 +231,12 @@ class TieredStore(KVStore):
         with self._lock:
             return self._index.in_top(keys)
 
+    @property
+    def memcpy_writes(self) -> bool:
+        """True when the top tier is an arena in this process (``write`` reserves its pages and
+        copies into them; the lower tiers are written by the background writers)."""
+        return self._levels[0].arena is not None
+
     # ----------------------------------------------------------------------------- reads
 
     def read(self, key: Key, consume: Consume) -> str | None:

@@ -1,8 +1,10 @@
 """Background saves (``transfer_mode: async``) of the connector's worker, without an engine: real
 stores (RAM, disk) and CPU tensors shaped as vLLM's CPU backend registers them.
 
-The step reads each chunk's pages into a staging slot and returns without waiting for the store;
-one background thread writes the staged chunks. Checked here: the bytes stored are the pages as
+Where a store write can wait (a cache server, a disk top tier; here a gated store) or the
+``torch`` engine copies, the step reads each chunk's pages into a staging slot and returns
+without waiting for the store; one background thread writes the staged chunks. A CPU engine over
+an in-process RAM tier copies straight into the RAM tier within the step (one copy). Checked here: the bytes stored are the pages as
 they were during the step (pages overwritten right after, as a preempted request's freed blocks
 are, do not reach the store); saves that find every slot in use are dropped and counted (with the
 rest of their request's chunks of that step), never queued; a store that refuses or raises
@@ -43,6 +45,8 @@ class GatedStore:
         self.gate.set()
         self.fail = False
         self.writes_started = 0
+
+    memcpy_writes = False  # a store whose writes can wait (as a cache server's): the background writer serves it
 
     def write(self, *args, **kwargs) -> bool:
         self.writes_started += 1
@@ -237,6 +241,71 @@ def test_sync_mode_still_writes_within_the_step(tmp_path, monkeypatch):
         worker.wait_for_save(KVTierMetadata(saves=_saves("r", keys, list(range(4)))))
         assert worker._saves is None and store.lookup(keys) == 2
         assert _counters(worker)["saved_chunks"] == 2
+    finally:
+        worker.close()
+
+
+def _plain_worker(tmp: Path, tiers: list[dict], engine: str = "host") -> tuple[KVTierWorker, dict[str, torch.Tensor]]:
+    """An ``async`` worker on a real store of ``tiers`` (no gate), its pages copied by ``engine``."""
+    config = ConnectorConfig.from_extra_config({"tiers": tiers, "transfer_mode": "async", "load_threads": 2})
+    worker = KVTierWorker(config, GEOMETRY, WorkerShare())
+    kv = _kv_caches(0)
+    if engine == "host":
+        worker.register_kv_caches(kv)
+    else:  # the CUDA path's layout (run on CPU tensors) before the worker decides how it saves
+        real = PageLayout
+
+        class TorchLayout(real):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs, engine="torch")
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(worker_module, "PageLayout", TorchLayout)
+            worker.register_kv_caches(kv)
+    return worker, kv
+
+
+def test_over_an_in_process_ram_tier_async_saves_copy_once_within_the_step(tmp_path):
+    """A CPU engine (``host`` copies) over a RAM tier: no staging slots and no writer thread;
+    the step's copy goes straight into the RAM tier, so the chunks are there when
+    ``wait_for_save`` returns and the pages reused right after do not reach the store. The disk
+    tier below still gets its copies from the store's own writers."""
+    worker, kv = _plain_worker(tmp_path, [{"type": "ram", "capacity": "4MiB"},
+                                          {"type": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB"}])
+    try:
+        assert worker._saves is None
+        keys, src = _keys(3), list(range(0, 6))
+        before = _pages(kv, src)
+        worker.wait_for_save(KVTierMetadata(saves=_saves("r", keys, src)))
+        assert worker.store.in_top_tier(keys) == [True] * 3  # in the RAM tier, within the step
+        for t in kv.values():
+            t[src] = 7
+        dst = list(range(10, 16))
+        worker.start_load_kv(KVTierMetadata(loads=[LoadSpec("r2", keys, 0, dst, 0)]))
+        assert worker.failed_blocks() == set() and _same(before, _pages(kv, dst))
+        assert worker.store.flush()
+        disk = worker.store.tiers[1]
+        assert all(disk.contains(k) for k in keys)
+        counters = _counters(worker)
+        assert counters["saved_chunks"] == 3 and not counters.get("save_backlog_dropped")
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("case", ["disk top tier", "torch engine"])
+def test_async_saves_keep_the_background_writer_where_a_write_is_more_than_a_memcpy(tmp_path, case):
+    """A store whose top tier is a disk (its write is file I/O), or the ``torch`` engine (the
+    step only issues the device-to-host gather): staging slots and the writer thread stay."""
+    disk = {"type": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB"}
+    if case == "disk top tier":
+        worker, _ = _plain_worker(tmp_path, [disk])
+    else:
+        worker, _ = _plain_worker(tmp_path, [{"type": "ram", "capacity": "4MiB"}, disk], engine="torch")
+    try:
+        assert worker._saves is not None
+        keys = _keys(2)
+        worker.wait_for_save(KVTierMetadata(saves=_saves("r", keys, list(range(4)))))
+        assert worker.drain_saves() and worker.store.lookup(keys) == 2
     finally:
         worker.close()
 

@@ -56,6 +56,8 @@ class GatedStore:
         self.gate = threading.Event()
         self.gate.set()
 
+    memcpy_writes = False  # a store whose writes can wait (as a cache server's): the background writer serves it
+
     def write(self, *args, **kwargs) -> bool:
         if not self.gate.wait(300):
             raise TimeoutError("the scenario never opened the gate")

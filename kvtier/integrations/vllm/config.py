@@ -25,7 +25,9 @@ Keys (all optional)::
                        RAM-tier hits and hits through a cache server stay inline. Saves:
                        sync writes the step's chunks into the store in the step; async copies
                        their pages in the step and writes them on a background thread (a
-                       bounded backlog: what does not fit is dropped and counted)
+                       bounded backlog: what does not fit is dropped and counted), except on a
+                       CPU engine over an in-process RAM tier, where the step's copy into the
+                       RAM tier is the whole save (as in sync: one copy, not two)
     async_ram_loads    with transfer_mode "async": load RAM-tier hits in the background too
                        (false). The step then never copies a load, but each such request waits
                        at least one step longer for its first token (measured by kvtier bench

@@ -25,8 +25,12 @@ KV tensors, and carries out the plan the scheduler side put in the step's ``KVTi
 - background saves (``transfer_mode: async``, ``BackgroundSaves``): the step still reads the
   chunks' pages, and one background thread writes them into the store (top-tier placement,
   eviction, write-through queueing, or the round trip to a cache server), off the step. With
-  the ``host`` copy engine (CPU) the step copies the pages into a staging slot per chunk (a
-  memcpy per page); with the ``torch`` engine (CUDA) the step only issues the batched gather
+  the ``host`` copy engine (CPU) and a store whose ``write`` is a memcpy into this process (a
+  ``TieredStore`` over a RAM tier) there is no background writer: the step copies the pages
+  straight into the store's pages, as in ``sync`` (one copy per page, not two; the lower tiers
+  are written by the store's own writers either way). With the ``host`` engine and any other
+  store (a cache server's client, a disk top tier) the step copies the pages into a staging
+  slot per chunk (a memcpy per page); with the ``torch`` engine (CUDA) the step only issues the batched gather
   (one indexed copy per layer on the side stream, the compute stream waiting for it, then one
   non-blocking copy to pinned host memory) and the writer thread waits for that copy and moves
   the bytes into the slots (``_Landing``), so the step never waits for the device-to-host
@@ -442,9 +446,21 @@ class KVTierWorker:
             self._load_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-load")
         if self.config.transfer_mode == "async":
             self._background_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-bgload")
-            chunk = max(self._pack_bytes.values())  # the largest entry
-            slots = max(1, min(SAVE_BACKLOG_CHUNKS, SAVE_BACKLOG_BYTES // chunk))
-            self._saves = BackgroundSaves(self.store, chunk, slots)
+            if self._saves_copy_twice():
+                chunk = max(self._pack_bytes.values())  # the largest entry
+                slots = max(1, min(SAVE_BACKLOG_CHUNKS, SAVE_BACKLOG_BYTES // chunk))
+                self._saves = BackgroundSaves(self.store, chunk, slots)
+            else:
+                log.info("kvtier: transfer_mode async: saves copy the pages straight into the store's RAM "
+                         "tier within the step (one copy; the lower tiers are written in the background)")
+
+    def _saves_copy_twice(self) -> bool:
+        """Whether ``async`` saves go through staging slots and the background writer. Not when
+        every layout is copied by the ``host`` engine and the store's ``write`` is a memcpy into
+        this process's memory: the step must read the pages itself in any case, and copying them
+        straight into the store's pages is then the whole save (one copy, not two)."""
+        host = all(layout.engine == "host" for layout in self._layouts.values())
+        return not (host and self.store.memcpy_writes)
 
     # ------------------------------------------------------------------------- loads
 
@@ -634,10 +650,11 @@ class KVTierWorker:
     # ------------------------------------------------------------------------- saves
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
-        """Save this step's completed chunks: into the store's top tier now (``sync``), or read
-        into staging slots now and written into the store by the background writer (``async``;
-        chunks that find no free slot are dropped and counted). Either way the engine's pages
-        are no longer needed when this returns."""
+        """Save this step's completed chunks: into the store's top tier now (``sync``, and
+        ``async`` without a background writer: see ``_saves_copy_twice``), or read into staging
+        slots now and written into the store by the background writer (``async``; chunks that
+        find no free slot are dropped and counted). Either way the engine's pages are no longer
+        needed when this returns."""
         if not self._layouts or not meta.saves or not self._saves_on:
             return
         t0 = time.perf_counter()
