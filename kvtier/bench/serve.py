@@ -30,6 +30,11 @@ tokens. ``--json`` prints ``{"rows": [...], "targets": [...]}`` (issue 10's targ
 ``kvtier.bench.targets``); ``--plot FILE`` writes one PNG per metric (``FILE`` with
 ``-<metric>`` before its suffix; re-reads solid, first passes dashed).
 
+``--rounds R`` runs every setting R times (a fresh engine each time), each round on fresh
+documents and in the reverse order of the round before, so that settings are compared within a
+round on a machine whose speed drifts: rows carry their ``round``, and each target is the median
+of its per-round ratios, with their min and max.
+
 Settings (``SETTINGS``): ``vllm`` (no connector), ``kvtier`` (today's synchronous transfers),
 and ``kvtier-async`` (kvtier with ``transfer_mode: async``: hits below the RAM tier load in the
 background); not by default, ``kvtier-async-ram`` (``async_ram_loads``: RAM-tier hits load in the
@@ -66,6 +71,7 @@ CONNECTOR = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvt
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 METRICS = ("ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p99_ms", "output_tok_s", "hit_tokens")
 GROUPS = ("ram", "disk", "shared")  # re-read order; the first pass runs them reversed
+SEED = 20261201  # round 0's documents; round r draws from SEED + r
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="skip vLLM's torch.compile (each setting's engine starts 20-90 s sooner on two cores; "
                              "slower steps)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every setting R times, each round on fresh documents and in the reverse order "
+                             "of the round before; rows carry their round, and each target is the median of its "
+                             "per-round ratios (settings compared within a round), with their min and max (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--plot", metavar="FILE", help="write a PNG per metric vs concurrency (FILE-<metric>.png)")
 
@@ -140,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
     unknown = [s for s in names if s not in SETTINGS]
     if unknown:
         raise ConfigError(f"unknown setting(s) {unknown}; valid: {', '.join(SETTINGS)}")
+    rounds = getattr(args, "rounds", 1)
+    if rounds < 1:
+        raise ConfigError(f"--rounds {rounds}: need at least one round")
     levels = [int(c) for c in ("1,2" if args.quick and args.concurrency == "1,2,4,8" else args.concurrency).split(",")]
     doc_tokens = min(args.doc_tokens, 1024) if args.quick else args.doc_tokens
     per_group = 1 if args.quick else args.docs_per_group
@@ -151,27 +164,29 @@ def run(args: argparse.Namespace) -> int:
             model = args.model or str(_model(variant))
             load = Workload(doc_tokens=doc_tokens, docs_per_group=per_group, decode_tokens=args.decode_tokens,
                             bytes_per_token=_bytes_per_token(model))
-            spec = dict(_spec(model, load, levels), enforce_eager=bool(getattr(args, "enforce_eager", False)))
             warm_gb = 3 * per_group * load.doc_bytes / 1e9
-            spec["settle_s"] = args.settle_s if args.settle_s is not None else round(2 + 2 * warm_gb, 1)
-            for name in names:
-                setting_dir = work / f"{variant}-{name}"
-                shutil.rmtree(setting_dir, ignore_errors=True)
-                setting_dir.mkdir(parents=True)
-                result = _run_setting(dict(spec, kv_transfer_config=SETTINGS[name](setting_dir, load)),
-                                      setting_dir, args.timeout)
-                for level in result["levels"]:
-                    for phase in ("first", "reread"):
-                        rows.append({"setting": name, "model": variant if not args.model else model,
-                                     "phase": phase, **_summary(level[phase])})
-                if not args.json:
-                    note(f"{variant}/{name}: done")
+            settle = args.settle_s if args.settle_s is not None else round(2 + 2 * warm_gb, 1)
+            for r in range(rounds):
+                spec = dict(_spec(model, load, levels, seed=SEED + r),
+                            enforce_eager=bool(getattr(args, "enforce_eager", False)), settle_s=settle)
+                for name in round_order(names, r):
+                    setting_dir = work / f"{variant}-{name}"
+                    shutil.rmtree(setting_dir, ignore_errors=True)
+                    setting_dir.mkdir(parents=True)
+                    result = _run_setting(dict(spec, kv_transfer_config=SETTINGS[name](setting_dir, load)),
+                                          setting_dir, args.timeout)
+                    for level in result["levels"]:
+                        for phase in ("first", "reread"):
+                            rows.append({"setting": name, "model": variant if not args.model else model,
+                                         "phase": phase, "round": r, **_summary(level[phase])})
+                    if not args.json:
+                        note(f"{variant}/{name}: done" + (f" (round {r + 1} of {rounds})" if rounds > 1 else ""))
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
     report = {"rows": rows, "workload": {"doc_tokens": doc_tokens, "docs_per_group": per_group,
                                          "short_tokens": Workload.short_tokens, "decode_tokens": args.decode_tokens,
-                                         "concurrency": levels,
+                                         "concurrency": levels, "rounds": rounds,
                                          "enforce_eager": bool(getattr(args, "enforce_eager", False))},
               "thread_binding": _engine_env()["VLLM_CPU_OMP_THREADS_BIND"], "settle_s": args.settle_s}
     report["targets"] = targets(rows)
@@ -187,6 +202,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def round_order(names: list[str], r: int) -> list[str]:
+    """The settings in round ``r``: as given in even rounds, reversed in odd ones (so no setting
+    always runs first, on a machine that warms up or slows down over a run)."""
+    return list(names) if r % 2 == 0 else list(reversed(names))
+
+
 def measurements(rows: list[dict]) -> dict[str, float]:
     """The rows as flat measurements for ``kvtier.bench.targets``:
     ``"{metric}:{model}/{setting}/{phase}@{concurrency}"``."""
@@ -200,15 +221,21 @@ def measurements(rows: list[dict]) -> dict[str, float]:
 
 
 def targets(rows: list[dict]) -> list[dict]:
-    """Issue 10's targets over the run's rows, for every model and kvtier setting measured."""
+    """Issue 10's targets over the run's rows, for every model and kvtier setting measured.
+    Rows of several rounds (``round``): each ratio is taken within a round and the target is
+    judged on the median over rounds (``kvtier.bench.targets.evaluate_rounds``)."""
     from kvtier.bench import targets as table
 
     models = sorted({r["model"] for r in rows})
     kvtier = sorted({r["setting"] for r in rows} - {"vllm"})
     each = [{"model": m, "setting": s} for m in models for s in kvtier]
-    return table.evaluate("serve", measurements(rows),
-                          {key: each for key in ("itl-disk-vs-ram", "tok-vs-vllm", "first-tok", "first-ttft")}
-                          | {"async-vs-sync": [{"model": m} for m in models]})
+    params = ({key: each for key in ("itl-disk-vs-ram", "tok-vs-vllm", "first-tok", "first-ttft")}
+              | {"async-vs-sync": [{"model": m} for m in models]})
+    rounds = sorted({r.get("round", 0) for r in rows})
+    if len(rounds) <= 1:
+        return table.evaluate("serve", measurements(rows), params)
+    return table.evaluate_rounds("serve", [measurements([r for r in rows if r.get("round", 0) == k])
+                                           for k in rounds], params)
 
 
 def _model(variant: str) -> Path:
@@ -223,11 +250,12 @@ def _bytes_per_token(model: str) -> int:
     return kv_shape(load_model_config(model)).bytes_per_token
 
 
-def _spec(model: str, load: Workload, levels: list[int]) -> dict:
-    """The engine's spec: model, pool, and per level the first pass (per group) and the re-reads."""
+def _spec(model: str, load: Workload, levels: list[int], seed: int = SEED) -> dict:
+    """The engine's spec: model, pool, and per level the first pass (per group) and the re-reads,
+    the documents drawn from ``seed``."""
     import numpy as np
 
-    rng = np.random.default_rng(20261201)
+    rng = np.random.default_rng(seed)
 
     def tokens(n: int) -> list[int]:
         return rng.integers(100, 31000, n).tolist()
@@ -424,9 +452,12 @@ def plot(rows: list[dict], path: str) -> list[str]:
     for metric in METRICS:
         fig, ax = plt.subplots(figsize=(6, 4))
         for model, setting, phase in series:
-            pts = sorted((r["concurrency"], r[metric]) for r in rows
-                         if (r["model"], r["setting"], r.get("phase", "reread")) == (model, setting, phase)
-                         and r[metric] is not None)
+            by_level: dict[int, list[float]] = {}  # several rounds: their median per level
+            for r in rows:
+                if (r["model"], r["setting"], r.get("phase", "reread")) == (model, setting, phase) \
+                        and r[metric] is not None:
+                    by_level.setdefault(r["concurrency"], []).append(r[metric])
+            pts = sorted((c, statistics.median(v)) for c, v in by_level.items())
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if phase == "reread" else "o--",
                         label=f"{model} / {setting} / {phase}")
@@ -446,7 +477,7 @@ def plot(rows: list[dict], path: str) -> list[str]:
 def _print(rows: list[dict]) -> None:
     from kvtier.output import print_table
 
-    cols = ("model", "setting", "phase", "concurrency", "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p99_ms",
+    cols = ("model", "setting", "phase", "round", "concurrency", "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p99_ms",
             "itl_p99_ram_ms", "itl_p99_disk_ms", "output_tok_s", "hit_tokens", "query_tokens", "doc_ttft_p50_ms",
             "doc_ttft_ram_ms", "doc_ttft_disk_ms", "doc_ttft_shared_ms")
     print_table(cols, [[r.get(c) for c in cols] for r in rows])

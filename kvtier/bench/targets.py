@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import operator
+import statistics
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -75,8 +76,10 @@ class IssueTarget:
     def check(self, measured: Mapping[str, float]) -> dict | None:
         """The row of a bound target (``issue, target, metric, value, limit, met``), or None."""
         value = self.value(measured)
-        if value is None:
-            return None
+        return None if value is None else self.judge(value)
+
+    def judge(self, value: float) -> dict:
+        """The row of a bound target for the metric's ``value`` (see ``check``)."""
         met = None if self.limit is None else _COMPARE[self.comparison](value, self.limit)
         return {"issue": self.issue, "target": self.name, "metric": self.metric, "value": round(value, 4),
                 "limit": self.limit_text, "met": met}
@@ -183,12 +186,36 @@ def evaluate(benchmark: str, measured: Mapping[str, float],
     return rows
 
 
+def evaluate_rounds(benchmark: str, rounds: Sequence[Mapping[str, float]],
+                    params: Mapping[str, Sequence[Mapping[str, Any]]] | None = None) -> list[dict]:
+    """``evaluate`` over repeated rounds (one measurement mapping each, every ratio taken within
+    its round): a target's value is the median of its per-round values and is judged against the
+    limit; its row adds ``rounds`` (the per-round values, None where a round could not compute
+    it), ``min`` and ``max``. A target no round computes is left out."""
+    rows = []
+    for target in for_benchmark(benchmark):
+        for p in (params or {}).get(target.key, target.each):
+            bound = target.bind(p)
+            per_round = [bound.value(m) for m in rounds]
+            values = [v for v in per_round if v is not None]
+            if values:
+                rows.append(bound.judge(statistics.median(values)) | {
+                    "rounds": [None if v is None else round(v, 4) for v in per_round],
+                    "min": round(min(values), 4), "max": round(max(values), 4)})
+    return rows
+
+
 def print_targets(rows: Sequence[dict]) -> None:
-    """The checked targets as a table (nothing when there are none)."""
+    """The checked targets as a table (nothing when there are none); a target judged over
+    rounds shows its median with the rounds' min-max."""
+    def measured(r: dict) -> str:
+        spread = f" ({r['min']:.3f}-{r['max']:.3f})" if "min" in r else ""
+        return f"{r['value']:.3f}{spread}"
+
     if rows:
         print_table(["issue", "target", "measured", "limit", "met"],
-                    [[r["issue"], r["target"], f"{r['value']:.3f}", r["limit"],
+                    [[r["issue"], r["target"], measured(r), r["limit"],
                       {True: "yes", False: "NO", None: "-"}[r["met"]]] for r in rows])
 
 
-__all__ = ["IssueTarget", "TARGETS", "evaluate", "for_benchmark", "print_targets"]
+__all__ = ["IssueTarget", "TARGETS", "evaluate", "evaluate_rounds", "for_benchmark", "print_targets"]
