@@ -337,6 +337,34 @@ def test_lower_tier_writers_run_nicer_than_the_engine(nice):
         store.close()
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not os.uname().sysname == "Linux",
+                    reason="SCHED_IDLE is Linux's")
+def test_idle_writers_run_under_sched_idle_and_the_engine_thread_is_left_alone():
+    """``writer_idle``: the lower tier's writer thread runs under SCHED_IDLE (a core only when
+    no other thread wants one), still carries its copies out, and the thread that built the
+    store keeps its policy."""
+    lower = GatedRam(64 * PAGE)
+    me = threading.get_native_id()
+    before = os.sched_getscheduler(me)
+    store = store_over([ram(16), lower], writer_idle=True)
+    try:
+        assert store.put(key(0), payload(0))
+        assert lower.entered.wait(10)
+        writer = next(t for t in threading.enumerate() if t.name == "kvtier-writer-gated")
+        assert os.sched_getscheduler(writer.native_id) == os.SCHED_IDLE
+        assert os.sched_getscheduler(me) == before != os.SCHED_IDLE
+        lower.gate.set()
+        assert store.flush() and lower.get(key(0)) == payload(0)
+    finally:
+        lower.gate.set()
+        store.close()
+
+
+def test_idle_and_nice_writers_are_one_choice():
+    with pytest.raises(ConfigError, match="writer_idle and store.writer_nice 5: set one"):
+        StoreConfig(tiers=[{"type": "ram", "capacity": "1MiB"}], writer_idle=True, writer_nice=5)
+
+
 def test_top_entry_evicted_before_its_lower_write_ran_still_reaches_the_lower_tier():
     lower = GatedRam(64 * PAGE)
     store = store_over([ram(2), lower], write_queue_depth=64)

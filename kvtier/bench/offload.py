@@ -60,9 +60,11 @@ OPTIONAL_SETTINGS = ("example-connector", "lmcache-mp", *FS_CODEC_SETTINGS)
 # proxy, one link per setting) with a tier codec: what a re-read from a shared tier over the
 # network costs, per codec, beside recomputing (vLLM alone's first pass). E.g. kvtier-ram+redis-1g,
 # kvtier-ram+redis-10g-lossless, kvtier-ram+redis-1g-auto; -nice puts its writers at nice 19.
-SHARED_SETTING = re.compile(r"kvtier-ram\+redis-(\d+(?:\.\d+)?)g(?:-(none|lossless|auto|fp8))?(-nice)?(?:-async)?")
+SHARED_SETTING = re.compile(r"kvtier-ram\+redis-(\d+(?:\.\d+)?)g(?:-(none|lossless|auto|fp8))?(-nice|-idle)?(?:-async)?")
 # any kvtier setting with -async: the same tiers with the connector's transfer_mode "async"
 ASYNC_SUFFIX = "-async"
+# any kvtier setting with -idle (before -async): the same tiers, their writers under SCHED_IDLE
+IDLE_SUFFIX = "-idle"
 NICE_WRITERS = 19  # a -nice setting's writer_nice: its lower-tier writers (and their encoders) yield the cores
 SHARED_DELAY_S = 0.0005  # the proxy's delay per request: a round trip inside a data centre
 PASSES = ("first", "again", "reverse")
@@ -102,8 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vLLM's own KV pool in tokens, smaller than the working set (default 21504)")
     parser.add_argument("--settings", default=",".join(MAIN_SETTINGS),
                         help=f"comma list of {', '.join(MAIN_SETTINGS + OPTIONAL_SETTINGS)}, "
-                             "kvtier-ram+redis-<R>g[-codec][-nice], and any kvtier-* setting with -async (the same tiers, "
-                             "transfer_mode async) (default: the first three)")
+                             "kvtier-ram+redis-<R>g[-codec][-nice], and any kvtier-* setting with -idle (the same tiers, "
+                             "their lower-tier writers under SCHED_IDLE: store option writer_idle) and/or -async (the "
+                             "same tiers, transfer_mode async), in that order (default: the first three)")
     parser.add_argument("--capacity-fractions", default=",".join(map(str, DEFAULT_FRACTIONS)),
                         help="RAM-tier sizes for the capacity curve, as fractions of the working set; '' to skip")
     parser.add_argument("--compare-tokens", type=int, default=16,
@@ -198,19 +201,21 @@ def _parse_settings(text: str) -> list[str]:
         shared = SHARED_SETTING.fullmatch(name)
         if shared and not 0 < float(shared.group(1)) <= 400:
             raise ConfigError(f"setting {name!r}: the link rate must be above 0 and at most 400 Gb/s")
-        if name not in valid and not shared and _sync_name(name) not in kvtier:
+        if name not in valid and not shared and _base_name(name) not in kvtier:
             raise ConfigError(f"unknown setting {name!r}; valid: {', '.join(valid)}, "
-                              "kvtier-ram+redis-<R>g[-none|-lossless|-auto|-fp8][-nice] (a Redis tier across an R Gb/s link; "
-                              "-nice: its writers at nice 19), and any kvtier-* setting with -async (the connector's "
-                              "transfer_mode async)")
+                              "kvtier-ram+redis-<R>g[-none|-lossless|-auto|-fp8][-nice|-idle] (a Redis tier across an "
+                              "R Gb/s link; -nice: its writers at nice 19), and any kvtier-* setting with -idle (its "
+                              "writers under SCHED_IDLE) and/or -async (the connector's transfer_mode async), in that order")
     if len(set(names)) != len(names):
         raise ConfigError(f"--settings names a setting twice: {text!r}")
     return names
 
 
-def _sync_name(name: str) -> str:
-    """The setting ``name`` names without its ``-async`` suffix."""
-    return name[: -len(ASYNC_SUFFIX)] if name.endswith(ASYNC_SUFFIX) else name
+def _base_name(name: str) -> str:
+    """The setting ``name`` names without its ``-async`` and ``-idle`` suffixes."""
+    for suffix in (ASYNC_SUFFIX, IDLE_SUFFIX):
+        name = name[: -len(suffix)] if name.endswith(suffix) else name
+    return name
 
 
 @contextlib.contextmanager
@@ -450,8 +455,8 @@ def _settings(names: list[str], fractions: list[float], working_set: int, work: 
     for name in names:
         count, asked = len(settings), name
         if not SHARED_SETTING.fullmatch(name):  # a Redis setting keeps its name: it names its link
-            name = _sync_name(name)
-        own = asked[len(name):]  # "-async" or "": the setting's own directories
+            name = _base_name(name)
+        own = asked[len(name):]  # "-idle", "-async", both or "": the setting's own directories
         if name == "vllm":
             settings.append(Setting(name, None, engine_hit_docs=3))
         elif name == "kvtier-ram":  # large enough for the working set; doubles as the curve's top point
@@ -469,7 +474,7 @@ def _settings(names: list[str], fractions: list[float], working_set: int, work: 
             lower = {"type": "redis", "url": links[name], "prefix": f"demo-{name}:", "timeout_s": 30.0,
                      "codec": shared.group(2) or "none"}
             config = _kvtier(_ram_over(lower, working_set), chunk_tokens)
-            if shared.group(3):
+            if shared.group(3) == "-nice":
                 config["kv_connector_extra_config"]["writer_nice"] = NICE_WRITERS
             settings.append(Setting(name, config))
         elif name == "example-connector":
@@ -477,10 +482,16 @@ def _settings(names: list[str], fractions: list[float], working_set: int, work: 
                                            "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}))
         elif name == "lmcache-mp":  # LMCache's server with an L1 as large as kvtier-ram's RAM tier
             settings.append(Setting(name, None, lmcache_l1_bytes=int(big * working_set)))
-        if asked.endswith(ASYNC_SUFFIX) and len(settings) > count and settings[-1].kv_transfer_config:
+        is_async = asked.endswith(ASYNC_SUFFIX)
+        is_idle = asked.removesuffix(ASYNC_SUFFIX).endswith(IDLE_SUFFIX)
+        if (is_async or is_idle) and len(settings) > count and settings[-1].kv_transfer_config:
             setting = settings[-1]
             setting.name = asked
-            setting.kv_transfer_config["kv_connector_extra_config"]["transfer_mode"] = "async"
+            extra = setting.kv_transfer_config["kv_connector_extra_config"]
+            if is_async:
+                extra["transfer_mode"] = "async"
+            if is_idle:
+                extra["writer_idle"] = True
     for fraction in fractions:
         if fraction == big and "kvtier-ram" in names:
             continue

@@ -288,6 +288,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stats-interval", type=float, default=0.1, help="seconds between stats() calls (default 0.1)")
     parser.add_argument("--writer-nice", type=int, default=0,
                         help="the store's writer_nice: lower-tier writers this many steps nicer (default 0)")
+    parser.add_argument("--writer-idle", action="store_true",
+                        help="the store's writer_idle: lower-tier writers under SCHED_IDLE (not with --writer-nice)")
     parser.add_argument("--via", choices=("store", "serve"), default="store",
                         help="store: a TieredStore in this process; serve: a kvtier serve process, one "
                              "connection per client, /metrics scraped over HTTP")
@@ -305,6 +307,8 @@ def _check(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')}: must be positive, got {getattr(args, name)}")
     if not 0 <= args.writer_nice <= 19:
         raise ConfigError(f"--writer-nice: must be in [0, 19], got {args.writer_nice}")
+    if args.writer_nice and getattr(args, "writer_idle", False):
+        raise ConfigError("--writer-idle and --writer-nice: choose one (an idle writer has no niceness)")
     if args.think_ms < 0 or args.delay_ms < 0 or args.fs_entries < 0:
         raise ConfigError("--think-ms, --delay-ms, --fs-entries: must not be negative")
     size = parse_size(args.entry_bytes, "--entry-bytes")
@@ -331,8 +335,8 @@ def measure(args: argparse.Namespace, entry: int, work: str) -> dict:
             if args.via == "serve":
                 phases.append(_serve_round(args, work, r, setting, tiers, hot, blob, ns))
                 continue
-            with TieredStore.from_config({"tiers": tiers, "write_queue_depth": 64,
-                                          "writer_nice": args.writer_nice}) as store:
+            with TieredStore.from_config({"tiers": tiers, "write_queue_depth": 64, "writer_nice": args.writer_nice,
+                                          "writer_idle": getattr(args, "writer_idle", False)}) as store:
                 if len(store.tiers) != len(tiers):
                     raise KVTierError(f"the {args.lower} tier did not start (see the warnings above)")
                 for k in hot:
@@ -345,6 +349,7 @@ def measure(args: argparse.Namespace, entry: int, work: str) -> dict:
     out.update({"clients": args.clients, "lower": args.lower, "via": args.via, "entry_bytes": entry,
                 "duration_s": args.duration,
                 "rounds": args.rounds, "think_ms": args.think_ms, "writer_nice": args.writer_nice,
+                "writer_idle": getattr(args, "writer_idle", False),
                 "stats_interval_s": args.stats_interval,
                 "delay_ms": args.delay_ms if args.lower == "redis" else None,
                 "fs_entries": args.fs_entries if args.lower == "fs" else None,
@@ -375,7 +380,8 @@ def _serve_round(args: argparse.Namespace, work: str, r: int, setting: str, tier
     sock = os.path.join(sockdir, "kvtier.sock")
     with open(path, "w") as f:
         json.dump({"listen": f"unix://{sock}", "metrics": "127.0.0.1:0", "staging": 64 << 20,
-                   "store": {"tiers": tiers, "write_queue_depth": 64, "writer_nice": args.writer_nice}}, f)
+                   "store": {"tiers": tiers, "write_queue_depth": 64, "writer_nice": args.writer_nice,
+                             "writer_idle": getattr(args, "writer_idle", False)}}, f)
     child = spawn([sys.executable, "-m", "kvtier.cli", "serve", "--config", path, "--log-level", "WARNING"],
                   name="kvtier serve", log=log)
     handles = []

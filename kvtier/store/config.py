@@ -36,7 +36,13 @@ class StoreConfig:
     it cannot keep up with (counted): under sustained load, lower-tier completeness traded for
     prefill time. Measured by ``kvtier bench serve``'s ``kvtier-writers-nice10`` setting (KV-heavy
     model, one client): first pass 1.07 x vLLM alone's TTFT instead of 1.13 x, nothing lost; not
-    the default, as drops under a busier engine were not measured. ``auth_key_file`` /
+    the default, as drops under a busier engine were not measured. ``writer_idle``: run those
+    threads under Linux's ``SCHED_IDLE`` policy instead (per thread, no privilege needed): they
+    get a core only when no other thread wants it and never preempt one, where a nice 19 thread
+    still takes its small share of a busy core (and, on a CPU engine, stalls the engine's whole
+    OpenMP team at its next barrier). Their queues then fill while every core computes and drop
+    what does not fit (counted), and the writer's brief holds of the store lock can wait for an
+    idle core; not with ``writer_nice`` (set one). ``auth_key_file`` /
     ``auth_key_env``: where the trust domain's secret is (a file only its owner/group can read,
     or an environment variable; at most one): every entry is then tagged and checked (keyed
     BLAKE3, HMAC-SHA256 where blake3 is missing; an untagged or wrongly tagged entry is a
@@ -53,6 +59,7 @@ class StoreConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     max_entry_bytes: Size = ranged(Size(1024**3), ge=1)
     writer_nice: int = ranged(0, ge=0, le=19)
+    writer_idle: bool = False  # the lower tiers' writers under SCHED_IDLE (Linux)
     # the trust domain's secret (kvtier.entry.load_auth_secret): tags every entry, keys the chunk keys
     auth_key_file: str | None = None
     auth_key_env: str | None = None
@@ -60,6 +67,9 @@ class StoreConfig:
 
     def __post_init__(self):
         validate(self, "store")  # the declared ranges, also for a config built by hand
+        if self.writer_idle and self.writer_nice:
+            raise ConfigError(f"store.writer_idle and store.writer_nice {self.writer_nice}: set one (an idle writer "
+                              "has no niceness); valid: writer_idle true, or writer_nice 0-19")
         # specs given as mappings (a config built by hand) are parsed here; built ones pass through
         specs = [parse_tier_spec(spec, f"store.tiers[{i}]") for i, spec in enumerate(self.tiers)]
         object.__setattr__(self, "tiers", specs)

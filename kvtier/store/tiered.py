@@ -130,7 +130,8 @@ class TieredStore(KVStore):
             self._learn(i)
         lanes = [None] + [Lane(level.tier.name, level.tier.stats) for level in self._levels[1:]]
         self._writeback = WriteBack(lanes, self.config.write_queue_depth, self._lock, self._ledger, self._counters,
-                                    self._copy_down, nice=self.config.writer_nice)
+                                    self._copy_down, nice=self.config.writer_nice,
+                                    idle=self.config.writer_idle)
         self._prefetcher = Prefetcher(self.config.write_queue_depth, self._prefetch)
 
     # ----------------------------------------------------------------------------- construction

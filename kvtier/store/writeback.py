@@ -74,15 +74,30 @@ def lower_priority(nice: int) -> bool:
     return True
 
 
+def run_when_idle() -> bool:
+    """Put the calling thread under Linux's ``SCHED_IDLE`` policy (it runs only on a core no
+    other thread wants), best effort: other systems have no such policy and are left as they
+    are. True when it took effect. Needs no privilege; threads it starts inherit it."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "SCHED_IDLE"):
+        return False
+    try:
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+    except OSError:
+        return False
+    return True
+
+
 class WriteBack:
     """Queues and writer threads for levels 1.. of a store."""
 
     def __init__(self, lanes: Sequence[Lane | None], depth: int, lock: threading.RLock, ledger: CopyLedger,
-                 counters: Counters, apply: ApplyCopy, nice: int = 0):
+                 counters: Counters, apply: ApplyCopy, nice: int = 0, idle: bool = False):
         """``lanes[i]`` describes level ``i`` (``lanes[0]``, the top level, is None); the writer
-        threads run ``nice`` steps nicer than the thread that starts them (see ``lower_priority``).
-        ``ledger`` and ``counters`` are guarded by ``lock``."""
+        threads run ``nice`` steps nicer than the thread that starts them (see ``lower_priority``),
+        or with ``idle`` under ``SCHED_IDLE`` (``run_when_idle``). ``ledger`` and ``counters``
+        are guarded by ``lock``."""
         self._nice = nice
+        self._idle = idle
         self._lock = lock
         self._ledger = ledger
         self._counters = counters
@@ -141,6 +156,9 @@ class WriteBack:
         """Worker of level ``i``: carries queued copies out until told to stop."""
         q, lane = self._queues[i], self._lanes[i]
         try:
+            if self._idle and not run_when_idle():
+                log.warning("kvtier: the %s writer runs at the store's priority (writer_idle not applied)",
+                            lane.name)
             if self._nice > 0 and not lower_priority(self._nice):
                 log.warning("kvtier: the %s writer runs at the store's priority (writer_nice not applied)",
                             lane.name)

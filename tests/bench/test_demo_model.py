@@ -428,6 +428,29 @@ def test_async_settings_are_the_same_tiers_in_transfer_mode_async_with_their_own
             offload._parse_settings(bad)
 
 
+def test_idle_settings_are_the_same_tiers_with_their_writers_under_sched_idle(tmp_path):
+    """``-idle`` (before ``-async``) on any kvtier setting, a Redis one too: the store's
+    ``writer_idle``, its own directories; a wrong order or a non-kvtier setting is refused."""
+    from kvtier.integrations.vllm.config import ConnectorConfig
+
+    names = ["kvtier-ram+disk", "kvtier-ram+disk-idle", "kvtier-ram+disk-idle-async", "kvtier-ram+fs-lossless-idle"]
+    assert offload._parse_settings(",".join(names)) == names
+    settings = {s.name: s for s in offload._settings(names, [], 10 << 20, tmp_path, None)}
+    assert set(settings) == set(names)
+    paths = set()
+    for name in names:
+        extra = settings[name].kv_transfer_config["kv_connector_extra_config"]
+        config = ConnectorConfig.from_extra_config(extra)
+        assert config.store.writer_idle == ("-idle" in name) and config.store.writer_nice == 0, name
+        assert config.transfer_mode == ("async" if name.endswith("-async") else "sync"), name
+        paths.add(extra["tiers"][1]["path"])
+    assert len(paths) == len(names)  # each setting's own directory
+    assert offload.SHARED_SETTING.fullmatch("kvtier-ram+redis-1g-lossless-idle-async")
+    for bad in ("vllm-idle", "kvtier-ram+disk-async-idle", "kvtier-ram+disk-idle-idle"):
+        with pytest.raises(ConfigError, match="-idle"):
+            offload._parse_settings(bad)
+
+
 @pytest.mark.redis
 def test_shared_settings_put_ram_over_redis_across_a_paced_link_with_each_codec(tmp_path):
     """``kvtier-ram+redis-<R>g[-codec]``: one real redis-server, a delay proxy per setting pacing
