@@ -31,10 +31,14 @@ the tier lock, so a slow or odd file never holds up calls for other keys. Files 
 ``mode`` (default ``"0600"``, owner only; e.g. ``"0640"`` lets ``group`` read) and fan-out
 directories with the same bits plus search (``0700``).
 
-Dirty page cache stays bounded: with ``drop_cache`` (the default) each written file is flushed
-(``fdatasync``) and its pages dropped (``POSIX_FADV_DONTNEED``) before the rename, and at most
-``max_writes_in_flight`` writes run at once, so a container's memory limit is not eaten by dirty
-pages (the OOMKilled pitfall).
+Dirty page cache stays bounded: with ``drop_cache`` (the default) each written file's writeback
+starts as soon as it is written (``POSIX_FADV_DONTNEED``), and once more than
+``DROP_BEHIND_BYTES`` (or ``DROP_BEHIND_FILES`` files) wait, the oldest is written back
+(``kvtier.fileio.write_back``: no journal commit per file, unlike ``fdatasync``) and its pages
+dropped; at most ``max_writes_in_flight`` writes run at once. So a container's memory limit is
+not eaten by dirty pages (the OOMKilled pitfall), and a put costs no flush of its own (a
+first-pass write-through competes less with the engine for the cores). Not a durability
+promise: entries are checksummed, and ``fsync`` makes each put durable.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import re
 import stat
 import threading
 import uuid
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Iterator
 
@@ -59,7 +64,7 @@ from kvtier.entry import MAX_HEADER_BYTES, check_key, decode_header, encode_head
 from kvtier.errors import CorruptEntry, TierUnavailable
 from kvtier.fileio import (NotRegularFile, ShortRead, create_exclusive_at, dir_mode_for, make_dir_at, open_dir_at,
                            open_regular_at, parse_mode, read_exact, read_upto, resolve_group, unlink_quietly,
-                           untrusted_dir, write_all)
+                           untrusted_dir, write_all, write_back)
 from kvtier.keys import Key
 from kvtier.tiers.base import RankShare, SchedulerView, Tier, check_file_modes
 
@@ -72,6 +77,9 @@ _OWN_TMP = re.compile(r"^(?:[0-9a-f]{64}\.[0-9a-f]{12}|\.(?:probe|direct)-[0-9a-
 _FANOUT_DIR = re.compile(r"^[0-9a-f]{2}$")
 LOCK_NAME = ".kvtier.lock"
 _ALIGN = 4096  # O_DIRECT offset/length/buffer alignment that every Linux filesystem accepts
+# drop_cache: written files whose pages are dropped later (their writeback done by then)
+DROP_BEHIND_BYTES = 64 << 20
+DROP_BEHIND_FILES = 64
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
@@ -84,7 +92,8 @@ class DiskConfig:
     capacity: payload bytes the tier may hold, e.g. "100GiB"; a put beyond it is dropped.
     o_direct: read and write with O_DIRECT through aligned bounce buffers, bypassing the page
         cache; where the filesystem refuses it (tmpfs) the tier falls back to buffered I/O.
-    drop_cache: after writing a file, flush it and drop its pages from the page cache.
+    drop_cache: after writing a file, start its writeback, and drop its pages from the page cache
+        a few files later (at most DROP_BEHIND_BYTES of written files keep their pages).
     fsync: make each put durable (fsync the file and the directory) before it returns True.
     max_writes_in_flight: writes running at once; further puts wait for a slot.
     fanout: spread files over 256 subdirectories by the first key byte.
@@ -154,6 +163,7 @@ class DiskTier(Tier):
         self._used = 0
         self._write_slots = threading.BoundedSemaphore(config.max_writes_in_flight)
         self._bounce: queue.SimpleQueue[_Bounce] = queue.SimpleQueue()
+        self._drop_behind = _DropBehind(DROP_BEHIND_BYTES, DROP_BEHIND_FILES, self.stats)
         for _ in range(config.max_writes_in_flight):
             self._bounce.put(_Bounce())
         self._prepare_directory()
@@ -551,6 +561,7 @@ class DiskTier(Tier):
             self._index.clear()
             self._used = 0
             self._release_lock()
+        self._drop_behind.close()
         while True:
             try:
                 self._bounce.get_nowait().free()
@@ -637,13 +648,14 @@ class DiskTier(Tier):
             self._bounce.put(bounce)
 
     def _settle(self, fd: int) -> None:
-        """Bound dirty page cache (flush + drop this file's pages); make durable if asked."""
+        """Make the new file durable if asked (``fsync``, then its pages dropped), or with
+        ``drop_cache`` hand a duplicate of ``fd`` to the drop-behind (its writeback starts now)."""
         if self.config.fsync:
             os.fsync(fd)
+            if self.config.drop_cache and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         elif self.config.drop_cache:
-            os.fdatasync(fd)
-        if self.config.drop_cache and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            self._drop_behind.add(os.dup(fd), os.fstat(fd).st_size)
 
     def _read_buffered(self, fd: int, key: Key, meta: _Meta, dst: memoryview) -> None:
         """Header into a small buffer, payload straight into the caller's buffer: one preadv."""
@@ -691,6 +703,60 @@ class DiskTier(Tier):
         if self._index.get(key) is meta:
             del self._index[key]
             self._used -= meta.length
+
+
+class _DropBehind:
+    """Files written with ``drop_cache``, their pages dropped a little later, off the write path.
+
+    ``add(fd, size)`` takes ownership of a descriptor of a just-written file and starts its
+    writeback (``POSIX_FADV_DONTNEED`` starts it and drops the pages already clean). Once more
+    than ``max_bytes`` or ``max_files`` wait, the oldest are settled on the adding thread: written
+    back (``write_back``, normally done by then; no journal commit), their pages dropped, their
+    descriptors closed. ``close`` settles every file left. A fault while settling is counted in
+    ``stats.errors`` (the entry's checksum catches bad data on read). Thread-safe."""
+
+    def __init__(self, max_bytes: int, max_files: int, stats):
+        self._max_bytes = max_bytes
+        self._max_files = max_files
+        self._stats = stats
+        self._lock = threading.Lock()
+        self._files: deque[tuple[int, int]] = deque()  # (fd, size), oldest first
+        self._bytes = 0
+
+    def add(self, fd: int, size: int) -> None:
+        """Own ``fd`` (a written file of ``size`` bytes); settle the oldest files over the bounds."""
+        try:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            self._stats.add(errors=1)
+        due = []
+        with self._lock:
+            self._files.append((fd, size))
+            self._bytes += size
+            while self._files and (self._bytes > self._max_bytes or len(self._files) > self._max_files):
+                due.append(self._files.popleft())
+                self._bytes -= due[-1][1]
+        for old, _ in due:
+            self._settle(old)
+
+    def close(self) -> None:
+        """Settle every file still waiting."""
+        with self._lock:
+            due, self._bytes = list(self._files), 0
+            self._files.clear()
+        for fd, _ in due:
+            self._settle(fd)
+
+    def _settle(self, fd: int) -> None:
+        try:
+            write_back(fd)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            self._stats.add(errors=1)
+        finally:
+            os.close(fd)
 
 
 class _Bounce:

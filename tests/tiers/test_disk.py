@@ -275,3 +275,81 @@ def test_keys_that_are_not_digests_are_refused_not_written(tmp_path):
             tier.put(bad, payload(10))
         assert tier.get_into(bad, bytearray(16)) is None and not tier.contains(bad)
     assert tier.used_bytes() == 0 and list(tier.keys()) == []
+
+
+# --- drop_cache: writeback started at once, pages dropped a few files later -----------------------
+
+
+def _resident_pages(path: str) -> int:
+    """Pages of the file at ``path`` in the page cache now (``mincore`` on a private mapping)."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        page = mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * (-(-size // page)))()
+        buf = ctypes.c_char.from_buffer(mm)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+        assert libc.mincore(ctypes.addressof(buf), size, vec) == 0, os.strerror(ctypes.get_errno())
+        del buf
+        return sum(v & 1 for v in vec)
+    finally:
+        mm.close()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd") or not hasattr(os, "posix_fadvise"),
+                    reason="Linux page cache behaviour")
+def test_drop_cache_drops_the_pages_of_older_files_and_keeps_a_bounded_few_descriptors(tmp_path, monkeypatch):
+    """With ``drop_cache`` a put returns without a flush of its own; once more than the bound
+    of written files wait, the oldest are written back and their pages dropped, so no more
+    than the bound keep pages (or descriptors) after their puts; ``close`` settles the rest.
+    Every entry still reads back."""
+    monkeypatch.setattr(disk_mod, "DROP_BEHIND_FILES", 4)
+    monkeypatch.setattr(disk_mod, "DROP_BEHIND_BYTES", 1 << 30)
+    fds = _open_fds()
+    tier = make(tmp_path)
+    try:
+        data = [payload(256 << 10, i) for i in range(12)]
+        for i, d in enumerate(data):
+            assert tier.put(key(i), d)
+        held = _open_fds() - fds
+        assert 4 <= held <= 4 + 2  # the four newest files (and the tier's lock and directory)
+        resident = [_resident_pages(file_of(tier, key(i))) for i in range(12)]
+        assert all(r == 0 for r in resident[:8]), resident  # written back and dropped
+        assert all(tier.get(key(i)) == d for i, d in enumerate(data))
+    finally:
+        tier.close()
+    assert _open_fds() == fds  # close settled (and closed) the rest
+
+
+def test_drop_cache_bounds_the_bytes_waiting_too(tmp_path, monkeypatch):
+    """The byte bound settles a file as soon as the waiting files exceed it, a file larger than
+    the bound on its own put."""
+    monkeypatch.setattr(disk_mod, "DROP_BEHIND_BYTES", 300 << 10)
+    tier = make(tmp_path)
+    try:
+        assert tier.put(key(0), payload(200 << 10))
+        assert len(tier._drop_behind._files) == 1
+        assert tier.put(key(1), payload(200 << 10, 1))  # 400 KiB waiting: the first is settled
+        assert [size for _, size in tier._drop_behind._files] == [os.path.getsize(file_of(tier, key(1)))]
+        assert tier.put(key(2), payload(1 << 20, 2))  # over the bound alone: settled at once
+        assert not tier._drop_behind._files
+    finally:
+        tier.close()
+
+
+def test_without_drop_cache_nothing_waits(tmp_path):
+    tier = make(tmp_path, drop_cache=False)
+    try:
+        assert tier.put(key(0), payload(4096))
+        assert not tier._drop_behind._files
+    finally:
+        tier.close()
