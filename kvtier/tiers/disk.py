@@ -655,7 +655,8 @@ class DiskTier(Tier):
             if self.config.drop_cache and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         elif self.config.drop_cache:
-            self._drop_behind.add(os.dup(fd), os.fstat(fd).st_size)
+            size = os.fstat(fd).st_size
+            self._drop_behind.add(os.dup(fd), size)
 
     def _read_buffered(self, fd: int, key: Key, meta: _Meta, dst: memoryview) -> None:
         """Header into a small buffer, payload straight into the caller's buffer: one preadv."""
@@ -722,6 +723,7 @@ class _DropBehind:
         self._lock = threading.Lock()
         self._files: deque[tuple[int, int]] = deque()  # (fd, size), oldest first
         self._bytes = 0
+        self._closed = False  # after close, each file is settled on its own put
 
     def add(self, fd: int, size: int) -> None:
         """Own ``fd`` (a written file of ``size`` bytes); settle the oldest files over the bounds."""
@@ -734,15 +736,17 @@ class _DropBehind:
         with self._lock:
             self._files.append((fd, size))
             self._bytes += size
-            while self._files and (self._bytes > self._max_bytes or len(self._files) > self._max_files):
+            while self._files and (self._closed or self._bytes > self._max_bytes
+                                   or len(self._files) > self._max_files):
                 due.append(self._files.popleft())
                 self._bytes -= due[-1][1]
         for old, _ in due:
             self._settle(old)
 
     def close(self) -> None:
-        """Settle every file still waiting."""
+        """Settle every file still waiting (and, from now on, each file on its own put)."""
         with self._lock:
+            self._closed = True
             due, self._bytes = list(self._files), 0
             self._files.clear()
         for fd, _ in due:
