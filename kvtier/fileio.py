@@ -112,9 +112,10 @@ _SYNC_FILE_RANGE = _sync_file_range() if os.uname().sysname == "Linux" else None
 def write_back(fd: int) -> None:
     """Write the file's dirty pages to its device and wait until they are written, without the
     metadata journal commit that ``fdatasync`` forces (so not durable: use ``fsync`` for that).
-    Where ``sync_file_range`` is missing, ``fdatasync``. OSError on a fault."""
+    Where ``sync_file_range`` is missing, ``fdatasync`` (``fsync`` where that is missing too).
+    OSError on a fault."""
     if _SYNC_FILE_RANGE is None:
-        os.fdatasync(fd)
+        getattr(os, "fdatasync", os.fsync)(fd)  # macOS has no fdatasync
         return
     if _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_RANGE_WAIT) != 0:
         import ctypes

@@ -23,6 +23,7 @@ from typing import Callable
 import numpy as np
 
 from kvtier.bench.seed_engines import SeedEngine
+from kvtier.fileio import write_back
 
 Tick = Callable[[int], None]
 Engines = dict[str, SeedEngine]
@@ -122,7 +123,8 @@ def drop_page_cache(directory: Path) -> int:
     """Drop every file under ``directory`` from the page cache (``POSIX_FADV_DONTNEED`` per file).
 
     Contract: targeted (only these files), needs no privileges; returns the number of files.
-    Pages of a file still dirty or mapped may stay: the disk tier flushes after each write.
+    Each file is written back first (``kvtier.fileio.write_back``: the disk tier's most recent
+    files may still be under writeback), so its pages are clean and dropped; a mapped page may stay.
     """
     count = 0
     for root, _dirs, files in os.walk(directory):
@@ -132,8 +134,11 @@ def drop_page_cache(directory: Path) -> int:
             except OSError:
                 continue
             try:
+                write_back(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 count += 1
+            except OSError:
+                continue
             finally:
                 os.close(fd)
     return count

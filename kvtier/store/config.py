@@ -28,8 +28,9 @@ class StoreConfig:
     size); a stored header announcing more is a corrupt entry, so a forged length never sizes
     an allocation. ``writer_nice``: how much nicer than the thread that builds the store the
     threads that write the lower tiers run (write-through and demotion copies; Linux, per
-    thread; 0, the default: the same priority). Threads a lower tier starts from its writer
-    inherit it (the S3 tier's transfer pool, which also serves reads), and the writer briefly
+    thread; 0, the default: the same priority). Threads a lower tier starts from its writer would
+    inherit it; the S3 tier starts its pools' threads when it is built, so its reads keep the
+    engine's priority. The writer briefly
     holds the store's lock while it snapshots an entry, so a nice writer can slow a lookup on
     saturated cores. Where the engine's compute threads and the store share cores (a CPU
     engine), a nicer writer yields the CPU to the forward pass, and its bounded queue drops what
@@ -41,8 +42,11 @@ class StoreConfig:
     get a core only when no other thread wants it and never preempt one, where a nice 19 thread
     still takes its small share of a busy core (and, on a CPU engine, stalls the engine's whole
     OpenMP team at its next barrier). Their queues then fill while every core computes and drop
-    what does not fit (counted), and the writer's brief holds of the store lock can wait for an
-    idle core; not with ``writer_nice`` (set one). ``auth_key_file`` /
+    what does not fit (counted). A writer preempted while it holds the store lock or Python's GIL
+    keeps it until a core is idle: next to a process that keeps every core busy, the engine's
+    threads can wait that long (over a second was measured against one busy-looping process), so
+    use it where the cores have idle time (a GPU server; a CPU engine between steps). Not with
+    ``writer_nice`` (set one). ``auth_key_file`` /
     ``auth_key_env``: where the trust domain's secret is (a file only its owner/group can read,
     or an environment variable; at most one): every entry is then tagged and checked (keyed
     BLAKE3, HMAC-SHA256 where blake3 is missing; an untagged or wrongly tagged entry is a

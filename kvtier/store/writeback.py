@@ -77,7 +77,8 @@ def lower_priority(nice: int) -> bool:
 def run_when_idle() -> bool:
     """Put the calling thread under Linux's ``SCHED_IDLE`` policy (it runs only on a core no
     other thread wants), best effort: other systems have no such policy and are left as they
-    are. True when it took effect. Needs no privilege; threads it starts inherit it."""
+    are. True when it took effect. Needs no privilege; threads it starts inherit it (Linux resets
+    only real-time policies on ``SCHED_RESET_ON_FORK``), so a tier starts its pools up front."""
     if not sys.platform.startswith("linux") or not hasattr(os, "SCHED_IDLE"):
         return False
     try:

@@ -133,6 +133,19 @@ class _Answers:
             return len(self._map)
 
 
+def _start_every_thread(pool: ThreadPoolExecutor, workers: int) -> None:
+    """Start all ``workers`` threads of ``pool`` now, on the calling thread (the one building the
+    tier), so they keep its scheduling policy and niceness: started lazily, the first would be
+    started by a store's lower-tier writer (its first put) and inherit the writer's lower
+    priority (``writer_nice``, ``writer_idle``), and the pool also serves the engine's reads."""
+    gate = threading.Event()
+    try:
+        futures = [pool.submit(gate.wait) for _ in range(workers)]  # each blocks: a new thread each
+    finally:
+        gate.set()
+    wait(futures)
+
+
 class S3Tier(Tier):
     """Objects in one bucket under ``prefix``; a shared tier with a listed byte budget."""
 
@@ -155,6 +168,8 @@ class S3Tier(Tier):
         self._pool = ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=f"kvtier-{name}")
         self._lookup_pool = ThreadPoolExecutor(max_workers=config.lookup_workers,
                                                thread_name_prefix=f"kvtier-{name}-lookup")
+        _start_every_thread(self._pool, config.max_workers)
+        _start_every_thread(self._lookup_pool, config.lookup_workers)
         # a probe that never reports is given up after the longest a call can take
         self._breaker = CircuitBreaker(config.backoff_ms / 1000, config.max_backoff_ms / 1000,
                                        max(config.timeout_s, config.list_timeout_s) + 1.0)
