@@ -144,7 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run every setting (and variant); print tables or JSON."""
     from kvtier.output import emit_json, note
-    from kvtier.errors import ConfigError
+    from kvtier.errors import ConfigError, KVTierError
 
     names = [s for s in args.settings.split(",") if s]
     unknown = [s for s in names if s not in SETTINGS]
@@ -159,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
     variants = ["small", "kv-heavy"] if args.variant == "both" else [args.variant]
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="kvtier-serve-"))
     rows: list[dict] = []
+    incomplete = None  # a later round that failed: the rounds before it are reported
     try:
         for variant in variants:
             model = args.model or str(_model(variant))
@@ -169,18 +170,29 @@ def run(args: argparse.Namespace) -> int:
             for r in range(rounds):
                 spec = dict(_spec(model, load, levels, seed=SEED + r),
                             enforce_eager=bool(getattr(args, "enforce_eager", False)), settle_s=settle)
-                for name in round_order(names, r):
-                    setting_dir = work / f"{variant}-{name}"
-                    shutil.rmtree(setting_dir, ignore_errors=True)
-                    setting_dir.mkdir(parents=True)
-                    result = _run_setting(dict(spec, kv_transfer_config=SETTINGS[name](setting_dir, load)),
-                                          setting_dir, args.timeout)
+                results = {}
+                try:
+                    for name in round_order(names, r):
+                        setting_dir = work / f"{variant}-{name}"
+                        shutil.rmtree(setting_dir, ignore_errors=True)
+                        setting_dir.mkdir(parents=True)
+                        results[name] = _run_setting(dict(spec, kv_transfer_config=SETTINGS[name](setting_dir, load)),
+                                                     setting_dir, args.timeout)
+                except KVTierError as exc:
+                    if r == 0:
+                        raise
+                    incomplete = f"{variant}, round {r + 1}: {exc}"  # earlier rounds are kept
+                    note(f"kvtier bench serve: stopped after {r} complete round(s): {exc}")
+                    break
+                for name, result in results.items():
                     for level in result["levels"]:
                         for phase in ("first", "reread"):
                             rows.append({"setting": name, "model": variant if not args.model else model,
                                          "phase": phase, "round": r, **_summary(level[phase])})
                     if not args.json:
                         note(f"{variant}/{name}: done" + (f" (round {r + 1} of {rounds})" if rounds > 1 else ""))
+            if incomplete:
+                break
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
@@ -188,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
                                          "short_tokens": Workload.short_tokens, "decode_tokens": args.decode_tokens,
                                          "concurrency": levels, "rounds": rounds,
                                          "enforce_eager": bool(getattr(args, "enforce_eager", False))},
-              "thread_binding": _engine_env()["VLLM_CPU_OMP_THREADS_BIND"], "settle_s": args.settle_s}
+              "thread_binding": _engine_env()["VLLM_CPU_OMP_THREADS_BIND"], "settle_s": args.settle_s,
+              "incomplete": incomplete}
     report["targets"] = targets(rows)
     if args.plot:
         report["plots"] = plot(rows, args.plot)

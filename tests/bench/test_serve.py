@@ -66,6 +66,39 @@ def test_zero_rounds_is_a_config_error_before_any_engine_starts(tmp_path):
         serve.run(parser.parse_args(["--rounds", "0", "--work-dir", str(tmp_path)]))
 
 
+def test_a_later_round_that_fails_keeps_the_rounds_before_it(tmp_path, monkeypatch, capsys):
+    """An engine that fails in round 3 of 3 ends the run with rounds 1-2 reported (and the
+    failure named in ``incomplete``); one failing in the first round is an error."""
+    from kvtier.errors import KVTierError
+
+    calls = []
+
+    def fake_run(spec, work, timeout):
+        calls.append(spec)
+        if len(calls) == 5:
+            raise KVTierError("serve engine exited 1 without results")
+        level = {"concurrency": 1, "wall_s": 1.0, "hit_tokens": 0, "local_hit_tokens": 0,
+                 "records": [{"kind": "doc-ram", "ttft_ms": 100.0, "gaps_ms": [1.0], "output_tokens": 2,
+                              "query_tokens": 10}]}
+        return {"levels": [{"concurrency": 1, "first": level, "reread": level}]}
+
+    monkeypatch.setattr(serve, "_run_setting", fake_run)
+    monkeypatch.setattr(serve, "_model", lambda variant: tmp_path)
+    monkeypatch.setattr(serve, "_bytes_per_token", lambda model: 4096)
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = ["--rounds", "3", "--settings", "vllm,kvtier", "--concurrency", "1", "--json",
+            "--work-dir", str(tmp_path / "w"), "--doc-tokens", "200"]
+    assert serve.run(parser.parse_args(args)) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert sorted({r["round"] for r in report["rows"]}) == [0, 1]
+    assert "round 3" in report["incomplete"]
+    calls.clear()
+    monkeypatch.setattr(serve, "_run_setting", lambda *a: (_ for _ in ()).throw(KVTierError("no engine")))
+    with pytest.raises(KVTierError):
+        serve.run(parser.parse_args(args))
+
+
 def test_targets_over_rounds_are_the_median_of_ratios_within_each_round():
     """Each round's ratio is taken against vLLM alone of the same round; the target is judged
     on their median and reports every round with the min and max."""
