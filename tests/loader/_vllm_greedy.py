@@ -1,4 +1,5 @@
-"""Run a small model through vLLM with a given load format; print the greedy tokens as JSON.
+"""Run a small model through vLLM with a given load format; print the greedy tokens as JSON and,
+with one rank, a digest of the weights as loaded.
 
 Usage: python _vllm_greedy.py MODEL_DIR LOAD_FORMAT [EXTRA_CONFIG_JSON [TP]]
 A subprocess of the vLLM test (the engine is spawned, so it needs the __main__ guard).
@@ -28,6 +29,19 @@ def main() -> None:
     prompts = [TokensPrompt(prompt_token_ids=[(i * 37 + j * 11) % 30000 + 5 for j in range(24)]) for i in range(3)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, detokenize=False))
     print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+    if tp == 1:  # the weights as loaded: what a loader must reproduce bit for bit
+        print("DIGEST " + json.dumps(llm.apply_model(_digest)), flush=True)
+
+
+def _digest(model) -> str:
+    """SHA-256 over every parameter's name and bytes, in name order."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, param in sorted(model.named_parameters()):
+        h.update(name.encode())
+        h.update(param.detach().contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 if __name__ == "__main__":
