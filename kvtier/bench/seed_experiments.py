@@ -22,8 +22,8 @@ from typing import Callable
 
 import numpy as np
 
+from kvtier import fileio
 from kvtier.bench.seed_engines import SeedEngine
-from kvtier.fileio import write_back
 
 Tick = Callable[[int], None]
 Engines = dict[str, SeedEngine]
@@ -120,28 +120,9 @@ def run_length(engines: Engines, recompute: str, load: str, docs: dict[int, list
 
 
 def drop_page_cache(directory: Path) -> int:
-    """Drop every file under ``directory`` from the page cache (``POSIX_FADV_DONTNEED`` per file).
-
-    Contract: targeted (only these files), needs no privileges; returns the number of files.
-    Each file is written back first (``kvtier.fileio.write_back``: the disk tier's most recent
-    files may still be under writeback), so its pages are clean and dropped; a mapped page may stay.
-    """
-    count = 0
-    for root, _dirs, files in os.walk(directory):
-        for name in files:
-            try:
-                fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                write_back(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                count += 1
-            except OSError:
-                continue
-            finally:
-                os.close(fd)
-    return count
+    """Drop every file under ``directory`` from the page cache (``kvtier.fileio.drop_page_cache``:
+    each written back, then ``POSIX_FADV_DONTNEED``); the number of files."""
+    return fileio.drop_page_cache(directory)
 
 
 def warm_page_cache(directory: Path) -> int:

@@ -628,7 +628,7 @@ class DiskTier(Tier):
         fd = create_exclusive_at(dfd, tmp, self._mode, self._gid)
         try:
             write_all(fd, [header, src])
-            self._settle(fd)
+            self._settle(fd, len(header) + src.nbytes)
             return os.fstat(fd)
         finally:
             os.close(fd)
@@ -645,22 +645,22 @@ class DiskTier(Tier):
             try:
                 write_all(fd, [buf[: _round_up(total)]])
                 os.ftruncate(fd, total)
-                self._settle(fd)
+                self._settle(fd, total)
                 return os.fstat(fd)
             finally:
                 os.close(fd)
         finally:
             self._bounce.put(bounce)
 
-    def _settle(self, fd: int) -> None:
-        """Make the new file durable if asked (``fsync``, then its pages dropped), or with
-        ``drop_cache`` hand a duplicate of ``fd`` to the drop-behind (its writeback starts now)."""
+    def _settle(self, fd: int, size: int) -> None:
+        """Make the new file (``size`` bytes) durable if asked (``fsync``, then its pages
+        dropped), or with ``drop_cache`` hand a duplicate of ``fd`` to the drop-behind (its
+        writeback starts now)."""
         if self.config.fsync:
             os.fsync(fd)
             if self.config.drop_cache and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         elif self.config.drop_cache:
-            size = os.fstat(fd).st_size
             self._drop_behind.add(os.dup(fd), size)
 
     def _read_buffered(self, fd: int, key: Key, meta: _Meta, dst: memoryview) -> None:
