@@ -96,6 +96,11 @@ class KVStore(ABC):
         not."""
         return False
 
+    def top_room(self, nbytes: int) -> int | None:
+        """How many more entries of ``nbytes`` the top tier takes now without evicting anything
+        (None: not known in this process). By default: not known."""
+        return None
+
     def get_into(self, key: Key, out: Any) -> int | None:
         """Copy ``key``'s payload into the writable buffer ``out``; the byte count or None.
 

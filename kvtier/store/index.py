@@ -142,6 +142,13 @@ class StoreIndex:
         level = self.levels[i]
         return level.used if level.managed else None
 
+    def room(self, i: int) -> int | None:
+        """Payload bytes managed level ``i`` can still take before ``plan_room`` evicts (its
+        capacity less what it holds and what puts under way were promised; None for a
+        self-managed level)."""
+        level = self.levels[i]
+        return max(0, level.capacity - level.used - level.reserved) if level.managed else None
+
     def leading_held(self, keys: Sequence[Key]) -> int:
         """How many leading ``keys`` some managed level holds."""
         managed = [level for level in self.levels if level.managed]

@@ -238,6 +238,20 @@ class TieredStore(KVStore):
         copies into them; the lower tiers are written by the background writers)."""
         return self._levels[0].arena is not None
 
+    def top_room(self, nbytes: int) -> int | None:
+        """How many more entries of ``nbytes`` the top tier's arena takes now without evicting
+        anything: what ``_make_room_top`` would fit, entry after entry, with no eviction (both its
+        payload budget and whole free pages). None without an arena in this process. Only a
+        write or a promotion takes room; a delete or a lower tier's copy never does."""
+        arena = self._levels[0].arena
+        if arena is None or nbytes <= 0:
+            return None
+        need = arena.footprint(nbytes)
+        with self._lock:
+            payload = self._index.room(0)
+            pages = arena.free_bytes()
+        return min(payload // nbytes, pages // need) if payload is not None else None
+
     # ----------------------------------------------------------------------------- reads
 
     def read(self, key: Key, consume: Consume) -> str | None:

@@ -268,7 +268,10 @@ def test_a_hybrid_prefix_round_trips_every_group_and_stores_only_the_windows(tmp
 
         req = request(tokens)
         hit, background = eng.sched.get_num_new_matched_tokens(req, 0)
-        assert hit == resume * CHUNK and background == (len(eng.groups) > 1) and hit >= 0.95 * len(tokens)
+        # wholly in the RAM tier, nothing in flight: inline (several groups: the worker vouched for
+        # its tier's room)
+        assert hit == resume * CHUNK and hit >= 0.95 * len(tokens) and not background
+        assert eng.work.worker._reports_room == (len(eng.groups) > 1)
         dst, loads, results = eng.load(req, hit)
         assert not results.failed_recving and not eng.work.get_block_ids_with_load_errors()
         null_pages = eng.page(0, NULL)
@@ -332,17 +335,184 @@ def stored_prefix(gemma):
         eng.close()
 
 
+def busy(eng):
+    """Another request's background load is in flight: its promotions could evict from the RAM
+    tier, so a hit of several groups loads in the background (``room.py``)."""
+    eng.sched.scheduler._room.loading("elsewhere", 10**6)
+
+
 def test_a_failed_load_of_a_hybrid_model_is_reported_per_request_not_per_block(stored_prefix):
     """vLLM raises on block-level failures of a multi-group model: the worker reports the request
     in ``failed_recving`` (vLLM recomputes it) and no block ids."""
     from kvtier.keys import group_key
 
     eng, req, hit, state = stored_prefix
+    busy(eng)
+    assert eng.sched.get_num_new_matched_tokens(req, 0) == (hit, True)
     full = next(g for g in eng.groups if g.kind == "full")
     eng.work.worker.store.delete(group_key(state.keys[3], full.index))  # gone after the lookup
     _, _, results = eng.load(req, hit)
     assert req.request_id in results.failed_recving and req.request_id in results.finished_recving
     assert eng.work.get_block_ids_with_load_errors() == set()
+
+
+def _step(eng, req, tables, computed: int):
+    """The scheduler's metadata for a step that schedules all of ``req``'s prompt beyond its
+    first ``computed`` tokens (blocks ``tables``), built by its own ``build_connector_meta``
+    (which counts what the step may put into the worker's top tier)."""
+    new = SimpleNamespace(req_id=req.request_id, block_ids=tuple(tables), num_computed_tokens=computed)
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    return eng.sched.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+        num_scheduled_tokens={req.request_id: len(req.prompt_token_ids) - computed}))
+
+
+def _execute(eng, meta):
+    """The worker carries out one step (loads, then saves); its report, not yet delivered."""
+    eng.work.bind_connector_metadata(meta)
+    eng.work.start_load_kv(None)
+    eng.work.wait_for_save()
+    report = eng.work.build_connector_worker_meta()
+    eng.work.clear_connector_metadata()
+    return report
+
+
+def _deliver(eng, report):
+    from vllm.v1.outputs import KVConnectorOutput
+
+    eng.sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=report))
+
+
+def _alloc(eng, req, hit):
+    """Blocks for ``req`` as vLLM allocates them for ``hit`` external tokens (null before a
+    window group's window), handed to ``update_state_after_alloc``."""
+    n = -(-len(req.prompt_token_ids) // BLOCK)
+    tables = []
+    for g in eng.groups:
+        nulls = g.first_block(hit)
+        tables.append([NULL] * nulls + eng.fresh(n - nulls))
+    eng.sched.update_state_after_alloc(req, Blocks(tables), hit)
+    return tables
+
+
+@pytest.mark.parametrize("capacity, inline", [("16MiB", True), ("40KiB", False)])
+def test_a_hybrid_hit_loads_inline_only_when_no_step_in_flight_can_evict_it(gemma, capacity, inline):
+    """vLLM plans step N+1 before it has seen step N's output: a hit wholly in the RAM tier loads
+    inline only when the room the worker last reported covers every entry the steps in flight
+    may put (else in the background, where vLLM takes its failure per request). Large tier: the
+    hit loads inline, in the step, bit-exact, after the in-flight step's saves. A tier the stored
+    prefix fills: the same hit loads in the background, and the in-flight saves do evict it."""
+    from kvtier.keys import group_key
+
+    cfg = vllm_config(gemma, {"tiers": [{"type": "ram", "capacity": capacity, "page_size": "1KiB"}]})
+    eng = Engine(cfg, kv_cache_config(cfg))
+    try:
+        a = _prompt(4 * CHUNK + 1)
+        src, _ = eng.prefill(request(a))  # stored and reported
+        assert eng.work.worker._reports_room
+        b = request(_prompt(4 * CHUNK + 1, seed=7))
+        eng.sched.get_num_new_matched_tokens(b, 0)
+        b_meta = _step(eng, b, [eng.fresh(9) for _ in eng.groups], 0)  # in flight: not reported
+        assert b_meta.saves
+        req = request(a)
+        hit, background = eng.sched.get_num_new_matched_tokens(req, 0)
+        assert hit == 4 * CHUNK and background is not inline
+        dst = _alloc(eng, req, hit)
+        _deliver(eng, _execute(eng, b_meta))  # the step in flight runs first (its saves), then A's
+        state = eng.sched._request_state(req)
+        a_keys = [group_key(k, g.pack_index) for k in state.keys[:4] for g in eng.groups]
+        if not inline:
+            assert not all(eng.work.worker.store.locate(k) for k in a_keys if k)  # B's saves evicted A's
+            return
+        meta = _step(eng, req, dst, hit)
+        assert meta.loads and not any(load.background for load in meta.loads)
+        _deliver(eng, _execute(eng, meta))
+        assert eng.work.get_block_ids_with_load_errors() == set()
+        assert not eng.work.get_transfer_results(set()).failed_recving
+        for g in eng.groups:
+            for blk in range(g.first_block(hit), hit // BLOCK):
+                for x, y in zip(eng.page(g.index, dst[g.index][blk]), eng.page(g.index, src[g.index][blk])):
+                    assert torch.equal(x, y)
+    finally:
+        eng.close()
+
+
+def test_a_worker_that_cannot_vouch_for_its_top_tier_gets_background_hybrid_loads(gemma, tmp_path):
+    """A disk top tier in ``async`` mode (saves written by the background writer, at no step's
+    time): the worker reports no room, and a hybrid hit waits for a background load."""
+    cfg = vllm_config(gemma, {"transfer_mode": "async", "tiers": [{"type": "disk", "path": str(tmp_path / "d"),
+                                                                    "capacity": "16MiB"}]})
+    eng = Engine(cfg, kv_cache_config(cfg))
+    try:
+        tokens = _prompt(4 * CHUNK + 1)
+        eng.prefill(request(tokens))
+        assert not eng.work.worker._reports_room
+        assert eng.work.build_connector_worker_meta() is None or eng.work.build_connector_worker_meta().room is None
+        assert eng.sched.get_num_new_matched_tokens(request(tokens), 0) == (4 * CHUNK, True)
+    finally:
+        eng.close()
+
+
+def _idle(eng):
+    """The metadata of a step that schedules nothing."""
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    return eng.sched.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+                                                          num_scheduled_tokens={}))
+
+
+def test_under_one_step_of_scheduling_lag_no_inline_hybrid_load_ever_fails(gemma, caplog):
+    """Random prompts over a RAM tier that holds about three of four, scheduled as vLLM's
+    asynchronous scheduling does (a step planned while the one before runs, its report seen a
+    step later): every inline load completes, bit-exact, and many do load inline."""
+    import random
+
+    cfg = vllm_config(gemma, {"tiers": [{"type": "ram", "capacity": "128KiB", "page_size": "1KiB"}]})
+    eng = Engine(cfg, kv_cache_config(cfg))
+    rng = random.Random(3)
+    prompts = [_prompt(4 * CHUNK + 1, seed=s) for s in range(4)]
+    homes = {}  # prompt -> the block tables its prefill computed (its pages' true bytes)
+    dst = [eng.fresh(9) for _ in eng.groups]  # where every re-read goes
+    inline_loads = background_hits = 0
+    reports = []
+    try:
+        for _ in range(120):
+            if len(reports) > 1:
+                _deliver(eng, reports.pop(0))  # the report of the step before the previous one
+            if rng.random() < 0.3:  # a step with nothing for kvtier (decodes, an idle engine)
+                reports.append(_execute(eng, _idle(eng)))
+                continue
+            p = rng.randrange(len(prompts))
+            req = request(prompts[p])
+            hit, background = eng.sched.get_num_new_matched_tokens(req, 0)
+            if hit and background:  # not this test's path: the step runs without the request
+                background_hits += 1
+                reports.append(_execute(eng, _idle(eng)))
+                continue
+            if not hit:
+                if p not in homes:
+                    homes[p] = [eng.fresh(9) for _ in eng.groups]
+                reports.append(_execute(eng, _step(eng, req, homes[p], 0)))
+                continue
+            tables = [[NULL] * g.first_block(hit) + dst[g.index][g.first_block(hit):] for g in eng.groups]
+            eng.sched.update_state_after_alloc(req, Blocks(tables), hit)
+            for g in eng.groups:  # the forward pass computes the blocks after the hit
+                for blk in range(hit // BLOCK, 9):
+                    for name in eng.kcc.kv_cache_groups[g.index].layer_names:
+                        eng.kv[name][dst[g.index][blk]] = eng.kv[name][homes[p][g.index][blk]]
+            meta = _step(eng, req, tables, hit)
+            assert meta.loads and not any(load.background for load in meta.loads)
+            reports.append(_execute(eng, meta))
+            assert eng.work.get_block_ids_with_load_errors() == set()
+            assert not eng.work.get_transfer_results(set()).failed_recving
+            inline_loads += 1
+            for g in eng.groups:
+                for blk in range(g.first_block(hit), hit // BLOCK):
+                    for x, y in zip(eng.page(g.index, dst[g.index][blk]), eng.page(g.index, homes[p][g.index][blk])):
+                        assert torch.equal(x, y)
+        assert inline_loads >= 10 and background_hits >= 1, (inline_loads, background_hits)
+        assert "inline load" not in caplog.text
+    finally:
+        eng.close()
 
 
 def test_a_pack_entry_of_another_size_is_a_miss_that_writes_no_page(stored_prefix):

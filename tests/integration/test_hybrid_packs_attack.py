@@ -32,12 +32,15 @@ def gemma(tmp_path_factory):
     return gemma_like(tmp_path_factory.mktemp("packs"))
 
 
-def _prefill_and_look_up(eng, chunks: int):
+def _prefill_and_look_up(eng, chunks: int, busy: bool = False):
     """Prefill (and save) a prompt of ``chunks`` whole chunks and one token, then look it up
     again: (its tokens, a fresh request of them, the hit in tokens, whether it loads in the
-    background)."""
+    background). ``busy``: another background load is in flight (a hit of several groups then
+    loads in the background too)."""
     tokens = _prompt(chunks * CHUNK + 1)
     eng.prefill(request(tokens))
+    if busy:
+        eng.sched.scheduler._room.loading("elsewhere", 10**6)
     req = request(tokens)
     hit, background = eng.sched.get_num_new_matched_tokens(req, 0)
     return tokens, req, hit, background
@@ -138,7 +141,7 @@ def test_a_background_loads_split_copy_never_waits_behind_lower_tier_reads(gemma
     eng = Engine(cfg, kv_cache_config(cfg))
     gate = threading.Event()
     try:
-        tokens, req, hit, background = _prefill_and_look_up(eng, 12)
+        tokens, req, hit, background = _prefill_and_look_up(eng, 12, busy=True)
         assert hit == 12 * CHUNK and background
         worker = eng.work.worker
         threads = worker.config.load_threads

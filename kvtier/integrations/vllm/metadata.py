@@ -64,19 +64,31 @@ class SaveSpec:
 
 @dataclass
 class KVTierMetadata(KVConnectorMetadata):
-    """What the worker does this step (one LoadSpec/SaveSpec per KV cache group involved)."""
+    """What the worker does this step (one LoadSpec/SaveSpec per KV cache group involved).
+    ``step``: the scheduler's count of the metadata it built (the worker reports the last it
+    carried out in ``KVTierWorkerMetadata.step``)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    step: int = 0
 
 
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: the store's events of this step."""
+    """Worker -> scheduler: the store's events of this step and, where the scheduler needs it
+    (see ``scheduler.RoomLedger``), the room of the workers' top tiers after step ``step``:
+    how many more entries (of the largest the connector stores) each takes without evicting
+    anything, the least over the workers (None: not known)."""
 
     events: list[StoreEvent] = field(default_factory=list)
+    step: int = -1
+    room: int | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierWorkerMetadata":
         if isinstance(other, KVTierWorkerMetadata):
             self.events.extend(other.events)
+            if self.step != other.step or self.room is None or other.room is None:
+                self.room = None  # every worker must vouch for the same step
+            else:
+                self.room = min(self.room, other.room)
         return self

@@ -34,9 +34,11 @@ groups store every chunk; a sliding-window or chunked-local group stores
 only the chunks inside its window before the prompt's last chunk boundary (the point a re-read
 of the prompt resumes at) and every chunk after it (generated tokens: the next turn resumes
 later). A hit of ``n`` chunks needs every group's chunks for resuming at ``n`` chunks; ``n`` is
-the largest such count (the same for every group). With several groups every hit loads in the
-background: vLLM reports a failed load of such a model per request (``failed_recving``), only
-for requests waiting for their load, never per block.
+the largest such count (the same for every group). vLLM takes a failed load of such a model per
+request (``failed_recving``), only for requests waiting for their load, never per block: a hit
+loads inline only when it is wholly in the worker's RAM tier and nothing can be evicted from that
+tier before its load (``room.RoomLedger``: the worker reports its tier's room each step; one
+worker, no state groups, a store in its process), else in the background.
 
 Recurrent state groups (Mamba2, gated delta net; vLLM's ``mamba_cache_mode`` "align", see
 ``groups.py``): a chunk's state entry is the state at the chunk's end, saved from the exact block
@@ -65,6 +67,7 @@ from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.events import ChunkEvents
 from kvtier.integrations.vllm.groups import FULL, STATE, GroupSpec, packs, window_chunks, with_packs
 from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, KVTierWorkerMetadata, LoadSpec, SaveSpec
+from kvtier.integrations.vllm.room import RoomLedger
 from kvtier.keys import ROOT, MMItem, Namespace, WorkerShare, chunk_keys, group_key, lora_identity, weights_digest
 from kvtier.tiers.base import SchedulerView
 
@@ -113,6 +116,11 @@ class KVTierScheduler:
         # group: vLLM allocates its state block at the hit's end only for an asynchronous load)
         self._hybrid = len(self.groups) > 1 or any(g.kind == STATE for g in self.groups)
         self._per_group = self._hybrid or any(g.kind != FULL for g in self.groups)  # hits need each group's window
+        # several groups without state, one worker, a store in its process: a hit wholly in the
+        # RAM tier loads inline when the worker's reported room shows it cannot be evicted first
+        self._room = (RoomLedger() if self._hybrid and not any(g.kind == STATE for g in self.groups)
+                      and share.tp_size * share.pp_size == 1 and not config.server else None)
+        self._step = 0  # the metadata built so far (``KVTierMetadata.step``)
         self._states = {g.index: g for g in self.groups if g.kind == STATE}  # recurrent state groups
         self.namespace = namespace
         self._share = share.of(0, 0)  # worker rank 0 of stage 0 speaks for all
@@ -150,7 +158,8 @@ class KVTierScheduler:
         chunk = self.geometry.chunk_tokens
         max_chunks = (state.prompt_len - 1) // chunk
         state.hit_chunks, mirrored = self._hit(self._share.keys(state.keys[:max_chunks]))
-        state.background = self._hybrid or (self._background and (mirrored < state.hit_chunks or self._async_ram))
+        state.background = ((self._background and (mirrored < state.hit_chunks or self._async_ram))
+                            or (self._hybrid and not self._inline_safe(state.hit_chunks, mirrored)))
         state.local_tokens = num_computed_tokens
         hit_tokens = state.hit_chunks * chunk
         if hit_tokens <= num_computed_tokens:
@@ -181,7 +190,8 @@ class KVTierScheduler:
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVTierMetadata:
         """This step's loads (planned at allocation) and saves (newly completed full chunks)."""
-        meta = KVTierMetadata()
+        self._step += 1
+        meta = KVTierMetadata(step=self._step)
         meta.loads, self._async_loads = self._async_loads, []  # background loads of waiting requests
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -210,7 +220,17 @@ class KVTierScheduler:
         if self._states:
             block_state = getattr(scheduler_output, "kv_connector_block_state", None)
             self._plan_states(meta, getattr(block_state, "boundary_state_offloads", None) or {})
+        if self._room is not None:  # what this step may put into the worker's top tier
+            self._room.planned(self._step, len(meta.saves))
+            for load in meta.loads:
+                if load.background:
+                    self._room.loading(load.req_id, len(load.keys))
         return meta
+
+    def _inline_safe(self, hit_chunks: int, mirrored: int) -> bool:
+        """Whether a hit of several KV cache groups may load inline: wholly in the worker's RAM
+        tier, which cannot evict before the load (see ``room.py``)."""
+        return self._room is not None and 0 < hit_chunks == mirrored and self._room.safe()
 
     def _plan_states(self, meta: KVTierMetadata, offers: dict[str, list[tuple[int, int, int]]]) -> None:
         """Saves of recurrent states from vLLM's boundary-state offers of this step
@@ -235,9 +255,13 @@ class KVTierScheduler:
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Apply the worker's store events to the mirror (and keep them for ``take_events``)."""
+        if self._room is not None:
+            self._room.loaded(getattr(connector_output, "finished_recving", None))
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(meta, KVTierWorkerMetadata):
             return
+        if self._room is not None:
+            self._room.reported(meta.step, meta.room)
         for kind, key, medium in meta.events:
             if medium not in self._mirrored:
                 continue  # persistent and shared tiers are asked directly (probes)

@@ -52,7 +52,10 @@ layers; each ``LoadSpec``/``SaveSpec`` names its group. The groups of a pack (eq
 (``kvtier.keys.group_key``): their parts back to back in group order, each copied with its own
 group's block ids; a pack's specs of one request are joined here (``_joined``) and moved with one
 store operation per chunk. With several groups a failed load is reported per request
-(``failed_loads``: vLLM cannot map block ids back to a group), never per block.
+(``failed_loads``: vLLM cannot map block ids back to a group), never per block; such a load is
+inline only when the scheduler knows it cannot fail: this worker reports its top tier's room
+after each step (``_reports_room``, see ``room.py``) and copies a step's inline loads before it
+starts the step's background loads (whose promotions could evict).
 
 Replicated KV (MLA under tensor parallelism: the latent is the same on every rank): every rank
 uses rank 0's key, so one copy serves every rank; when the store is shared between the ranks (a
@@ -75,7 +78,7 @@ import torch
 from kvtier.buffers import scatter, split_segments, total_bytes
 from kvtier.errors import CorruptEntry
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.groups import FULL, GroupSpec, with_packs
+from kvtier.integrations.vllm.groups import FULL, STATE, GroupSpec, with_packs
 from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, KVTierWorkerMetadata, LoadSpec, SaveSpec
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, TierDeltas, tier_counters
 from kvtier.integrations.vllm.pages import LoadStep, PageLayout, SaveStep
@@ -330,6 +333,8 @@ class KVTierWorker:
         self._announced = False  # the one-time log line of the first background load
         self._saves: BackgroundSaves | None = None  # async mode: store writes off the step
         self._failed_blocks: set[int] = set()
+        self._reports_room = False  # see ``_room_reporting`` (set at ``register_kv_caches``)
+        self._done_step = -1  # the last step (``KVTierMetadata.step``) whose saves were made
         self._stats = KVTierConnectorStats()
         self._tier_deltas = TierDeltas()  # the in-process store's tier counters, as deltas
         log.info("kvtier: worker rank %d stage %d store tiers %s", share.tp_rank, share.pp_stage,
@@ -453,6 +458,16 @@ class KVTierWorker:
             else:
                 log.info("kvtier: transfer_mode async: saves copy the pages straight into the store's RAM "
                          "tier within the step (one copy; the lower tiers are written in the background)")
+        self._reports_room = self._room_reporting()
+
+    def _room_reporting(self) -> bool:
+        """Whether this worker reports its top tier's room each step (``room.py``): several KV
+        cache groups and no state group, the only worker, its top tier an arena in this process,
+        and saves made within their step (not by the background writer, whose writes no step
+        accounts for)."""
+        return (len(self.groups) > 1 and all(g.kind != STATE for g in self.groups)
+                and self.share.tp_size * self.share.pp_size == 1 and not self.config.server
+                and self.store.memcpy_writes and self._saves is None)
 
     def _saves_copy_twice(self) -> bool:
         """Whether ``async`` saves go through staging slots and the background writer. Not when
@@ -471,14 +486,21 @@ class KVTierWorker:
             return
         joined = self._joined([load for load in meta.loads if load.group in self._layouts])
         inline = [loads for loads in joined if not loads[0].background]
-        for loads in joined:
-            if loads[0].background:
-                self._start_background(loads)
+        if not self._reports_room:  # the slow reads start first
+            self._start_backgrounds(joined)
         if inline:
             t0 = time.perf_counter()
             for loads in inline:
                 self._load(loads)
             self._stats.observe("load_seconds", time.perf_counter() - t0)
+        if self._reports_room:  # their promotions must not evict what the inline loads copy
+            self._start_backgrounds(joined)
+
+    def _start_backgrounds(self, joined: list[list[LoadSpec]]) -> None:
+        """``_start_background`` for each background load among ``joined``."""
+        for loads in joined:
+            if loads[0].background:
+                self._start_background(loads)
 
     def _start_background(self, loads: list[LoadSpec]) -> None:
         """Hand a waiting request's chunks of one pack (``loads``: its groups' specs) to the
@@ -632,6 +654,9 @@ class KVTierWorker:
         for tier in tiers[:bad]:
             self._stats.count_tier(tier, loaded_chunks=1, loaded_bytes=self._entry_bytes(loads))
         if bad < len(tiers) and len(self.groups) > 1:  # vLLM takes such failures per request only
+            if not load.background:  # the scheduler's room check rules this out (``room.py``)
+                log.error("kvtier: an inline load of request %s (several KV cache groups) failed at chunk %d; "
+                          "vLLM cannot recompute it", load.req_id, load.first_chunk + bad)
             self._failed_reqs.add(load.req_id)
             self._stats.count(load_error_chunks=len(tiers) - bad)
         elif bad < len(tiers):
@@ -655,6 +680,7 @@ class KVTierWorker:
         slots now and written into the store by the background writer (``async``; chunks that
         find no free slot are dropped and counted). Either way the engine's pages are no longer
         needed when this returns."""
+        self._done_step = meta.step
         if not self._layouts or not meta.saves or not self._saves_on:
             return
         t0 = time.perf_counter()
@@ -773,11 +799,14 @@ class KVTierWorker:
     # ------------------------------------------------------------------------- reports
 
     def worker_meta(self) -> KVTierWorkerMetadata | None:
-        """This step's store events for the scheduler's mirror (rank 0 of stage 0 only)."""
-        if not self._events_owner:
+        """This step's store events for the scheduler's mirror (rank 0 of stage 0 only) and, where
+        reported, the top tier's room after the last step whose saves were made, measured
+        before the events are taken (``room.py``)."""
+        room = self.store.top_room(max(self._pack_bytes.values())) if self._reports_room else None
+        events = self.store.take_events() if self._events_owner else []
+        if not events and room is None:
             return None
-        events = self.store.take_events()
-        return KVTierWorkerMetadata(events) if events else None
+        return KVTierWorkerMetadata(events, self._done_step, room)
 
     def take_stats(self) -> KVTierConnectorStats | None:
         """This interval's counters (then reset), with the in-process store's per-tier counters
