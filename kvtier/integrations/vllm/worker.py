@@ -462,12 +462,14 @@ class KVTierWorker:
 
     def _room_reporting(self) -> bool:
         """Whether this worker reports its top tier's room each step (``room.py``): several KV
-        cache groups and no state group, the only worker, its top tier an arena in this process,
-        and saves made within their step (not by the background writer, whose writes no step
-        accounts for)."""
+        cache groups and no state group, the only worker, its top tier an arena in this process
+        and the only tier the scheduler mirrors (a chunk the mirror holds is then in the top tier:
+        its load puts nothing; from a second RAM tier it would be promoted, evicting), and saves
+        made within their step (not by the background writer, whose writes no step accounts for)."""
         return (len(self.groups) > 1 and all(g.kind != STATE for g in self.groups)
                 and self.share.tp_size * self.share.pp_size == 1 and not self.config.server
-                and self.store.memcpy_writes and self._saves is None)
+                and self.store.memcpy_writes and self._saves is None
+                and not any(tier.scheduler_view() is SchedulerView.MIRRORED for tier in self.store.tiers[1:]))
 
     def _saves_copy_twice(self) -> bool:
         """Whether ``async`` saves go through staging slots and the background writer. Not when
