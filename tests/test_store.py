@@ -196,6 +196,27 @@ def test_lower_tier_hit_is_promoted_to_the_top_tier(make_store):
     assert_accounting(store)
 
 
+def test_borrow_top_pins_the_top_tiers_entries_at_once_and_leaves_the_others_to_read(make_store):
+    """One call pins every top-tier entry asked for (counted as hits); an entry in a lower tier,
+    an absent key or an invalid one is None there (not promoted, not a miss). An entry deleted,
+    or evicted, while pinned keeps its bytes until the block ends."""
+    store = make_store(ram_pages=2, write_through=False)
+    for i in range(3):
+        store.put(key(i), payload(i))
+    assert store.flush() and store.locate(key(0)) == "disk"
+    hits = store.stats()["hits"]
+    asked = [key(1), key(0), key(2), key(9), b"short"]
+    with store.borrow_top(asked) as entries:
+        assert [e is not None for e in entries] == [True, False, True, False, False]
+        assert store.delete(key(1))
+        store.put(key(5), payload(5))  # needs room: evicts a pinned entry
+        store.put(key(6), payload(6))
+        assert [b"".join(bytes(s) for s in entries[i]) for i in (0, 2)] == [payload(1), payload(2)]
+    assert store.stats()["hits"] == hits + 2
+    assert store.locate(key(0)) == "disk" and key(1) not in store
+    assert_accounting(store)
+
+
 # ------------------------------------------------------------------------------------ eviction
 
 

@@ -19,7 +19,8 @@ Imports: ``kvtier.buffers``, ``kvtier.keys``, ``kvtier.store.events``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
 
 from kvtier.buffers import BufferTooSmall, byte_view, gather, gather_into, scatter
 from kvtier.keys import Key
@@ -95,6 +96,14 @@ class KVStore(ABC):
         the caller's thread (lower tiers, if any, are written in the background). By default:
         not."""
         return False
+
+    @contextmanager
+    def borrow_top(self, keys: Sequence[Key]) -> Iterator[list[Any]]:
+        """For each of ``keys``, its payload's segments where the store's top tier holds it in
+        this process's memory (else None), all pinned until the ``with`` block ends: read them in
+        the block, never after. Counted as ``read`` counts a top-tier hit; a key without
+        segments is left to ``read``. By default: no top tier in this process's memory."""
+        yield [None] * len(keys)
 
     def top_room(self, nbytes: int) -> int | None:
         """How many more entries of ``nbytes`` the top tier takes now without evicting anything

@@ -55,9 +55,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -295,6 +295,25 @@ class TieredStore(KVStore):
         with self._lock:
             self._counters.misses += 1
         return None
+
+    @contextmanager
+    def borrow_top(self, keys: Sequence[Key]) -> Iterator[list[Any]]:
+        """For each of ``keys``, its pages in the top tier's arena (None where the arena lacks
+        it), all pinned under one hold of the lock and read after it, until the ``with`` block
+        ends (``read``'s top-tier hit, for many keys at once: one lock hold, one batch of copies).
+        Counted as ``read`` counts hits; a key without pages is neither a hit nor a miss here."""
+        top = self._levels[0]
+        out: list[Any] = [None] * len(keys)
+        with ExitStack() as pinned:
+            if top.arena is not None:
+                with self._lock:
+                    for i, key in enumerate(keys):
+                        if is_valid_key(key) and self._index.holds(0, key):
+                            out[i] = pinned.enter_context(top.arena.borrow(key))
+                            if out[i] is not None:
+                                self._index.accessed(0, key)
+                                self._counters.hits += 1
+            yield out
 
     def _count_error(self) -> None:
         with self._lock:

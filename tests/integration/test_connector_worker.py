@@ -142,6 +142,7 @@ def test_an_entry_of_another_size_is_a_load_error_not_a_crash(tmp_path):
             if background:
                 _wait_finished(worker, "r")
             assert worker.failed_blocks() == {10, 11}
+            assert keys[1] not in worker.store  # refused and deleted: a save of the chunk can replace it
     finally:
         worker.close()
 

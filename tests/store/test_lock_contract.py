@@ -108,6 +108,10 @@ def drive(store: TieredStore, t: int, errors: list[str]) -> None:
     store.lookup(keys)
     store.locate(keys[5])
     store.in_top_tier(keys)
+    with store.borrow_top(keys[:6]) as entries:
+        for i, segments in enumerate(entries):
+            if segments is not None and b"".join(bytes(s) for s in segments) != payload(1000 * t + i):
+                errors.append(f"client {t}: wrong pinned bytes for chunk {i}")
     for i in range(0, 24, 4):
         store.delete(keys[i])
     store.stats()

@@ -141,6 +141,25 @@ class PageLayout:
         finally:
             step.release()
 
+    def load_pairs(self, segments: Sequence, block_ids: Sequence[int], first: int = 0) -> list:
+        """``host`` engine: the (page, entry piece) copies that ``load`` makes, not yet made (so
+        that many chunks' copies run as one batch, ``copy``). The same checks first:
+        CorruptEntry unless ``segments`` hold exactly one chunk, ValueError for bad blocks."""
+        if self.engine != "host":
+            raise ValueError("load_pairs is for the host copy engine")
+        if not 0 <= first <= self.blocks_per_chunk:
+            raise ValueError(f"first={first} outside [0, {self.blocks_per_chunk}]")
+        self._check_blocks(block_ids)
+        return self._page_pairs(block_ids, self._arrays(segments), first, to_entry=False)
+
+    def copy(self, pairs: list, split: bool = True) -> None:
+        """Make ``load_pairs``' copies (of any layouts' pages): split over the copy threads when
+        they are large and ``split``, else on this thread."""
+        if split:
+            self._copy(pairs)
+        else:
+            _copy_all(pairs)
+
     # ------------------------------------------------------------------ a step's chunks
 
     def gather(self, chunks: Sequence[Sequence[int]]) -> "SaveStep":
@@ -363,13 +382,13 @@ class LoadStep:
         layout = self._layout
         if not 0 <= i < self._n:
             raise IndexError(f"chunk slot {i} outside [0, {self._n})")
-        if not 0 <= first <= layout.blocks_per_chunk:
-            raise ValueError(f"first={first} outside [0, {layout.blocks_per_chunk}]")
-        layout._check_blocks(block_ids)
-        arrays = layout._arrays(segments)
         if layout.engine == "host":
-            layout._copy(layout._page_pairs(block_ids, arrays, first, to_entry=False))
+            layout.copy(layout.load_pairs(segments, block_ids, first))
         else:
+            if not 0 <= first <= layout.blocks_per_chunk:
+                raise ValueError(f"first={first} outside [0, {layout.blocks_per_chunk}]")
+            layout._check_blocks(block_ids)
+            arrays = layout._arrays(segments)
             staging = self._group(i // layout.group_chunks).staging
             j, bpc = i % layout.group_chunks, layout.blocks_per_chunk
             dst = staging.host_bytes(j * bpc + first, (j + 1) * bpc)
