@@ -82,6 +82,29 @@ def test_inline_save_then_load_round_trips_pages(tmp_path):
         worker.close()
 
 
+@pytest.mark.parametrize("batch", [1, 2 << 20])
+def test_an_inline_load_copies_its_top_tier_chunks_in_pinned_batches(tmp_path, monkeypatch, batch):
+    """The top-tier chunks of an inline load are pinned and copied in batches of up to
+    ``TOP_BATCH_BYTES`` (one chunk each, or all at once): the same pages either way, skipped
+    blocks untouched, one hit counted per chunk."""
+    import kvtier.integrations.vllm.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "TOP_BATCH_BYTES", batch)
+    worker, kv = _worker(tmp_path)
+    try:
+        keys = _keys(3)
+        src, dst = list(range(0, 6)), list(range(10, 16))
+        _save(worker, keys, src)
+        before = _pages(kv, dst[:1])
+        hits = worker.store.stats()["hits"]
+        worker.start_load_kv(KVTierMetadata(loads=[LoadSpec("r", keys, 0, dst, 1)]))  # block 10 is computed
+        assert worker.failed_blocks() == set()
+        assert _same(_pages(kv, src[1:]), _pages(kv, dst[1:])) and _same(_pages(kv, dst[:1]), before)
+        assert worker.store.stats()["hits"] == hits + 3
+    finally:
+        worker.close()
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_background_load_round_trips_pages_and_reports_once(tmp_path, mode):
     """A background load (the scheduler plans it in async mode) from the disk tier of a new

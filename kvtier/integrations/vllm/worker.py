@@ -97,6 +97,10 @@ SAVE_BACKLOG_CHUNKS = 64
 # second thread pays only where the copy is long (on a 2-core CPU engine it shares a core with
 # the engine's own OpenMP threads; 10 MB took ~2.9 ms on one thread and ~2.5 ms on two).
 SPLIT_COPY_BYTES = 32 << 20
+# an inline load pins at most this many bytes of top-tier entries at once (``_copy_top``): an
+# entry evicted while pinned keeps its pages until the copy ends, so a promotion made meanwhile
+# by another thread evicts that much more
+TOP_BATCH_BYTES = 4 << 20
 
 
 @dataclass
@@ -603,8 +607,8 @@ class KVTierWorker:
         if self._load_pool is not None:  # start the slow reads first, then copy the local ones
             pending = {i: self._load_pool.submit(self._load_chunk, loads, i) for i, near in enumerate(local) if not near}
         nearby = [i for i in range(len(keys)) if i not in pending]
-        if all(self._layouts[m.group].engine == "host" for m in loads):
-            nearby = self._copy_top(loads, keys, nearby, tiers)
+        if not pending and all(self._layouts[m.group].engine == "host" for m in loads):
+            nearby = self._copy_top(loads, keys, nearby, tiers)  # the load promotes nothing itself
         copier = self._copy_thread() if self._load_pool is not None else None
         for i, tier in self._copy_local(copier, lambda i: self._load_chunk(loads, i), nearby,
                                         self._entry_bytes(loads)).items():
@@ -616,28 +620,32 @@ class KVTierWorker:
     def _copy_top(self, loads: list[LoadSpec], keys: list[bytes], chunks: list[int],
                   tiers: list[str | None]) -> list[int]:
         """``host`` engine: copy the top tier's entries of ``chunks`` (of one pack's load) into
-        their pages as one batch (pinned together under one hold of the store's lock, copied on
-        this thread: a CPU engine's OpenMP threads hold the other cores, and a copy split over
-        two threads took 3.6-3.8 ms in the engine where one took 3.3), recording each copied
-        chunk's tier in ``tiers``. An entry of another size is refused and deleted, as ``_read_entry`` does.
-        Returns the chunks the top tier did not hold (left to per-chunk reads)."""
-        left, foreign, pairs = [], [], []
+        their pages in batches of up to ``TOP_BATCH_BYTES`` (each pinned under one hold of the
+        store's lock; copied on this thread: a CPU engine's OpenMP threads hold the other cores,
+        and a copy split over two threads took 3.6-3.8 ms in the engine where one took 3.3),
+        recording each copied chunk's tier in ``tiers``. An entry of another size is refused and
+        deleted, as ``_read_entry`` does. Returns the chunks the top tier did not hold (left to
+        per-chunk reads)."""
+        left, foreign = [], []
         top = self.store.tier_names[0]
-        with self.store.borrow_top([keys[i] for i in chunks]) as entries:
-            for i, segments in zip(chunks, entries):
-                if segments is None:
-                    left.append(i)
-                    continue
-                try:
-                    pairs.extend(self._load_pairs(loads, i, segments))
-                except CorruptEntry:
-                    log.warning("kvtier: chunk %d of %s has an unexpected size; recomputing",
-                                loads[0].first_chunk + i, loads[0].req_id)
-                    foreign.append(keys[i])
-                    continue
-                tiers[i] = top
-            if pairs:
-                self._layouts[loads[0].group].copy(pairs, split=False)
+        per_batch = max(1, TOP_BATCH_BYTES // self._entry_bytes(loads))
+        for start in range(0, len(chunks), per_batch):
+            batch, pairs = chunks[start : start + per_batch], []
+            with self.store.borrow_top([keys[i] for i in batch]) as entries:
+                for i, segments in zip(batch, entries):
+                    if segments is None:
+                        left.append(i)
+                        continue
+                    try:
+                        pairs.extend(self._load_pairs(loads, i, segments))
+                    except CorruptEntry:
+                        log.warning("kvtier: chunk %d of %s has an unexpected size; recomputing",
+                                    loads[0].first_chunk + i, loads[0].req_id)
+                        foreign.append(keys[i])
+                        continue
+                    tiers[i] = top
+                if pairs:
+                    self._layouts[loads[0].group].copy(pairs, split=False)
         for key in foreign:
             try:
                 self.store.delete(key)
