@@ -196,6 +196,20 @@ def test_lower_tier_hit_is_promoted_to_the_top_tier(make_store):
     assert_accounting(store)
 
 
+@pytest.mark.parametrize("kind", [bytearray, memoryview])
+def test_a_chunk_key_of_another_bytes_type_is_the_same_key_everywhere(make_store, kind):
+    """A 32-byte bytearray or memoryview is a chunk key (``is_valid_key``): put, read, locate
+    and delete take it as the bytes it holds, never fail on it (a bytearray is not hashable)."""
+    store = make_store()
+    k = kind(key(1))
+    assert store.put(k, payload(1), parent=kind(key(0)))
+    seen = []
+    assert store.read(k, lambda segs: seen.append(b"".join(bytes(x) for x in segs))) == "ram"
+    assert seen == [payload(1)] and store.get(key(1)) == payload(1) and store.locate(k) == "ram"
+    assert store.delete(k) and key(1) not in store
+    assert_accounting(store)
+
+
 def test_borrow_top_pins_the_top_tiers_entries_at_once_and_leaves_the_others_to_read(make_store):
     """One call pins every top-tier entry asked for (counted as hits); an entry in a lower tier,
     an absent key or an invalid one is None there (not promoted, not a miss). An entry deleted,

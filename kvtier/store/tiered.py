@@ -218,6 +218,7 @@ class TieredStore(KVStore):
         """Name of the first tier holding ``key`` (as far as the store knows), or None."""
         if not is_valid_key(key):
             return None
+        key = check_key(key)  # bytes (a bytearray is not hashable)
         with self._lock:
             name = self._index.first_holder(key)
         if name is not None:
@@ -265,6 +266,7 @@ class TieredStore(KVStore):
             with self._lock:
                 self._counters.misses += 1
             return None
+        key = check_key(key)  # bytes (a bytearray is not hashable)
         with self._lock:
             deletes = self._ledger.delete_seq
             pinned = ExitStack()
@@ -308,7 +310,10 @@ class TieredStore(KVStore):
             if top.arena is not None:
                 with self._lock:
                     for i, key in enumerate(keys):
-                        if is_valid_key(key) and self._index.holds(0, key):
+                        if not is_valid_key(key):
+                            continue
+                        key = check_key(key)  # bytes (a bytearray is not hashable)
+                        if self._index.holds(0, key):
                             out[i] = pinned.enter_context(top.arena.borrow(key))
                             if out[i] is not None:
                                 self._index.accessed(0, key)
@@ -418,9 +423,9 @@ class TieredStore(KVStore):
         reserved for the entry. A concurrent write of the same key gives way (False).
         InvalidKey (a ValueError) when ``key`` or ``parent`` is not a chunk key.
         """
-        check_key(key)
+        key = check_key(key)
         if parent is not None:
-            check_key(parent)
+            parent = check_key(parent)
         top = self._levels[0]
         with self._lock:
             if self._closed:
@@ -825,7 +830,7 @@ class TieredStore(KVStore):
 
         Decided under the lock (the ledger's tombstone, the index, the top arena's pages); the
         lower tiers' deletes run after it, on this thread, before the call returns."""
-        check_key(key)
+        key = check_key(key)
         removals = []
         with self._lock:
             self._ledger.begin_delete(key)
