@@ -303,7 +303,10 @@ class TieredStore(KVStore):
         """For each of ``keys``, its pages in the top tier's arena (None where the arena lacks
         it), all pinned under one hold of the lock and read after it, until the ``with`` block
         ends (``read``'s top-tier hit, for many keys at once: one lock hold, one batch of copies).
-        Counted as ``read`` counts hits; a key without pages is neither a hit nor a miss here."""
+        Counted as ``read`` counts hits; a key without pages is neither a hit nor a miss here.
+        Keep each call small: an entry evicted while pinned frees its pages only when the block
+        ends, so a put made meanwhile evicts that much more (with the whole arena pinned, every
+        entry, and the put is still refused)."""
         top = self._levels[0]
         out: list[Any] = [None] * len(keys)
         with ExitStack() as pinned:
