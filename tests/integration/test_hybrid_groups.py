@@ -141,12 +141,7 @@ class Engine:
         window are null), plan and run the background load; the tables and the load specs."""
         from kvtier.integrations.vllm.connector import KVTierMetadata
 
-        n = -(-len(req.prompt_token_ids) // BLOCK)
-        tables = []
-        for g in self.groups:
-            nulls = g.first_block(hit)
-            tables.append([NULL] * nulls + self.fresh(n - nulls))
-        self.sched.update_state_after_alloc(req, Blocks(tables), hit)
+        tables = _alloc(self, req, hit)
         meta = KVTierMetadata()
         meta.loads, self.sched.scheduler._async_loads = self.sched.scheduler._async_loads, []
         state = self.sched._request_state(req)
@@ -460,55 +455,64 @@ def _idle(eng):
                                                           num_scheduled_tokens={}))
 
 
-def test_under_one_step_of_scheduling_lag_no_inline_hybrid_load_ever_fails(gemma, caplog):
-    """Random prompts over a RAM tier that holds about three of four, scheduled as vLLM's
-    asynchronous scheduling does (a step planned while the one before runs, its report seen a
-    step later): every inline load completes, bit-exact, and many do load inline."""
+def lagged_rereads(eng, execute, seed: int, steps: int = 120) -> tuple[int, int]:
+    """Random prompts (four of four chunks and a token) prefilled and re-read over ``eng``, each
+    step planned as vLLM's asynchronous scheduling plans it (while the step before runs: its
+    report is seen a step later), 3 steps in 10 with nothing for kvtier; ``execute(eng, meta)``
+    carries a step out and returns its report. Every inline load must complete, bit-exact.
+    Returns (inline loads, hits sent to the background)."""
     import random
 
-    cfg = vllm_config(gemma, {"tiers": [{"type": "ram", "capacity": "128KiB", "page_size": "1KiB"}]})
-    eng = Engine(cfg, kv_cache_config(cfg))
-    rng = random.Random(3)
-    prompts = [_prompt(4 * CHUNK + 1, seed=s) for s in range(4)]
+    rng = random.Random(seed)
+    prompts = [_prompt(4 * CHUNK + 1, seed=seed * 10 + s) for s in range(4)]
     homes = {}  # prompt -> the block tables its prefill computed (its pages' true bytes)
     dst = [eng.fresh(9) for _ in eng.groups]  # where every re-read goes
     inline_loads = background_hits = 0
     reports = []
+    for _ in range(steps):
+        if len(reports) > 1:
+            _deliver(eng, reports.pop(0))  # the report of the step before the previous one
+        if rng.random() < 0.3:  # a step with nothing for kvtier (decodes, an idle engine)
+            reports.append(execute(eng, _idle(eng)))
+            continue
+        p = rng.randrange(len(prompts))
+        req = request(prompts[p])
+        hit, background = eng.sched.get_num_new_matched_tokens(req, 0)
+        if hit and background:  # not this path: the step runs without the request
+            background_hits += 1
+            reports.append(execute(eng, _idle(eng)))
+            continue
+        if not hit:
+            if p not in homes:
+                homes[p] = [eng.fresh(9) for _ in eng.groups]
+            reports.append(execute(eng, _step(eng, req, homes[p], 0)))
+            continue
+        tables = [[NULL] * g.first_block(hit) + dst[g.index][g.first_block(hit):] for g in eng.groups]
+        eng.sched.update_state_after_alloc(req, Blocks(tables), hit)
+        for g in eng.groups:  # the forward pass computes the blocks after the hit
+            for blk in range(hit // BLOCK, 9):
+                for name in eng.kcc.kv_cache_groups[g.index].layer_names:
+                    eng.kv[name][dst[g.index][blk]] = eng.kv[name][homes[p][g.index][blk]]
+        meta = _step(eng, req, tables, hit)
+        assert meta.loads and not any(load.background for load in meta.loads)
+        reports.append(execute(eng, meta))
+        assert eng.work.get_block_ids_with_load_errors() == set()
+        assert not eng.work.get_transfer_results(set()).failed_recving
+        inline_loads += 1
+        for g in eng.groups:
+            for blk in range(g.first_block(hit), hit // BLOCK):
+                for x, y in zip(eng.page(g.index, dst[g.index][blk]), eng.page(g.index, homes[p][g.index][blk])):
+                    assert torch.equal(x, y)
+    return inline_loads, background_hits
+
+
+def test_under_one_step_of_scheduling_lag_no_inline_hybrid_load_ever_fails(gemma, caplog):
+    """Random prompts over a RAM tier that holds about three of four (``lagged_rereads``): every
+    inline load completes, bit-exact, and many do load inline."""
+    cfg = vllm_config(gemma, {"tiers": [{"type": "ram", "capacity": "128KiB", "page_size": "1KiB"}]})
+    eng = Engine(cfg, kv_cache_config(cfg))
     try:
-        for _ in range(120):
-            if len(reports) > 1:
-                _deliver(eng, reports.pop(0))  # the report of the step before the previous one
-            if rng.random() < 0.3:  # a step with nothing for kvtier (decodes, an idle engine)
-                reports.append(_execute(eng, _idle(eng)))
-                continue
-            p = rng.randrange(len(prompts))
-            req = request(prompts[p])
-            hit, background = eng.sched.get_num_new_matched_tokens(req, 0)
-            if hit and background:  # not this test's path: the step runs without the request
-                background_hits += 1
-                reports.append(_execute(eng, _idle(eng)))
-                continue
-            if not hit:
-                if p not in homes:
-                    homes[p] = [eng.fresh(9) for _ in eng.groups]
-                reports.append(_execute(eng, _step(eng, req, homes[p], 0)))
-                continue
-            tables = [[NULL] * g.first_block(hit) + dst[g.index][g.first_block(hit):] for g in eng.groups]
-            eng.sched.update_state_after_alloc(req, Blocks(tables), hit)
-            for g in eng.groups:  # the forward pass computes the blocks after the hit
-                for blk in range(hit // BLOCK, 9):
-                    for name in eng.kcc.kv_cache_groups[g.index].layer_names:
-                        eng.kv[name][dst[g.index][blk]] = eng.kv[name][homes[p][g.index][blk]]
-            meta = _step(eng, req, tables, hit)
-            assert meta.loads and not any(load.background for load in meta.loads)
-            reports.append(_execute(eng, meta))
-            assert eng.work.get_block_ids_with_load_errors() == set()
-            assert not eng.work.get_transfer_results(set()).failed_recving
-            inline_loads += 1
-            for g in eng.groups:
-                for blk in range(g.first_block(hit), hit // BLOCK):
-                    for x, y in zip(eng.page(g.index, dst[g.index][blk]), eng.page(g.index, homes[p][g.index][blk])):
-                        assert torch.equal(x, y)
+        inline_loads, background_hits = lagged_rereads(eng, _execute, seed=3)
         assert inline_loads >= 10 and background_hits >= 1, (inline_loads, background_hits)
         assert "inline load" not in caplog.text
     finally:

@@ -20,6 +20,7 @@ from tests.integration.test_hybrid_groups import (  # noqa: E402
     NULL,
     Blocks,
     Engine,
+    _alloc,
     _prompt,
     gemma_like,
     kv_cache_config,
@@ -51,12 +52,7 @@ def _start_background(eng, req, hit):
     waiting for it); the tables."""
     from kvtier.integrations.vllm.connector import KVTierMetadata
 
-    n = -(-len(req.prompt_token_ids) // BLOCK)
-    tables = []
-    for g in eng.groups:
-        nulls = g.first_block(hit)
-        tables.append([NULL] * nulls + eng.fresh(n - nulls))
-    eng.sched.update_state_after_alloc(req, Blocks(tables), hit)
+    tables = _alloc(eng, req, hit)
     meta = KVTierMetadata()
     meta.loads, eng.sched.scheduler._async_loads = eng.sched.scheduler._async_loads, []
     assert meta.loads and all(load.background for load in meta.loads)

@@ -23,8 +23,6 @@ import torch  # noqa: E402
 from tests.integration._vllm_config import CHUNK, vllm_config  # noqa: E402
 from tests.integration.test_hybrid_groups import (  # noqa: E402,F401
     BLOCK,
-    NULL,
-    Blocks,
     Engine,
     _alloc,
     _deliver,
@@ -34,6 +32,7 @@ from tests.integration.test_hybrid_groups import (  # noqa: E402,F401
     _step,
     gemma,
     kv_cache_config,
+    lagged_rereads,
     request,
 )
 
@@ -165,38 +164,9 @@ def test_speculative_decodings_deferred_saves_stay_counted_until_a_report_covers
 def test_under_deferred_saves_and_one_step_of_lag_no_inline_load_fails(gemma):
     """The random workload of ``test_under_one_step_of_scheduling_lag_...`` with every step run
     as speculative decoding runs it (report before ``wait_for_save``): no inline load fails."""
-    import random
-
     eng = _engine(gemma, {"tiers": [{"type": "ram", "capacity": "128KiB", "page_size": "1KiB"}]})
-    rng = random.Random(11)
-    prompts = [_prompt(PROMPT, seed=20 + s) for s in range(4)]
-    homes = {}
-    dst = [eng.fresh(9) for _ in eng.groups]
-    inline = 0
-    reports = []
     try:
-        for _ in range(120):
-            if len(reports) > 1:
-                _deliver(eng, reports.pop(0))
-            if rng.random() < 0.3:
-                reports.append(_execute_deferred(eng, _idle(eng)))
-                continue
-            p = rng.randrange(len(prompts))
-            req = request(prompts[p])
-            hit, background = eng.sched.get_num_new_matched_tokens(req, 0)
-            if hit and background:
-                reports.append(_execute_deferred(eng, _idle(eng)))
-                continue
-            if not hit:
-                if p not in homes:
-                    homes[p] = [eng.fresh(9) for _ in eng.groups]
-                reports.append(_execute_deferred(eng, _step(eng, req, homes[p], 0)))
-                continue
-            tables = [[NULL] * g.first_block(hit) + dst[g.index][g.first_block(hit):] for g in eng.groups]
-            eng.sched.update_state_after_alloc(req, Blocks(tables), hit)
-            reports.append(_execute_deferred(eng, _step(eng, req, tables, hit)))
-            _assert_loaded(eng, hit, tables, homes[p])
-            inline += 1
+        inline, _ = lagged_rereads(eng, _execute_deferred, seed=11)
         assert inline >= 5
     finally:
         eng.close()
