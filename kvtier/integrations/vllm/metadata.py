@@ -76,7 +76,7 @@ class KVTierMetadata(KVConnectorMetadata):
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler: the store's events of this step and, where the scheduler needs it
-    (see ``scheduler.RoomLedger``), the room of the workers' top tiers after step ``step``:
+    (see ``room.RoomLedger``), the room of the workers' top tiers after step ``step``:
     how many more entries (of the largest the connector stores) each takes without evicting
     anything, the least over the workers (None: not known)."""
 

@@ -112,8 +112,9 @@ class KVTierScheduler:
         self._auth_key = config.store.auth_secret("kv_connector_extra_config")  # keys the chunk keys
         # vLLM's KV cache groups; none given: one full-attention group (a dense model)
         self.groups = with_packs(list(groups) or [GroupSpec(0, FULL, (), geometry.block_size)])
-        # failures per request only: every hit loads in the background (a state group also with one
-        # group: vLLM allocates its state block at the hit's end only for an asynchronous load)
+        # failures per request only: a hit loads in the background unless it cannot fail (``room.py``;
+        # always with a state group, also with one group: vLLM allocates its state block at the
+        # hit's end only for an asynchronous load)
         self._hybrid = len(self.groups) > 1 or any(g.kind == STATE for g in self.groups)
         self._per_group = self._hybrid or any(g.kind != FULL for g in self.groups)  # hits need each group's window
         # several groups without state, one worker, a store in its process: a hit wholly in the

@@ -5,12 +5,14 @@ Runs in each vLLM worker process. It owns the worker's ``KVStore`` (an in-proces
 KV tensors, and carries out the plan the scheduler side put in the step's ``KVTierMetadata``:
 
 - loads: before the forward pass, whole (layer, block) pages are copied from the store into the
-  request's blocks; chunks in the store's top tier inline (a memcpy each), the others read by
+  request's blocks; chunks in the store's top tier inline (on a CPU engine pinned in batches of
+  up to ``TOP_BATCH_BYTES`` and copied as one list of page copies), the others read by
   ``load_threads`` threads at once so a lower tier's I/O overlaps. A chunk that fails to load
   (absent, corrupt, of another size, a tier fault) is reported through
   ``failed_blocks`` with every block after it, so vLLM recomputes them: a storage fault costs
   time, never a wrong token;
-- background loads (``transfer_mode: async``, and every load of a hybrid model;
+- background loads (``transfer_mode: async``, and a hybrid model's loads unless the scheduler
+  knows they cannot fail, see below;
   ``LoadSpec.background``): the request is not in this step's batch; ``start_load_kv`` copies its
   chunks in the store's top tier at once (unless ``async_ram_loads``) and hands the others to
   ``load_threads`` background threads that read them from the store into the request's blocks
