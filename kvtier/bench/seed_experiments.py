@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from kvtier import fileio
+from kvtier.fileio import drop_page_cache
 from kvtier.bench.seed_engines import SeedEngine
 
 Tick = Callable[[int], None]
@@ -117,12 +117,6 @@ def run_length(engines: Engines, recompute: str, load: str, docs: dict[int, list
 
 # --------------------------------------------------------------------------------------------
 # disk
-
-
-def drop_page_cache(directory: Path) -> int:
-    """Drop every file under ``directory`` from the page cache (``kvtier.fileio.drop_page_cache``:
-    each written back, then ``POSIX_FADV_DONTNEED``); the number of files."""
-    return fileio.drop_page_cache(directory)
 
 
 def warm_page_cache(directory: Path) -> int:

@@ -147,10 +147,7 @@ class PageLayout:
         CorruptEntry unless ``segments`` hold exactly one chunk, ValueError for bad blocks."""
         if self.engine != "host":
             raise ValueError("load_pairs is for the host copy engine")
-        if not 0 <= first <= self.blocks_per_chunk:
-            raise ValueError(f"first={first} outside [0, {self.blocks_per_chunk}]")
-        self._check_blocks(block_ids)
-        return self._page_pairs(block_ids, self._arrays(segments), first, to_entry=False)
+        return self._page_pairs(block_ids, self._load_arrays(segments, block_ids, first), first, to_entry=False)
 
     def copy(self, pairs: list, split: bool = True) -> None:
         """Make ``load_pairs``' copies (of any layouts' pages): split over the copy threads when
@@ -197,6 +194,14 @@ class PageLayout:
         bad = [b for b in blocks if not 0 <= b < self.num_blocks]
         if bad:
             raise ValueError(f"block ids {bad} outside [0, {self.num_blocks})")
+
+    def _load_arrays(self, segments: Sequence, block_ids: Sequence[int], first: int) -> list[np.ndarray]:
+        """A load's checks, before anything is copied (``first`` in range, valid blocks, one
+        chunk of whole pieces), then the entry's segments as flat uint8 arrays."""
+        if not 0 <= first <= self.blocks_per_chunk:
+            raise ValueError(f"first={first} outside [0, {self.blocks_per_chunk}]")
+        self._check_blocks(block_ids)
+        return self._arrays(segments)
 
     def _arrays(self, segments: Sequence) -> list[np.ndarray]:
         """Entry segments as flat uint8 arrays; CorruptEntry (an entry of another size is not
@@ -385,10 +390,7 @@ class LoadStep:
         if layout.engine == "host":
             layout.copy(layout.load_pairs(segments, block_ids, first))
         else:
-            if not 0 <= first <= layout.blocks_per_chunk:
-                raise ValueError(f"first={first} outside [0, {layout.blocks_per_chunk}]")
-            layout._check_blocks(block_ids)
-            arrays = layout._arrays(segments)
+            arrays = layout._load_arrays(segments, block_ids, first)
             staging = self._group(i // layout.group_chunks).staging
             j, bpc = i % layout.group_chunks, layout.blocks_per_chunk
             dst = staging.host_bytes(j * bpc + first, (j + 1) * bpc)

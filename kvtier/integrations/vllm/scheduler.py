@@ -117,12 +117,12 @@ class KVTierScheduler:
         # hit's end only for an asynchronous load)
         self._hybrid = len(self.groups) > 1 or any(g.kind == STATE for g in self.groups)
         self._per_group = self._hybrid or any(g.kind != FULL for g in self.groups)  # hits need each group's window
+        self._states = {g.index: g for g in self.groups if g.kind == STATE}  # recurrent state groups
         # several groups without state, one worker, a store in its process: a hit wholly in the
         # RAM tier loads inline when the worker's reported room shows it cannot be evicted first
-        self._room = (RoomLedger() if self._hybrid and not any(g.kind == STATE for g in self.groups)
+        self._room = (RoomLedger() if self._hybrid and not self._states
                       and share.tp_size * share.pp_size == 1 and not config.server else None)
         self._step = 0  # the metadata built so far (``KVTierMetadata.step``)
-        self._states = {g.index: g for g in self.groups if g.kind == STATE}  # recurrent state groups
         self.namespace = namespace
         self._share = share.of(0, 0)  # worker rank 0 of stage 0 speaks for all
         self._lora_ids: dict[tuple[str, str], str] = {}  # (name, path) -> identity, read once

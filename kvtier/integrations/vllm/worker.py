@@ -394,24 +394,37 @@ class KVTierWorker:
         plan). An entry whose size is not this worker's pack (forged, truncated, another
         layout's) is deleted, as well as refused (CorruptEntry): no load can use it, and a save
         of the recomputed chunk would keep it (a write of a key the store holds is a no-op)."""
-        expected = self._pack_bytes[self._pack(specs[0].group)]
         foreign = []
 
         def checked(segments) -> None:
-            if total_bytes(segments) != expected:
-                foreign.append(total_bytes(segments))
-                raise CorruptEntry(f"entry of {foreign[0]} bytes is not one chunk of {expected}")
+            try:
+                self._check_size(specs, segments)
+            except CorruptEntry:
+                foreign.append(key)
+                raise
             fill(segments)
 
         try:
             return self.store.read(key, checked)
         except CorruptEntry:
-            if foreign:
-                try:
-                    self.store.delete(key)
-                except Exception:
-                    log.exception("kvtier: deleting an entry of another size failed")
+            self._delete_foreign(foreign)
             raise
+
+    def _check_size(self, specs: list, segments) -> None:
+        """CorruptEntry unless ``segments`` hold one entry of the pack of ``specs`` (an entry of
+        another size: forged, truncated, another layout's)."""
+        expected = self._pack_bytes[self._pack(specs[0].group)]
+        if total_bytes(segments) != expected:
+            raise CorruptEntry(f"entry of {total_bytes(segments)} bytes is not one chunk of {expected}")
+
+    def _delete_foreign(self, keys: list[bytes]) -> None:
+        """Delete entries refused for their size (no load can use them, and a save of the
+        recomputed chunk would keep them: a write of a key the store holds is a no-op)."""
+        for key in keys:
+            try:
+                self.store.delete(key)
+            except Exception:
+                log.exception("kvtier: deleting an entry of another size failed")
 
     def _parts(self, specs: list, segments) -> list:
         """An entry's ``segments`` cut into each member group's part (``specs`` in entry order);
@@ -648,20 +661,14 @@ class KVTierWorker:
                     tiers[i] = top
                 if pairs:
                     self._layouts[loads[0].group].copy(pairs, split=False)
-        for key in foreign:
-            try:
-                self.store.delete(key)
-            except Exception:
-                log.exception("kvtier: deleting an entry of another size failed")
+        self._delete_foreign(foreign)
         return left
 
     def _load_pairs(self, loads: list[LoadSpec], i: int, segments) -> list:
         """The page copies of the ``i``-th planned chunk of a pack's load from its entry
         (``segments``); CorruptEntry, before any copy, for an entry of another size."""
         load = loads[0]
-        expected = self._pack_bytes[self._pack(load.group)]
-        if total_bytes(segments) != expected:
-            raise CorruptEntry(f"entry of {total_bytes(segments)} bytes is not one chunk of {expected}")
+        self._check_size(loads, segments)
         c = load.first_chunk + i
         first = load.skip_blocks if i == 0 else 0
         pairs = []
