@@ -23,7 +23,7 @@ from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec
 from kvtier.policies.lru import LRUPolicy
 from kvtier.store import StoreConfig, TieredStore
 from kvtier.tiers.disk import DiskConfig, DiskTier
-from kvtier.tiers.ram import RamConfig, RamTier
+from kvtier.tiers.ram import ArenaTier, RamConfig, RamTier
 from tests.integration.test_connector_worker import _keys, _pages, _same, _save, _worker
 from tests.test_store import PAGE, assert_accounting, key, make_store, payload  # noqa: F401 (fixture)
 
@@ -204,9 +204,11 @@ def test_an_exception_in_the_block_releases_every_pin(make_store):
 
 
 class FaultyBorrowRam(RamTier):
-    """A top arena whose ``borrow`` raises for one key (a tier must not, but may)."""
+    """A top arena whose ``borrow`` raises for one key (a tier must not, but may), pinning a
+    batch key by key (``ArenaTier``'s default ``borrow_many``)."""
 
     poison: bytes | None = None
+    borrow_many = ArenaTier.borrow_many
 
     @contextmanager
     def borrow(self, key, count: bool = True):
@@ -216,17 +218,30 @@ class FaultyBorrowRam(RamTier):
             yield views
 
 
-def test_a_fault_while_pinning_releases_the_pins_taken_and_the_lock():
-    ram = FaultyBorrowRam(RamConfig(capacity=4 * PAGE, page_size=PAGE, pin_memory=False), name="ram")
+class FaultyViewsRam(RamTier):
+    """A top arena whose batched ``borrow_many`` fails after its pins are taken (making the
+    views raises once ``poison`` is set)."""
+
+    poison = False
+
+    def _readonly(self, start: int, end: int):
+        if self.poison:
+            raise OSError("injected view fault")
+        return super()._readonly(start, end)
+
+
+@pytest.mark.parametrize("arena", [FaultyBorrowRam, FaultyViewsRam])
+def test_a_fault_while_pinning_releases_the_pins_taken_and_the_lock(arena):
+    ram = arena(RamConfig(capacity=4 * PAGE, page_size=PAGE, pin_memory=False), name="ram")
     store = TieredStore([(ram, LRUPolicy())], StoreConfig(write_through=False))
     try:
         for i in range(3):
             store.put(key(i), payload(i))
-        ram.poison = key(2)
+        ram.poison = key(2) if arena is FaultyBorrowRam else True
         with pytest.raises(OSError):
             with store.borrow_top([key(0), key(1), key(2)]):
                 pass  # pragma: no cover
-        ram.poison = None
+        ram.poison = None if arena is FaultyBorrowRam else False
         for i in range(3):
             store.delete(key(i))
         assert ram.free_bytes() == 4 * PAGE  # the pins of keys 0 and 1 were released

@@ -145,3 +145,27 @@ def test_keys_are_the_same_in_two_processes_with_different_hash_seeds(tmp_path):
                               timeout=120, check=True)
         outs.append(json.loads(proc.stdout))
     assert outs[0] == outs[1] and len(outs[0]) == 5 and ROOT.hex() not in outs[0]
+
+
+def test_token_ids_key_alike_as_a_list_a_tuple_and_an_array():
+    """A list or tuple is packed without numpy; the keys are the same bytes either way, the
+    4-byte little-endian form the key format fixes (checked against a hand-built first key)."""
+    import hashlib
+
+    tokens = [0, 1, 2**32 - 1, 255, 256, 65535, 65536, 123456789] * 4
+    keys = chunk_keys(tokens, NS, 16)
+    assert keys == chunk_keys(tuple(tokens), NS, 16)
+    assert keys == chunk_keys(np.array(tokens, dtype=np.int64), NS, 16)
+    assert keys == chunk_keys(np.array(tokens, dtype=np.uint32), NS, 16)
+    assert keys == chunk_keys([np.int64(t) for t in tokens], NS, 16)
+    raw = b"".join(t.to_bytes(4, "little") for t in tokens[:16])
+    assert keys[0] == hashlib.sha256(ROOT + NS.digest() + raw).digest()
+
+
+@pytest.mark.parametrize("bad", [[1, -1], [2**32], (5, 2**40)])
+def test_token_ids_outside_uint32_are_refused_for_lists_and_arrays(bad):
+    from kvtier.errors import ConfigError
+
+    for tokens in (bad, np.array(bad, dtype=np.int64)):
+        with pytest.raises(ConfigError, match="token ids must be in"):
+            chunk_keys(list(tokens) * 16, NS, 16)

@@ -312,15 +312,14 @@ class TieredStore(KVStore):
         with ExitStack() as pinned:
             if top.arena is not None:
                 with self._lock:
-                    for i, key in enumerate(keys):
-                        if not is_valid_key(key):
-                            continue
-                        key = check_key(key)  # bytes (a bytearray is not hashable)
-                        if self._index.holds(0, key):
-                            out[i] = pinned.enter_context(top.arena.borrow(key))
-                            if out[i] is not None:
-                                self._index.accessed(0, key)
-                                self._counters.hits += 1
+                    held = [(i, key) for i, key in enumerate(map(_as_key, keys))
+                            if key is not None and self._index.holds(0, key)]
+                    pages = pinned.enter_context(top.arena.borrow_many([key for _, key in held]))
+                    for (i, key), views in zip(held, pages):
+                        if views is not None:
+                            out[i] = views
+                            self._index.accessed(0, key)
+                            self._counters.hits += 1
             yield out
 
     def _count_error(self) -> None:
@@ -910,6 +909,12 @@ class TieredStore(KVStore):
 
     def __enter__(self) -> "TieredStore":
         return self
+
+
+def _as_key(key: Key) -> Key | None:
+    """``key`` as the store holds it (bytes; a bytearray or memoryview is hashed by its bytes),
+    or None when it is not a valid key."""
+    return check_key(key) if is_valid_key(key) else None
 
 
 def _valid_prefix(keys: Sequence[Key]) -> Sequence[Key]:

@@ -35,7 +35,7 @@ import os
 import threading
 import time
 from abc import abstractmethod
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from collections import deque
 from collections.abc import Sequence
@@ -173,6 +173,14 @@ class ArenaTier(Tier):
     def borrow(self, key: Key, count: bool = True) -> AbstractContextManager[list[np.ndarray] | None]:
         """Like ``views``, but the pages stay untouched until the ``with`` block ends. Counts a
         hit or a miss unless ``count`` is False (the store's copies down to a lower tier)."""
+
+    @contextmanager
+    def borrow_many(self, keys: Sequence[Key]) -> Iterator[list[list[np.ndarray] | None]]:
+        """``borrow`` of each of ``keys`` at once (each a hit or a miss as ``borrow`` counts it):
+        each entry's views (None where absent), every page untouched until the ``with`` block
+        ends. The default borrows them one by one; an arena may take them in one lock hold."""
+        with ExitStack() as pinned:
+            yield [pinned.enter_context(self.borrow(key)) for key in keys]
 
     @abstractmethod
     def reserve(self, key: Key, nbytes: int, dtype: str = "uint8",
@@ -505,6 +513,20 @@ class RamTier(ArenaTier):
             self._release(entry)
 
     @contextmanager
+    def borrow_many(self, keys: Sequence[Key]) -> Iterator[list[list[np.ndarray] | None]]:
+        """``borrow`` of each of ``keys``, pinned in one hold of the arena's lock and released in
+        another (a batched read's pins cost one lock round trip, not one per key)."""
+        entries = self._acquire_many(keys)
+        hits = [entry for entry in entries if entry is not None]
+        try:
+            self.stats.add(hits=len(hits), misses=len(entries) - len(hits),
+                           bytes_read=sum(entry.length for entry in hits))
+            yield [None if entry is None else _DecodedOnUse(self, entry) if entry.codec
+                   else [self._readonly(start, end) for start, end in entry.extents] for entry in entries]
+        finally:
+            self._release_many(hits)
+
+    @contextmanager
     def borrow_stored(self, key: Key) -> Iterator[StoredEntry | None]:
         """The entry's pages as stored (coded or raw; see ``StoredEntry``), untouched until the
         ``with`` block ends, as ``borrow``. Yields None on a miss."""
@@ -612,15 +634,39 @@ class RamTier(ArenaTier):
                 entry.readers += 1
             return entry
 
+    def _acquire_many(self, keys: Sequence[Key]) -> list[_Entry | None]:
+        """``_acquire`` of each of ``keys``, in one hold of the lock (but for waits on moves)."""
+        with self._lock:
+            out = []
+            for key in keys:
+                entry = self._entries.get(key)
+                while entry is not None and entry.moving:
+                    self._cond.wait()
+                    entry = self._entries.get(key)
+                if entry is not None:
+                    entry.readers += 1
+                out.append(entry)
+            return out
+
+    def _release_many(self, entries: list[_Entry]) -> None:
+        """``_release`` of each of ``entries``, in one hold of the lock."""
+        with self._lock:
+            for entry in entries:
+                self._release_locked(entry)
+
     def _release(self, entry: _Entry) -> None:
         with self._lock:
-            entry.readers -= 1
-            if entry.readers == 0 and entry.deferred is not None:  # the coder skipped it for a reader
-                deferred, entry.deferred = entry.deferred, None
-                if not (entry.dead or self._stop):
-                    self._enqueue(*deferred)
-            if entry.dead and entry.readers == 0 and not entry.moving:
-                self._free_pages(entry)
+            self._release_locked(entry)
+
+    def _release_locked(self, entry: _Entry) -> None:
+        """Unpin ``entry`` (lock held): free its pages if it died meanwhile and nobody reads it."""
+        entry.readers -= 1
+        if entry.readers == 0 and entry.deferred is not None:  # the coder skipped it for a reader
+            deferred, entry.deferred = entry.deferred, None
+            if not (entry.dead or self._stop):
+                self._enqueue(*deferred)
+        if entry.dead and entry.readers == 0 and not entry.moving:
+            self._free_pages(entry)
 
     def _readonly(self, start: int, end: int) -> np.ndarray:
         view = self._arena[start:end]

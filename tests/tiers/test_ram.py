@@ -123,6 +123,27 @@ def test_views_are_read_only_and_borrow_keeps_pages_until_released():
         assert missing is None
 
 
+def test_borrow_many_pins_a_batch_as_borrow_pins_one_and_counts_alike():
+    """Hits and misses mixed, a key twice: each hit's bytes, pages kept through a delete until
+    the block ends, and the same hit/miss/byte counts as one ``borrow`` per key."""
+    tier = make(4 * PAGE)
+    tier.put(key(1), b"a" * PAGE)
+    tier.put(key(2), b"b" * (2 * PAGE))
+    before = tier.stats.as_dict()
+    with tier.borrow_many([key(1), key(9), key(2), key(1)]) as views:
+        tier.delete(key(1))
+        tier.delete(key(2))
+        assert not tier.put(key(3), b"c" * (2 * PAGE))  # every page is still lent out
+        assert [None if v is None else b"".join(x.tobytes() for x in v) for v in views] == [
+            b"a" * PAGE, None, b"b" * (2 * PAGE), b"a" * PAGE]
+        with pytest.raises(ValueError):
+            views[0][0][0] = 0
+    after = tier.stats.as_dict()
+    assert (after["hits"] - before["hits"], after["misses"] - before["misses"]) == (3, 1)
+    assert after["bytes_read"] - before["bytes_read"] == 4 * PAGE
+    assert tier.free_bytes() == 4 * PAGE and tier.put(key(3), b"c" * (4 * PAGE))
+
+
 def test_shared_arena_that_cannot_be_reserved_leaves_no_file(tmp_path, monkeypatch):
     """A full tmpfs (``reserve_file`` refuses) raises OutOfSpace and removes the half-made file."""
     from kvtier.errors import OutOfSpace

@@ -80,8 +80,11 @@ class PageLayout:
             raise ConfigError(f"kvtier needs layers of one shape, got {sorted(shapes)}")
         self.pieces, self.num_blocks, self.piece_bytes = shapes.pop()
         self.blocks_per_chunk = blocks_per_chunk
+        self._block_bytes = len(self.layers) * self.pieces * self.piece_bytes
         self.device = self.layers[0].tensor.device
         self.on_cpu = self.device.type == "cpu"
+        # [num_blocks, piece_bytes] numpy views, in entry order within a block (layer, piece)
+        self._pages = [layer.array[p] for layer in self.layers for p in range(self.pieces)] if self.on_cpu else []
         engine = engine or ("host" if self.on_cpu else "torch")
         if engine not in ENGINES or (engine == "host" and not self.on_cpu):
             raise ConfigError(f"copy engine {engine!r} is not valid for {self.device.type} tensors; valid: "
@@ -105,12 +108,12 @@ class PageLayout:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block across every layer."""
-        return len(self.layers) * self.pieces * self.piece_bytes
+        return self._block_bytes
 
     @property
     def chunk_bytes(self) -> int:
         """Bytes of one entry (one chunk across every layer)."""
-        return self.block_bytes * self.blocks_per_chunk
+        return self._block_bytes * self.blocks_per_chunk
 
     @property
     def page_bytes(self) -> int:
@@ -217,17 +220,9 @@ class PageLayout:
                     to_entry: bool) -> list[tuple[np.ndarray, np.ndarray]]:
         """(dst, src) page pairs between the pages of ``block_ids[first:]`` and the entry, in
         entry order (block, layer, piece)."""
-        pieces = _pieces(arrays, self.piece_bytes)
-        pairs = []
-        for j, block in enumerate(block_ids):
-            for layer in self.layers:
-                for p in range(self.pieces):
-                    piece = next(pieces)
-                    if j < first:
-                        continue
-                    page = layer.array[p, block]
-                    pairs.append((piece, page) if to_entry else (page, piece))
-        return pairs
+        pieces = _pieces(arrays, self.piece_bytes, skip=first * len(self._pages))
+        pages = [page[block] for block in block_ids[first:] for page in self._pages]
+        return list(zip(pieces, pages) if to_entry else zip(pages, pieces))
 
     def _copy(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
         """``np.copyto(dst, src)`` for each pair; large batches are split over the copy threads."""
@@ -551,9 +546,13 @@ def _as_array(seg) -> np.ndarray:
     return np.frombuffer(seg, dtype=np.uint8)
 
 
-def _pieces(arrays: list[np.ndarray], size: int) -> Iterator[np.ndarray]:
-    """Piece-sized views of the segments, in entry order."""
-    return (a[off : off + size] for a in arrays for off in range(0, a.size, size))
+def _pieces(arrays: list[np.ndarray], size: int, skip: int = 0) -> list[np.ndarray]:
+    """Piece-sized views of the segments, in entry order, from the ``skip``-th piece on
+    (every segment holds whole pieces)."""
+    if len(arrays) == 1:
+        a = arrays[0]
+        return [a[off : off + size] for off in range(skip * size, a.size, size)]
+    return [a[off : off + size] for a in arrays for off in range(0, a.size, size)][skip:]
 
 
 def _split_copy(arrays: list[np.ndarray], flat: np.ndarray, to_segments: bool,

@@ -77,6 +77,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+_DIGESTS_KEPT = 1024  # namespace digests remembered per (adapter, cache salt); the table is cleared when full
 
 
 @dataclass
@@ -126,6 +127,7 @@ class KVTierScheduler:
         self.namespace = namespace
         self._share = share.of(0, 0)  # worker rank 0 of stage 0 speaks for all
         self._lora_ids: dict[tuple[str, str], str] = {}  # (name, path) -> identity, read once
+        self._digests: dict[tuple[str | None, str | None], bytes] = {}  # (lora, salt) -> namespace digest
         self._requests: dict[str, RequestState] = {}
         self._present: dict[bytes, set[str]] = {}  # chunk key -> media holding it (from events)
         # fields of published events, remembered per chunk (None: vLLM publishes no KV events)
@@ -326,12 +328,24 @@ class KVTierScheduler:
             tokens = request.all_token_ids if keyed else []
             prompt = list(request.prompt_token_ids) if keyed else []
             mm = tuple(mm or ())
-            ns = self.namespace.with_lora(self._lora_identity(request)).with_salt(request.cache_salt).digest()
+            ns = self._digest(self._lora_identity(request), request.cache_salt)
             state = RequestState(chunk_keys(prompt, ns, self.geometry.chunk_tokens, mm=mm,
                                             auth_key=self._auth_key), len(prompt), tokens,
                                  ns, mm, request)
             self._requests[request.request_id] = state
         return state
+
+    def _digest(self, lora: str | None, salt: str | None) -> bytes:
+        """The namespace digest of requests of adapter ``lora`` and cache salt ``salt``
+        (remembered: the base model's is asked for on every request; a bounded table, since
+        salts come from clients)."""
+        ident = (lora, salt)
+        digest = self._digests.get(ident)
+        if digest is None:
+            if len(self._digests) >= _DIGESTS_KEPT:
+                self._digests.clear()
+            digest = self._digests[ident] = self.namespace.with_lora(lora).with_salt(salt).digest()
+        return digest
 
     def _lora_identity(self, request: "Request") -> str | None:
         """The request's LoRA adapter identity (name, path, weights digest), None without one.

@@ -70,7 +70,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -719,8 +719,9 @@ class KVTierWorker:
         that failure."""
         load = loads[0]
         bad = next((i for i, tier in enumerate(tiers) if tier is None), len(tiers))
-        for tier in tiers[:bad]:
-            self._stats.count_tier(tier, loaded_chunks=1, loaded_bytes=self._entry_bytes(loads))
+        entry_bytes = self._entry_bytes(loads)
+        for tier, n in Counter(tiers[:bad]).items():
+            self._stats.count_tier(tier, loaded_chunks=n, loaded_bytes=n * entry_bytes)
         if bad < len(tiers) and len(self.groups) > 1:  # vLLM takes such failures per request only
             if not load.background:  # the scheduler's room check rules this out (``room.py``)
                 log.error("kvtier: an inline load of request %s (several KV cache groups) failed at chunk %d; "
