@@ -635,17 +635,25 @@ class RamTier(ArenaTier):
             return entry
 
     def _acquire_many(self, keys: Sequence[Key]) -> list[_Entry | None]:
-        """``_acquire`` of each of ``keys``, in one hold of the lock (but for waits on moves)."""
+        """``_acquire`` of each of ``keys``, in one hold of the lock (but for waits on moves). On
+        any exception (an unhashable key, an interrupt during a wait) the pins already taken are
+        released before it propagates."""
         with self._lock:
-            out = []
-            for key in keys:
-                entry = self._entries.get(key)
-                while entry is not None and entry.moving:
-                    self._cond.wait()
+            out: list[_Entry | None] = []
+            try:
+                for key in keys:
                     entry = self._entries.get(key)
-                if entry is not None:
-                    entry.readers += 1
-                out.append(entry)
+                    while entry is not None and entry.moving:
+                        self._cond.wait()
+                        entry = self._entries.get(key)
+                    if entry is not None:
+                        entry.readers += 1
+                    out.append(entry)
+            except BaseException:
+                for entry in out:
+                    if entry is not None:
+                        self._release_locked(entry)
+                raise
             return out
 
     def _release_many(self, entries: list[_Entry]) -> None:
