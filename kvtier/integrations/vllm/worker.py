@@ -668,10 +668,10 @@ class KVTierWorker:
         """The page copies of the ``i``-th planned chunk of a pack's load from its entry
         (``segments``); CorruptEntry, before any copy, for an entry of another size."""
         load = loads[0]
-        self._check_size(loads, segments)
         c = load.first_chunk + i
         first = load.skip_blocks if i == 0 else 0
         pairs = []
+        # the size checks are _parts' (several groups) and the layout's (each part)
         for member, part in zip(loads, self._parts(loads, segments)):
             pairs += self._layouts[member.group].load_pairs(part, self.geometry.chunk_blocks(member.block_ids, c), first)
         return pairs
