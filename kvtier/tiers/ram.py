@@ -626,13 +626,17 @@ class RamTier(ArenaTier):
         """Pin ``key``'s entry (readers + 1), waiting out a move of its pages by the coder (one
         memcpy); None when absent."""
         with self._lock:
+            return self._pin_locked(key)
+
+    def _pin_locked(self, key: Key) -> _Entry | None:
+        """``_acquire`` with the lock held (released meanwhile only while waiting on a move)."""
+        entry = self._entries.get(key)
+        while entry is not None and entry.moving:
+            self._cond.wait()
             entry = self._entries.get(key)
-            while entry is not None and entry.moving:
-                self._cond.wait()
-                entry = self._entries.get(key)
-            if entry is not None:
-                entry.readers += 1
-            return entry
+        if entry is not None:
+            entry.readers += 1
+        return entry
 
     def _acquire_many(self, keys: Sequence[Key]) -> list[_Entry | None]:
         """``_acquire`` of each of ``keys``, in one hold of the lock (but for waits on moves). On
@@ -642,13 +646,7 @@ class RamTier(ArenaTier):
             out: list[_Entry | None] = []
             try:
                 for key in keys:
-                    entry = self._entries.get(key)
-                    while entry is not None and entry.moving:
-                        self._cond.wait()
-                        entry = self._entries.get(key)
-                    if entry is not None:
-                        entry.readers += 1
-                    out.append(entry)
+                    out.append(self._pin_locked(key))
             except BaseException:
                 for entry in out:
                     if entry is not None:
