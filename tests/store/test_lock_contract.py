@@ -25,8 +25,9 @@ from kvtier.tiers.ram import RamConfig, RamTier
 
 PAGE = 4096
 CHECKED = ("contains", "contains_many", "size_of", "get_into", "get", "put", "delete", "keys", "used_bytes",
-           "close", "views", "borrow", "reserve", "commit", "abort", "footprint", "free_bytes")
-ARENA = frozenset({"views", "borrow", "reserve", "commit", "abort", "footprint", "free_bytes", "delete"})
+           "close", "views", "borrow", "borrow_many", "reserve", "commit", "abort", "footprint", "free_bytes")
+ARENA = frozenset({"views", "borrow", "borrow_many", "reserve", "commit", "abort", "footprint", "free_bytes",
+                   "delete"})
 
 
 class LockProbe:
@@ -169,6 +170,8 @@ def test_no_tier_method_runs_under_the_store_lock(tmp_path, redis_url, key_prefi
         assert probe.calls[(name, "delete")] > 0, name
     assert probe.calls[("fs", "used_bytes")] > 0 and probe.calls[("redis", "used_bytes")] > 0
     assert probe.calls[("disk", "get_into")] > 0, "no read from disk"  # hits, and demotions to disk2
+    if top == "ram":
+        assert probe.calls[("ram", "borrow_many")] > 0, "no batched pin of the arena (borrow_top)"
     assert store._ledger.idle()
 
 
