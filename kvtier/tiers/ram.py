@@ -463,7 +463,7 @@ class RamTier(ArenaTier):
                 if count:
                     self.stats.add(misses=1)
                 return None
-            views = [self._readonly(start, end) for start, end in entry.extents]
+            views = self._extent_views(entry)
         if count:
             self.stats.add(hits=1, bytes_read=entry.length)
         return views
@@ -505,10 +505,7 @@ class RamTier(ArenaTier):
         try:
             if count:
                 self.stats.add(hits=1, bytes_read=entry.length)
-            if entry.codec:
-                yield _DecodedOnUse(self, entry)
-            else:
-                yield [self._readonly(start, end) for start, end in entry.extents]
+            yield self._pinned_views(entry)
         finally:
             self._release(entry)
 
@@ -521,8 +518,7 @@ class RamTier(ArenaTier):
         try:
             self.stats.add(hits=len(hits), misses=len(entries) - len(hits),
                            bytes_read=sum(entry.length for entry in hits))
-            yield [None if entry is None else _DecodedOnUse(self, entry) if entry.codec
-                   else [self._readonly(start, end) for start, end in entry.extents] for entry in entries]
+            yield [None if entry is None else self._pinned_views(entry) for entry in entries]
         finally:
             self._release_many(hits)
 
@@ -537,7 +533,7 @@ class RamTier(ArenaTier):
             return
         try:
             self.stats.add(hits=1, bytes_read=entry.stored)
-            yield StoredEntry([self._readonly(start, end) for start, end in entry.extents], entry.codec,
+            yield StoredEntry(self._extent_views(entry), entry.codec,
                               entry.length, entry.checksum)
         finally:
             self._release(entry)
@@ -673,6 +669,15 @@ class RamTier(ArenaTier):
                 self._enqueue(*deferred)
         if entry.dead and entry.readers == 0 and not entry.moving:
             self._free_pages(entry)
+
+    def _pinned_views(self, entry: _Entry) -> "list[np.ndarray] | _DecodedOnUse":
+        """What a borrow of the pinned ``entry`` yields: its raw bytes' read-only views, or for a
+        coded entry an object that decodes them on use."""
+        return _DecodedOnUse(self, entry) if entry.codec else self._extent_views(entry)
+
+    def _extent_views(self, entry: _Entry) -> list[np.ndarray]:
+        """Read-only views of ``entry``'s extents, as stored."""
+        return [self._readonly(start, end) for start, end in entry.extents]
 
     def _readonly(self, start: int, end: int) -> np.ndarray:
         view = self._arena[start:end]

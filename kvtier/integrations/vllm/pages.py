@@ -38,7 +38,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -549,9 +549,6 @@ def _as_array(seg) -> np.ndarray:
 def _pieces(arrays: list[np.ndarray], size: int, skip: int = 0) -> list[np.ndarray]:
     """Piece-sized views of the segments, in entry order, from the ``skip``-th piece on
     (every segment holds whole pieces)."""
-    if len(arrays) == 1:
-        a = arrays[0]
-        return [a[off : off + size] for off in range(skip * size, a.size, size)]
     return [a[off : off + size] for a in arrays for off in range(0, a.size, size)][skip:]
 
 
