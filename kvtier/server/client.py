@@ -85,7 +85,7 @@ from kvtier.buffers import BufferTooSmall, Scratch, byte_view, gather_into
 from kvtier.errors import ConfigError, CorruptEntry, KVTierError
 from kvtier.keys import Key
 from kvtier.server import protocol as P
-from kvtier.store.base import KVStore
+from kvtier.store.base import KVStore, WriteItem
 from kvtier.store.events import StoreEvent
 from kvtier.tiers.breaker import CircuitBreaker
 
@@ -133,6 +133,8 @@ class _Mapping:
     tiers: list = field(default_factory=list)
     lease_timeout_s: float = math.inf
     writer: "_ArenaWriter | None" = None  # direct writes into the arena (None: staged writes)
+    batch_items: int = 1  # the most chunks one batched direct write may hold (1: no batches)
+    write_share: int = 0  # the most bytes one batch may hold (this connection's write share)
 
 
 class ServerStore(KVStore):
@@ -151,16 +153,22 @@ class ServerStore(KVStore):
         being filled (see the module docstring: safer, slower).
     max_entry_bytes: the largest raw entry this client decodes (a coded entry declaring more is
         corrupt: nothing is allocated for it).
+    reply_poll_s: how long a call polls (spinning, yielding the CPU between polls) for the
+        server's reply before it blocks; 0: it always blocks. A reply is due within a fraction
+        of a millisecond; a blocked thread's wake-up costs ~0.1 ms where idle vCPUs halt.
     """
 
     def __init__(self, address: str, token: str | None = None, timeout: float = 5.0,
                  backoff: float = 0.2, max_backoff: float = 2.0, connect_timeout: float = 1.0,
                  lookup_timeout: float = 0.25, allowed_uids: Sequence[int] = (), direct_writes: bool = True,
-                 write_protect: bool = False, max_entry_bytes: int = 1024**3):
+                 write_protect: bool = False, max_entry_bytes: int = 1024**3, reply_poll_s: float = 0.0005):
         for name, value in (("timeout", timeout), ("lookup_timeout", lookup_timeout),
                             ("connect_timeout", connect_timeout), ("backoff", backoff)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"ServerStore {name}: {value!r} must be a positive number of seconds")
+        if not (isinstance(reply_poll_s, (int, float)) and math.isfinite(reply_poll_s) and 0 <= reply_poll_s <= 0.1):
+            raise ValueError(f"ServerStore reply_poll_s: {reply_poll_s!r} must be 0 to 0.1 seconds")
+        self._reply_poll = float(reply_poll_s)
         if not (isinstance(max_entry_bytes, int) and max_entry_bytes > 0):
             raise ValueError(f"ServerStore max_entry_bytes: {max_entry_bytes!r} must be a positive number of bytes")
         self._max_entry = max_entry_bytes
@@ -248,6 +256,7 @@ class ServerStore(KVStore):
                     [RemoteTier(n) for n in reply.get("tiers", [])],
                     float(reply.get("lease_timeout_s", math.inf)),
                     writer,
+                    *_batch_limits(reply),
                 )
         except BaseException:
             sock.close()
@@ -335,6 +344,7 @@ class ServerStore(KVStore):
             P.send_by(self._sock, message, deadline)
             if not reply:
                 return {"ok": True}
+            P.poll_readable(self._sock, min(self._reply_poll, max(0.0, deadline - time.monotonic())))
             answer = P.recv(self._sock, deadline=deadline)
             if answer is None:
                 raise ConnectionError("server closed the connection")
@@ -540,6 +550,128 @@ class ServerStore(KVStore):
                 return self._write_direct(writer, request, fill, deadline)
             return self._write_staged(request, fill, deadline)
 
+    def write_many(self, items: Sequence[WriteItem]) -> list[bool]:
+        """Store several chunks, for each what ``write`` would return. With direct writes and a
+        server that takes batches, consecutive items go in batches of at most its ``batch_writes``
+        chunks and ``write_share`` bytes: one reserve and one commit round trip per batch (see
+        ``kvtier.server.protocol``); otherwise one ``write`` each. An exception from a ``fill``
+        propagates after its batch's pages are given back (nothing of that batch is stored;
+        earlier batches may be)."""
+        results: list[bool] = []
+        for batch in self._batches(items):
+            if len(batch) == 1:
+                results.extend(self.write(i.key, i.nbytes, i.fill, i.parent, i.chunk_index) for i in batch)
+            else:
+                results.extend(self._write_batch(batch))
+        return results
+
+    def _batches(self, items: Sequence[WriteItem]) -> Iterator[list[WriteItem]]:
+        """``items`` in order, cut into runs the server takes as one batch (the current
+        mapping's limits; runs of one where it takes none)."""
+        mapping = self._map  # read once: a reconnect or close may replace it meanwhile
+        limit, share = (mapping.batch_items, mapping.write_share) if mapping is not None else (1, 0)
+        batch: list[WriteItem] = []
+        held = 0
+        for item in items:
+            if batch and (len(batch) >= limit or held + item.nbytes > share):
+                yield batch
+                batch, held = [], 0
+            batch.append(item)
+            held += item.nbytes
+        if batch:
+            yield batch
+
+    def _write_batch(self, batch: list[WriteItem]) -> list[bool]:
+        """One ``reserve_arena_many``: fill every reserved item, then ``commit`` (lock held). A
+        ``quota`` answer (the share changed under a reconnect) falls back to one write each."""
+        n = len(batch)
+        failed = [False] * n
+        with self._session(self._timeout) as deadline:
+            self._counters.writes += n
+            if deadline is None or not self._ensure(deadline):
+                self._counters.write_failures += n
+                return failed
+            writer = self._map.writer
+            if writer is None or self._map.batch_items < n:  # reconnected to a server that takes no such batch
+                self._counters.writes -= n  # counted again by each write
+                return [self.write(i.key, i.nbytes, i.fill, i.parent, i.chunk_index) for i in batch]
+            request = {"op": "reserve_arena_many", "items": [
+                {"key": bytes(i.key), "nbytes": int(i.nbytes),
+                 "parent": bytes(i.parent) if i.parent is not None else None,
+                 "chunk_index": int(i.chunk_index)} for i in batch]}
+            started = time.monotonic()
+            answer = self._call(request, deadline)
+            if answer is not None and answer.get("status") == "quota":  # the share shrank under a reconnect
+                self._counters.writes -= n
+                return [self.write(i.key, i.nbytes, i.fill, i.parent, i.chunk_index) for i in batch]
+            plan = _batch_plan(answer, writer.size, [i.nbytes for i in batch])
+            if plan is None:
+                self._counters.write_failures += n
+                if answer is not None:  # a reply this client cannot trust: end whatever it reserved
+                    self._counters.errors += 1
+                    if isinstance(answer.get("lease"), int):
+                        self._call({"op": "abort", "lease": answer["lease"]}, deadline, reply=False)
+                    else:
+                        self._drop()
+                return failed
+            statuses, extents = plan
+            lease = answer.get("lease")
+            if "ok" not in statuses:  # nothing reserved: every item held already or refused
+                outcome = [st == "exists" for st in statuses]
+                self._counters.write_failures += outcome.count(False)
+                return outcome
+            return self._fill_batch(writer, batch, statuses, extents, lease, deadline, started)
+
+    def _fill_batch(self, writer: "_ArenaWriter", batch: list[WriteItem], statuses: list[str],
+                    extents: list, lease: int, deadline: float, started: float) -> list[bool]:
+        """Fill a reserved batch's items, then commit it (or abort it); per item, stored."""
+        n = len(batch)
+        reserved = [ext for ext in extents if ext is not None]
+        opened: list = []
+        fill_start = time.monotonic()
+        try:
+            for item, ext in zip(batch, extents):
+                if ext is not None:
+                    segments = writer.enable(ext)
+                    opened.append(ext)
+                    item.fill(segments)
+        except OSError as exc:
+            for ext in opened:
+                self._seal(writer, ext)
+            log.warning("kvtier: cannot write-enable the reserved arena pages (%s); batch dropped", exc)
+            self._counters.errors += 1
+            self._counters.write_failures += n
+            self._call({"op": "abort", "lease": lease}, deadline + (time.monotonic() - fill_start), reply=False)
+            return [False] * n
+        except BaseException:
+            for ext in opened:
+                self._seal(writer, ext)
+            self._call({"op": "abort", "lease": lease}, deadline + (time.monotonic() - fill_start), reply=False)
+            raise
+        filled = time.monotonic()
+        extended = deadline + (filled - fill_start)
+        if not all(self._seal(writer, ext) for ext in reserved):
+            self._counters.write_failures += n
+            self._call({"op": "abort", "lease": lease}, extended, reply=False)
+            return [False] * n
+        if filled - started >= self._map.lease_timeout_s:
+            self._counters.lease_expired += 1
+            self._counters.write_failures += n
+            log.warning("kvtier: a batched write took %.1f s, past the server's %.1f s lease; aborted",
+                        filled - started, self._map.lease_timeout_s)
+            self._call({"op": "abort", "lease": lease}, extended, reply=False)
+            return [False] * n
+        done = self._call({"op": "commit", "lease": lease}, extended)
+        stored = done.get("stored") if done is not None else None
+        if not (isinstance(stored, list) and len(stored) == n and all(isinstance(v, bool) for v in stored)):
+            if done is not None:
+                self._counters.errors += 1
+            self._counters.write_failures += n
+            return [False] * n
+        self._counters.write_failures += stored.count(False)
+        self._counters.direct_writes += sum(1 for st, ok in zip(statuses, stored) if st == "ok" and ok)
+        return stored
+
     def _write_direct(self, writer: "_ArenaWriter", request: dict, fill: Callable[[list], None],
                       deadline: float) -> bool:
         """``reserve_arena``, ``fill`` into the arena pages (write-enabled meanwhile only), then
@@ -731,6 +863,46 @@ def _extents(answer: dict, size: int, nbytes: int) -> list[tuple[int, int]] | No
             return None
         total += length
     return extents if total == nbytes else None
+
+
+def _batch_limits(hello: dict) -> tuple[int, int]:
+    """(most chunks, most bytes) of one batched direct write the server's hello reply allows;
+    (1, 0), no batches, for a server that names none (one before batches) or malformed limits."""
+    items, share = hello.get("batch_writes"), hello.get("write_share")
+    if (isinstance(items, int) and not isinstance(items, bool) and items > 1
+            and isinstance(share, int) and not isinstance(share, bool) and share > 0):
+        return min(items, P.MAX_BATCH_ITEMS), share
+    return 1, 0
+
+
+def _batch_plan(answer: dict | None, size: int, sizes: list[int]) -> tuple[list[str], list] | None:
+    """Each item's status and checked extents (None unless reserved) from a
+    ``reserve_arena_many`` reply for items of ``sizes`` bytes; None when the reply is missing,
+    malformed, has extents outside the arena of ``size`` bytes or off an OS page, of the wrong
+    total, or overlapping another item's, or announces pages without a lease."""
+    if answer is None or answer.get("status") != "ok":
+        return None
+    items = answer.get("items")
+    if not isinstance(items, list) or len(items) != len(sizes):
+        return None
+    statuses: list[str] = []
+    plan: list = []
+    for item, nbytes in zip(items, sizes):
+        status = item.get("status") if isinstance(item, dict) else None
+        if status not in ("ok", "exists", "full"):
+            return None
+        extents = _extents({"lease": answer.get("lease"), "extents": item.get("extents")}, size, nbytes) \
+            if status == "ok" else None
+        if status == "ok" and extents is None:
+            return None
+        statuses.append(status)
+        plan.append(extents)
+    if "ok" in statuses and not isinstance(answer.get("lease"), int):
+        return None
+    spans = sorted((off, off + length) for extents in plan if extents for off, length in extents if length)
+    if any(prev_end > start for (_, prev_end), (start, _) in zip(spans, spans[1:])):
+        return None
+    return statuses, plan
 
 
 def _readonly(array: np.ndarray) -> np.ndarray:

@@ -26,6 +26,17 @@ visible, and that request is then served as usual (a commit of an unknown lease 
 ``malformed``). A commit carries no extents: the server publishes exactly the pages it reserved. Older clients keep
 using ``reserve`` (staging), which is unchanged.
 
+Batched direct writes (a server whose hello reply has ``batch_writes: N``, the most items one
+batch may hold, and ``write_share``, the most bytes one connection may hold in open writes):
+``reserve_arena_many`` reserves pages for up to N chunks under one write lease and answers each
+item's status and extents; the client fills them all and ends the batch as it ends a single
+direct write. Its ``commit`` answers ``stored`` per item (an item answered ``exists`` is
+``true``, one answered ``full`` is ``false``); an abort, a late commit or another request frees
+every page of the batch. A batch whose bytes exceed ``write_share`` is answered ``quota`` and
+reserves nothing. Two round trips per batch instead of per chunk: what a step's saves need
+where a round trip costs as much as copying a chunk. A key twice in one batch: the second is
+``full`` (the first is being written).
+
 Coded arena entries (a server whose arena has ``codec: lossless``; ``arena_codec`` in the hello
 reply): a client that lists ``"lossless"`` in its hello's optional ``decodes`` may get a reply
 with ``codec`` (``kvtier.codecs`` id, 1: lossless), ``raw`` (the entry's raw bytes) and
@@ -45,7 +56,8 @@ op       request fields                           reply fields
 hello    version:int, token:str|None,             version, server_id, arena{path,size},
          decodes:[str] (optional)                 staging{path,size}, page_size, tiers[str],
                                                   lease_timeout_s, direct_writes:bool,
-                                                  arena_codec:str
+                                                  arena_codec:str, batch_writes:int,
+                                                  write_share:int
 lookup   keys:[bytes]                             n (leading keys present in some tier)
 get      key:bytes                                tier (str|None), lease:int, extents[[off,len]]
                                                   (a lease is released by the server after
@@ -58,7 +70,12 @@ reserve  key, nbytes:int, parent:bytes|None,      status ("ok"|"exists"|"full"|"
 reserve_ key, nbytes, parent, chunk_index         status ("ok"|"exists"|"full"|"quota"), lease,
 arena    (as reserve)                             extents (offsets in the arena); the next request
                                                   ends it (see above)
-commit   lease:int                                stored:bool (error: lease_expired)
+reserve_ items:[{key, nbytes, parent,            status ("ok"|"quota"); when some item was
+arena_   chunk_index}] (1..MAX_BATCH_ITEMS)       reserved, lease; items[{status ("ok"|"exists"|
+many                                              "full"), extents (status ok)}], in order; the
+                                                  next request ends it, as reserve_arena's
+commit   lease:int                                stored:bool; for a batch lease stored:[bool]
+                                                  per item (error: lease_expired)
 abort    lease:int                                (none)
 delete   key:bytes                                (empty)
 stats    -                                        stats (the store's stats dict + server counters)
@@ -71,6 +88,7 @@ flush    timeout:float (>= 0; capped at 60 s)     done:bool
 from __future__ import annotations
 
 import math
+import os
 import socket
 import struct
 import time
@@ -84,6 +102,7 @@ from kvtier.keys import KEY_BYTES
 VERSION = 1
 MAX_FRAME = 8 * 1024 * 1024  # a lookup of 200k keys fits; anything larger is malformed
 MAX_HELLO_FRAME = 4096  # a hello (version + token) is tiny; more before authentication is hostile
+MAX_BATCH_ITEMS = 64  # chunks one reserve_arena_many may reserve
 MAX_FLUSH_S = 60.0  # the server waits at most this long in one flush, whatever was asked
 _LEN = struct.Struct(">I")
 _RECV_CHUNK = 256 * 1024  # a frame's buffer grows with the bytes that arrive, never ahead of them
@@ -97,6 +116,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "reserve": {"key": (bytes,), "nbytes": (int,), "parent": (bytes, type(None)), "chunk_index": (int,)},
     "reserve_arena": {"key": (bytes,), "nbytes": (int,), "parent": (bytes, type(None)),
                       "chunk_index": (int,)},
+    "reserve_arena_many": {"items": (list,)},
     "commit": {"lease": (int,)},
     "abort": {"lease": (int,)},
     "delete": {"key": (bytes,)},
@@ -171,6 +191,32 @@ def recv(sock: socket.socket, max_frame: int = MAX_FRAME, deadline: float | None
     return message
 
 
+def poll_readable(sock: socket.socket, spin_s: float) -> bool:
+    """Poll ``sock`` without blocking for up to ``spin_s`` seconds (yielding the CPU between
+    polls); True as soon as a byte or the stream's end can be read, False when the time ran out.
+
+    A caller about to block on a reply that is due within microseconds spins here first: a
+    blocked thread's wake-up costs ~0.1 ms on a virtual machine whose idle vCPU halts, more than
+    the work being waited for. The socket's timeout is restored before returning.
+    """
+    if spin_s <= 0:
+        return False
+    timeout = sock.gettimeout()
+    end = time.perf_counter() + spin_s
+    sock.settimeout(0.0)
+    try:
+        while True:
+            try:
+                sock.recv(1, socket.MSG_PEEK)
+                return True
+            except (BlockingIOError, InterruptedError):
+                if time.perf_counter() >= end:
+                    return False
+                os.sched_yield()
+    finally:
+        sock.settimeout(timeout)
+
+
 def validate(message: dict[str, Any]) -> str:
     """Check a request against ``SCHEMA``; return its op. Raises ProtocolError(MALFORMED)."""
     op = message.get("op")
@@ -188,13 +234,35 @@ def validate(message: dict[str, Any]) -> str:
     for name in _KEY_FIELDS.get(op, ()):
         if message[name] is not None:
             _check_key(message[name], f"{op}: field {name!r}")
-    if op in ("reserve", "reserve_arena") and message["nbytes"] < 0:
-        raise ProtocolError(MALFORMED, f"{op}: nbytes must not be negative")
-    if op in ("reserve", "reserve_arena") and message["chunk_index"] < 0:
-        raise ProtocolError(MALFORMED, f"{op}: chunk_index must not be negative")
+    if op in ("reserve", "reserve_arena"):
+        _check_write(message, op)
+    if op == "reserve_arena_many":
+        items = message["items"]
+        if not 1 <= len(items) <= MAX_BATCH_ITEMS:
+            raise ProtocolError(MALFORMED, f"{op}: items must hold 1 to {MAX_BATCH_ITEMS} chunks, got {len(items)}")
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise ProtocolError(MALFORMED, f"{op}: items[{i}] must be a map")
+            for name, types in SCHEMA["reserve_arena"].items():
+                value = item.get(name)
+                if name not in item or not isinstance(value, types) or isinstance(value, bool):
+                    want = "|".join(t.__name__ for t in types)
+                    raise ProtocolError(MALFORMED, f"{op}: items[{i}] field {name!r} must be {want}")
+            for name in _KEY_FIELDS["reserve_arena"]:
+                if item[name] is not None:
+                    _check_key(item[name], f"{op}: items[{i}] field {name!r}")
+            _check_write(item, f"{op}: items[{i}]")
     if op == "flush" and not (math.isfinite(message["timeout"]) and message["timeout"] >= 0):
         raise ProtocolError(MALFORMED, "flush: timeout must be a finite, non-negative number of seconds")
     return op
+
+
+def _check_write(fields: dict[str, Any], what: str) -> None:
+    """A write's ``nbytes`` and ``chunk_index`` are not negative (ProtocolError otherwise)."""
+    if fields["nbytes"] < 0:
+        raise ProtocolError(MALFORMED, f"{what}: nbytes must not be negative")
+    if fields["chunk_index"] < 0:
+        raise ProtocolError(MALFORMED, f"{what}: chunk_index must not be negative")
 
 
 def decodes_lossless(hello: dict[str, Any]) -> bool:

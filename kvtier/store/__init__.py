@@ -15,9 +15,9 @@ Imports: ``kvtier.tiers``, ``kvtier.policies``, ``kvtier.buffers``, ``kvtier.key
 ``kvtier.entry``, ``kvtier.config``, ``kvtier.errors``; never the server, integrations or CLI.
 """
 
-from kvtier.store.base import KVStore
+from kvtier.store.base import KVStore, WriteItem
 from kvtier.store.config import StoreConfig
 from kvtier.store.events import StoreEvent
 from kvtier.store.tiered import TieredStore
 
-__all__ = ["KVStore", "StoreConfig", "StoreEvent", "TieredStore"]
+__all__ = ["KVStore", "StoreConfig", "StoreEvent", "TieredStore", "WriteItem"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 from kvtier.buffers import BufferTooSmall, byte_view, gather, gather_into, scatter
 from kvtier.keys import Key
@@ -31,6 +31,16 @@ Segments = list
 # whose concatenation is the payload, valid only during the call.
 Fill = Callable[[Segments], None]
 Consume = Callable[[Segments], None]
+
+
+class WriteItem(NamedTuple):
+    """One chunk of a ``write_many`` batch: ``write``'s arguments."""
+
+    key: Key
+    nbytes: int
+    fill: Fill
+    parent: Key | None = None
+    chunk_index: int = 0
 
 
 class KVStore(ABC):
@@ -84,6 +94,24 @@ class KVStore(ABC):
 
     def enable_events(self, maxlen: int = 100_000) -> None:
         """Start recording events for ``take_events`` (stores that always record: nothing)."""
+
+    def write_many(self, items: Sequence[WriteItem]) -> list[bool]:
+        """Store several chunks; for each item, what ``write`` would return for it.
+
+        Stores that pay a round trip per write (the cache server's client) batch them; by
+        default each item is one ``write``, in order. An exception from a ``fill`` propagates:
+        items before it may be stored, it and the items after it are not.
+        """
+        return [self.write(item.key, item.nbytes, item.fill, item.parent, item.chunk_index) for item in items]
+
+    def put_many(self, items: Sequence[tuple[Key, Any]]) -> list[bool]:
+        """Store a copy of each ``(key, data)`` (bytes-like ``data``; no parent, chunk index 0)
+        through ``write_many``."""
+        batch = []
+        for key, data in items:
+            src = byte_view(data)
+            batch.append(WriteItem(key, src.size, lambda segments, src=src: scatter(src, segments)))
+        return self.write_many(batch)
 
     def in_top_tier(self, keys: Sequence[Key]) -> list[bool]:
         """For each key, whether it is a memcpy away now (the store's top tier in this
