@@ -45,8 +45,13 @@ class GatedStore:
         self.gate.set()
         self.fail = False
         self.writes_started = 0
+        self.batches: list[int] = []  # the size of each write_many batch
 
     memcpy_writes = False  # a store whose writes can wait (as a cache server's): the background writer serves it
+
+    def write_many(self, items) -> list[bool]:
+        self.batches.append(len(items))
+        return [self.write(i.key, i.nbytes, i.fill, i.parent, i.chunk_index) for i in items]
 
     def write(self, *args, **kwargs) -> bool:
         self.writes_started += 1
@@ -216,6 +221,34 @@ def test_a_store_fault_is_a_counted_drop_and_frees_its_slot(tmp_path, monkeypatc
         assert counters["saved_chunks"] == 1 and not counters.get("save_dropped")
     finally:
         worker.close()
+
+
+def test_the_writer_hands_a_store_what_is_queued_as_one_batch(tmp_path, monkeypatch):
+    """A store whose write is more than a memcpy (a cache server's client) gets the chunks
+    queued meanwhile as one ``write_many`` (one reserve and one commit round trip there), in
+    order, each stored; a memcpy store would get them one at a time."""
+    worker, kv, store = _worker(tmp_path, monkeypatch)
+    try:
+        keys = _keys(6)
+        store.gate.clear()  # the writer takes the first step's batch, then waits at the gate
+        worker.wait_for_save(KVTierMetadata(saves=_saves("r", keys[:2], list(range(4)))))
+        _wait_for(lambda: store.writes_started == 1)
+        worker.wait_for_save(KVTierMetadata(saves=_saves("r", keys, list(range(12)))[2:]))  # 4 queued meanwhile
+        store.gate.set()
+        assert worker.drain_saves() and store.lookup(keys) == 6
+        assert store.batches == [2, 4]
+        assert _counters(worker)["saved_chunks"] == 6
+    finally:
+        worker.close()
+
+
+def _wait_for(predicate, timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
 
 
 def test_close_writes_the_queued_saves(tmp_path, monkeypatch):

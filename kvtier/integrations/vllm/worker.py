@@ -85,7 +85,7 @@ from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, KVT
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, TierDeltas, tier_counters
 from kvtier.integrations.vllm.pages import LoadStep, PageLayout, SaveStep
 from kvtier.keys import WorkerShare, group_key
-from kvtier.store import KVStore, TieredStore
+from kvtier.store import KVStore, TieredStore, WriteItem
 from kvtier.tiers.base import SchedulerView
 
 log = logging.getLogger(__name__)
@@ -173,13 +173,18 @@ class _SaveJob:
     size: int = 0  # the entry's bytes (0: a whole slot); a group's chunk may be smaller than a slot
 
 
+_WRITER_BATCH = 16  # staged chunks the background writer hands a (non-memcpy) store at once
+
+
 class BackgroundSaves:
     """Writes staged chunks into a store on one background thread (``transfer_mode: async``).
 
     The engine's thread ``take``s a free staging slot per chunk (None when every slot is in use:
     the caller drops the chunk), copies the chunk's bytes into ``slot(i)`` (or gives the job a
     ``_Landing`` that the writer completes first) and ``submit``s the jobs; the writer thread
-    writes them into the store in order and frees each slot once the store has copied it. The
+    writes them into the store in order (a store whose writes are not a memcpy gets what is
+    queued as one ``write_many`` batch of at most ``_WRITER_BATCH``: a cache server then reserves
+    and commits them in two round trips) and frees each slot once the store has copied it. The
     backlog never exceeds the slots: nothing is queued without limit.
 
     Outcomes (``saved``, ``dropped``: the store refused the chunk or raised) are counted under a
@@ -257,34 +262,41 @@ class BackgroundSaves:
             log.warning("kvtier: background saves still running after %.0f s at close", timeout)
 
     def _run(self) -> None:
+        batch = 1 if self._store.memcpy_writes else _WRITER_BATCH  # a memcpy store gains nothing from batches
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
                     self._cond.wait()
                 if not self._queue:
                     return  # closed and drained
-                job = self._queue.popleft()
-            ok = self._write(job)
+                jobs = [self._queue.popleft() for _ in range(min(batch, len(self._queue)))]
+            results = self._write(jobs)
             with self._cond:
-                self._free.append(job.slot)
-                self._outcomes["saved" if ok else "dropped"] += 1
-                if ok:
-                    self._outcomes["saved_bytes"] += job.size or self.chunk_bytes
-                self._busy -= 1
+                for job, ok in zip(jobs, results):
+                    self._free.append(job.slot)
+                    self._outcomes["saved" if ok else "dropped"] += 1
+                    if ok:
+                        self._outcomes["saved_bytes"] += job.size or self.chunk_bytes
+                self._busy -= len(jobs)
                 self._cond.notify_all()
 
-    def _write(self, job: _SaveJob) -> bool:
-        """Write one staged chunk; False when its landing failed or the store refused it or
-        failed (never raises: the writer must go on and free the slot)."""
-        if job.landing is not None and not job.landing.land(self):
-            return False
-        data = self.slot(job.slot)[: job.size or self.chunk_bytes]
+    def _write(self, jobs: list[_SaveJob]) -> list[bool]:
+        """Write staged chunks as one ``write_many`` batch; per job, False when its landing
+        failed or the store refused it or failed (never raises: the writer must go on and free
+        the slots)."""
+        landed = [job.landing is None or job.landing.land(self) for job in jobs]
+        items = []
+        for job, ok in zip(jobs, landed):
+            if ok:
+                data = self.slot(job.slot)[: job.size or self.chunk_bytes]
+                items.append(WriteItem(job.key, data.size, lambda segs, data=data: _fill_from(data, segs),
+                                       job.parent, job.chunk_index))
         try:
-            return self._store.write(job.key, data.size, lambda segs: _fill_from(data, segs),
-                                     parent=job.parent, chunk_index=job.chunk_index)
+            stored = iter(self._store.write_many(items))
         except Exception:
-            log.exception("kvtier: background save of chunk %d failed; dropped", job.chunk_index)
-            return False
+            log.exception("kvtier: background save of %d chunks failed; dropped", len(items))
+            stored = iter([False] * len(items))
+        return [ok and next(stored) for ok in landed]
 
 
 def _fill_from(data: np.ndarray, segments) -> None:
@@ -796,16 +808,18 @@ class KVTierWorker:
             for (step, _), part in zip(steps, self._parts(entries[i], segments)):
                 step.copy_to(i, part)
 
-        try:
-            for i, members in enumerate(entries):
-                save = members[0]
-                parent = self._key(save.parent, save.group) if save.parent else None
-                ok = self.store.write(self._key(save.key, save.group), size, lambda segs, i=i: fill(i, segs),
-                                      parent=parent, chunk_index=save.chunk_index)
-                if ok:
-                    self._stats.count(saved_chunks=1, saved_bytes=size)
-                else:
-                    self._stats.count(save_dropped=1)
+        items = []
+        for i, members in enumerate(entries):
+            save = members[0]
+            parent = self._key(save.parent, save.group) if save.parent else None
+            items.append(WriteItem(self._key(save.key, save.group), size, lambda segs, i=i: fill(i, segs),
+                                   parent, save.chunk_index))
+        try:  # one batch: a cache server reserves and commits the step's chunks in two round trips
+            saved = sum(self.store.write_many(items))
+            if saved:
+                self._stats.count(saved_chunks=saved, saved_bytes=saved * size)
+            if saved < len(items):
+                self._stats.count(save_dropped=len(items) - saved)
         finally:
             for step, _ in steps:
                 step.release()
