@@ -73,7 +73,7 @@ def _serve_config(sock: str, capacity: int, page_size: int, codec: str = "none",
                               "codec": codec}]}
     if element_dtype is not None:
         store["element_dtype"] = element_dtype
-    return {"listen": f"unix://{sock}", "staging": max(64 * MiB, capacity // 4), "store": store}
+    return {"listen": f"unix://{sock}", "staging": max(256 * MiB, capacity // 4), "store": store}
 
 
 def _connect(child: Child, sock: str, timeout: float, direct_writes: bool = True) -> ServerStore:
@@ -121,12 +121,14 @@ def _page_for(entry_bytes: int, largest: int = 256 * 1024, os_page: int = 4096) 
 # --- direct vs staged writes, each pass beside a memcpy pass of the same sizes --------------------
 
 
-def compare_writes(sizes: list[int], total: int, rounds: int, workdir: str) -> dict:
-    """Put and get GB/s through one ``kvtier serve`` per entry size, by a direct-write client and
-    a staging client, each pass interleaved with a memcpy pass of the same entries (the order
-    alternates per round), so a ratio compares passes measured moments apart. Returns the
-    per-round figures and, per (size, op, path), the median GB/s and the median, min and max of
-    the ratio to the memcpy pass of the same round. RuntimeError when a read is wrong."""
+def compare_writes(sizes: list[int], total: int, rounds: int, workdir: str, batch: int = 16) -> dict:
+    """Put and get GB/s through one ``kvtier serve`` per entry size, by a direct-write client
+    (one ``put`` per entry: "direct"; ``put_many`` of ``batch`` entries, as a step's saves:
+    "direct-batch") and a staging client, each pass interleaved with a memcpy pass of the same
+    entries (the order alternates per round), so a ratio compares passes measured moments
+    apart. Returns the per-round figures and, per (size, op, path), the median GB/s and the
+    median, min and max of the ratio to the memcpy pass of the same round. RuntimeError when a
+    read is wrong."""
     results = []
     for entry_bytes in sizes:
         count = max(2, total // entry_bytes)
@@ -137,18 +139,20 @@ def compare_writes(sizes: list[int], total: int, rounds: int, workdir: str) -> d
         try:
             staged = _connect(target._child, os.path.join(workdir, f"compare-{entry_bytes}", "kvtier.sock"), 30.0,
                               direct_writes=False)
-            rounds_out = [_one_round(target.client, staged, entry_bytes, count, r) for r in range(max(1, rounds))]
+            rounds_out = [_one_round(target.client, staged, entry_bytes, count, r, batch)
+                          for r in range(max(1, rounds))]
         finally:
             if staged is not None:
                 staged.close()
             target.close()
         results.extend(_summarise(entry_bytes, rounds_out))
-    return {"total_bytes": total, "rounds": rounds, "results": results}
+    return {"total_bytes": total, "rounds": rounds, "batch": batch, "results": results}
 
 
-def _one_round(direct: ServerStore, staged: ServerStore, entry_bytes: int, count: int, r: int) -> dict:
-    """One round: memcpy, direct and staged passes (put then get) in an order that alternates
-    with ``r``; GB/s per (path, op)."""
+def _one_round(direct: ServerStore, staged: ServerStore, entry_bytes: int, count: int, r: int,
+               batch: int = 16) -> dict:
+    """One round: memcpy, direct, batched direct and staged passes (put then get) in an order
+    that alternates with ``r``; GB/s per (path, op)."""
     import numpy as np
 
     payload = np.random.default_rng(entry_bytes + r).integers(0, 256, size=entry_bytes, dtype=np.uint8)
@@ -168,11 +172,16 @@ def _one_round(direct: ServerStore, staged: ServerStore, entry_bytes: int, count
         t2 = time.perf_counter()
         figures["memcpy", "put"], figures["memcpy", "get"] = gb / (t1 - t0), gb / (t2 - t1)
 
-    def server_pass(name: str, client: ServerStore) -> None:
+    def server_pass(name: str, client: ServerStore, batched: bool = False) -> None:
         t0 = time.perf_counter()
-        for key in keys:
-            if not client.put(key, payload):
-                raise RuntimeError(f"server ({name}) refused a put of {entry_bytes} bytes")
+        if batched:
+            for start in range(0, count, batch):
+                if not all(client.put_many([(key, payload) for key in keys[start : start + batch]])):
+                    raise RuntimeError(f"server ({name}) refused a put of {entry_bytes} bytes")
+        else:
+            for key in keys:
+                if not client.put(key, payload):
+                    raise RuntimeError(f"server ({name}) refused a put of {entry_bytes} bytes")
         t1 = time.perf_counter()
         for key in keys:
             if client.get_into(key, out) != entry_bytes:
@@ -184,9 +193,11 @@ def _one_round(direct: ServerStore, staged: ServerStore, entry_bytes: int, count
             client.delete(key)
         figures[name, "put"], figures[name, "get"] = gb / (t1 - t0), gb / (t2 - t1)
 
-    passes = [memcpy_pass, lambda: server_pass("direct", direct), memcpy_pass, lambda: server_pass("staging", staged)]
+    passes = [memcpy_pass, lambda: server_pass("direct", direct), memcpy_pass,
+              lambda: server_pass("direct-batch", direct, batched=True), memcpy_pass,
+              lambda: server_pass("staging", staged)]
     for run in passes if r % 2 == 0 else passes[::-1]:
-        run()  # memcpy twice per round: each server pass has one beside it; the figure is the last
+        run()  # a memcpy pass beside each server pass; the ratios use the round's last
     return figures
 
 
@@ -195,7 +206,7 @@ def _summarise(entry_bytes: int, rounds: list[dict]) -> list[dict]:
     import statistics
 
     rows = []
-    for path in ("memcpy", "direct", "staging"):
+    for path in ("memcpy", "direct", "direct-batch", "staging"):
         for op in ("put", "get"):
             gbps = [r[path, op] for r in rounds]
             ratios = [r[path, op] / r["memcpy", op] for r in rounds]
@@ -221,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="64KiB,1MiB,4MiB", help="comma-separated entry sizes")
     parser.add_argument("--total", default="128MiB", help="bytes per pass (default 128MiB)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--batch", type=int, default=16,
+                        help="entries per put_many in the direct-batch pass, as one step's saves (default 16)")
     parser.add_argument("--work-dir", default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     arenas = parser.add_argument_group("--arenas: a raw and a lossless arena of the same capacity "
@@ -244,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                               "--capacity-fraction in (0, 1], --page a multiple of 4 KiB")
         sizes = [parse_size(s.strip(), "--sizes") for s in args.sizes.split(",") if s.strip()]
         total = parse_size(args.total, "--total")
-        if not sizes or min(sizes) <= 0 or args.rounds < 1:
-            raise ConfigError("--sizes: give positive sizes; --rounds: at least 1")
+        if not sizes or min(sizes) <= 0 or args.rounds < 1 or args.batch < 1:
+            raise ConfigError("--sizes: give positive sizes; --rounds, --batch: at least 1")
     except ConfigError as exc:
         print(f"kvtier bench server: {exc}", file=sys.stderr)
         return 2
@@ -256,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
 
             report = compare_arenas(args, workdir)
         else:
-            report = compare_writes(sizes, total, args.rounds, workdir)
+            report = compare_writes(sizes, total, args.rounds, workdir, args.batch)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if args.arenas:

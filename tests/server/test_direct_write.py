@@ -384,11 +384,12 @@ def test_an_open_direct_write_does_not_stall_the_read_lease_reaper(make_server):
         b.close()
 
 
-def test_the_write_comparison_benchmark_reports_both_paths_beside_memcpy(tmp_path):
+def test_the_write_comparison_benchmark_reports_every_path_beside_memcpy(tmp_path):
     from kvtier.bench.server import compare_writes
 
-    report = compare_writes([65536], total=MiB, rounds=2, workdir=str(tmp_path))
+    report = compare_writes([65536], total=MiB, rounds=2, workdir=str(tmp_path), batch=5)
     rows = {(r["path"], r["op"]): r for r in report["results"]}
-    assert set(rows) == {(p, o) for p in ("memcpy", "direct", "staging") for o in ("put", "get")}
+    assert report["batch"] == 5
+    assert set(rows) == {(p, o) for p in ("memcpy", "direct", "direct-batch", "staging") for o in ("put", "get")}
     assert all(r["gb_per_s"] > 0 and r["vs_memcpy_min"] <= r["vs_memcpy"] <= r["vs_memcpy_max"] for r in rows.values())
     assert rows["memcpy", "put"]["vs_memcpy"] == 1.0
