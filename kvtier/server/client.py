@@ -134,7 +134,8 @@ class _Mapping:
     lease_timeout_s: float = math.inf
     writer: "_ArenaWriter | None" = None  # direct writes into the arena (None: staged writes)
     batch_items: int = 1  # the most chunks one batched direct write may hold (1: no batches)
-    write_share: int = 0  # the most bytes one batch may hold (this connection's write share)
+    write_share: int = 0  # the most arena bytes one batch may hold (this connection's write share)
+    page_size: int = 1  # the arena's page: the share counts each chunk in whole pages
 
 
 class ServerStore(KVStore):
@@ -569,15 +570,17 @@ class ServerStore(KVStore):
         """``items`` in order, cut into runs the server takes as one batch (the current
         mapping's limits; runs of one where it takes none)."""
         mapping = self._map  # read once: a reconnect or close may replace it meanwhile
-        limit, share = (mapping.batch_items, mapping.write_share) if mapping is not None else (1, 0)
+        limit, share, page = (mapping.batch_items, mapping.write_share, mapping.page_size) \
+            if mapping is not None else (1, 0, 1)
         batch: list[WriteItem] = []
         held = 0
         for item in items:
-            if batch and (len(batch) >= limit or held + item.nbytes > share):
+            pages = -(-item.nbytes // page) * page  # as the server counts it
+            if batch and (len(batch) >= limit or held + pages > share):
                 yield batch
                 batch, held = [], 0
             batch.append(item)
-            held += item.nbytes
+            held += pages
         if batch:
             yield batch
 
@@ -631,18 +634,21 @@ class ServerStore(KVStore):
         fill_start = time.monotonic()
         try:
             for item, ext in zip(batch, extents):
-                if ext is not None:
+                if ext is None:
+                    continue
+                try:
                     segments = writer.enable(ext)
-                    opened.append(ext)
-                    item.fill(segments)
-        except OSError as exc:
-            for ext in opened:
-                self._seal(writer, ext)
-            log.warning("kvtier: cannot write-enable the reserved arena pages (%s); batch dropped", exc)
-            self._counters.errors += 1
-            self._counters.write_failures += n
-            self._call({"op": "abort", "lease": lease}, deadline + (time.monotonic() - fill_start), reply=False)
-            return [False] * n
+                except OSError as exc:  # the kernel refused: the batch is dropped (a fill's own OSError propagates)
+                    log.warning("kvtier: cannot write-enable the reserved arena pages (%s); batch dropped", exc)
+                    for done in opened:
+                        self._seal(writer, done)
+                    self._counters.errors += 1
+                    self._counters.write_failures += n
+                    self._call({"op": "abort", "lease": lease}, deadline + (time.monotonic() - fill_start),
+                               reply=False)
+                    return [False] * n
+                opened.append(ext)
+                item.fill(segments)
         except BaseException:
             for ext in opened:
                 self._seal(writer, ext)
@@ -865,14 +871,15 @@ def _extents(answer: dict, size: int, nbytes: int) -> list[tuple[int, int]] | No
     return extents if total == nbytes else None
 
 
-def _batch_limits(hello: dict) -> tuple[int, int]:
-    """(most chunks, most bytes) of one batched direct write the server's hello reply allows;
-    (1, 0), no batches, for a server that names none (one before batches) or malformed limits."""
-    items, share = hello.get("batch_writes"), hello.get("write_share")
-    if (isinstance(items, int) and not isinstance(items, bool) and items > 1
-            and isinstance(share, int) and not isinstance(share, bool) and share > 0):
-        return min(items, P.MAX_BATCH_ITEMS), share
-    return 1, 0
+def _batch_limits(hello: dict) -> tuple[int, int, int]:
+    """(most chunks, most arena bytes, arena page) of one batched direct write the server's
+    hello reply allows; (1, 0, 1), no batches, for a server that names none (one before
+    batches) or malformed limits."""
+    items, share, page = hello.get("batch_writes"), hello.get("write_share"), hello.get("page_size")
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in (items, share, page)) \
+            and items > 1 and share > 0 and page > 0:
+        return min(items, P.MAX_BATCH_ITEMS), share, page
+    return 1, 0, 1
 
 
 def _batch_plan(answer: dict | None, size: int, sizes: list[int]) -> tuple[list[str], list] | None:

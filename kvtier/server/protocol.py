@@ -32,8 +32,9 @@ batch may hold, and ``write_share``, the most bytes one connection may hold in o
 item's status and extents; the client fills them all and ends the batch as it ends a single
 direct write. Its ``commit`` answers ``stored`` per item (an item answered ``exists`` is
 ``true``, one answered ``full`` is ``false``); an abort, a late commit or another request frees
-every page of the batch. A batch whose bytes exceed ``write_share`` is answered ``quota`` and
-reserves nothing. Two round trips per batch instead of per chunk: what a step's saves need
+every page of the batch. A batch whose chunks, each counted in whole arena pages
+(``page_size``), exceed ``write_share`` is answered ``quota`` and reserves nothing (a single
+``reserve_arena`` is counted the same way). Two round trips per batch instead of per chunk: what a step's saves need
 where a round trip costs as much as copying a chunk. A key twice in one batch: the second is
 ``full`` (the first is being written).
 

@@ -26,8 +26,9 @@ to the arena at the client's ``commit``/``abort``, at its next request (which pr
 sequential client's copy is over; the write is aborted), or when its connection ends (a killed
 client: at once). An expired lease is therefore refused at once but its pages come back only when
 the client speaks again or goes away. A connection holds at most one direct write at a time (the
-next request must end it), of at most ``client_staging_fraction`` x ``staging`` bytes, and all
-connections together hold at most ``staging`` bytes of arena in open direct writes: the same
+next request must end it; a batched write, ``reserve_arena_many``, is one such write), of at most
+``client_staging_fraction`` x ``staging`` bytes of arena (each chunk counted in whole pages), and
+all connections together hold at most ``staging`` bytes of arena in open direct writes: the same
 bounds as the staging area, so a client holding reservations cannot take the arena from others.
 
 Leases: ``get`` pins the entry's arena pages until the client sends ``release``, its connection
@@ -454,7 +455,7 @@ class CacheServer:
             "direct_writes": True,
             "arena_codec": getattr(self.arena.config, "codec", "none"),
             "batch_writes": P.MAX_BATCH_ITEMS,
-            "write_share": self._staging_quota,
+            "write_share": self._staging_quota,  # arena bytes, each chunk counted in whole pages
         }
 
     def check_token(self, token: str | None) -> bool:
@@ -543,7 +544,8 @@ class CacheServer:
         key, nbytes = msg["key"], msg["nbytes"]
         if self.arena.contains(key):
             return {"ok": True, "status": "exists"}, None
-        if not self._hold_direct(nbytes):
+        held = self.arena.footprint(nbytes)  # whole pages, as the arena holds them
+        if not self._hold_direct(held):
             return {"ok": True, "status": "quota"}, None
         write = _DirectWrite(self, conn, next(self._lease_ids))
         try:
@@ -556,7 +558,7 @@ class CacheServer:
             raise
         finally:
             with self._lock:
-                self._direct_open -= nbytes
+                self._direct_open -= held
         if not write.reserved:  # the store answered without reserving: held already, or no room
             if not stored:
                 self.count(put_full=1)
@@ -571,7 +573,7 @@ class CacheServer:
         every item ``exists``/``full``); the commit's ``stored`` is per item."""
         items = msg["items"]
         self.count(puts=len(items), direct_puts=len(items))
-        total = sum(item["nbytes"] for item in items)
+        total = sum(self.arena.footprint(item["nbytes"]) for item in items)  # whole pages, as the arena holds them
         if not self._hold_direct(total):
             return {"ok": True, "status": "quota"}, None
         batch = _DirectBatch(self, conn, next(self._lease_ids), items)
@@ -595,8 +597,9 @@ class CacheServer:
         return {"ok": True, "stored": batch.stored}, None
 
     def _hold_direct(self, nbytes: int) -> bool:
-        """Count ``nbytes`` against the direct-write bounds (one client's share, all clients'
-        ``staging`` bytes); False (counted as ``put_quota``) when it does not fit."""
+        """Count ``nbytes`` (the arena bytes a write holds: whole pages) against the direct-write
+        bounds (one client's share, all clients' ``staging`` bytes); False (counted as
+        ``put_quota``) when it does not fit."""
         with self._lock:
             if nbytes <= self._staging_quota and self._direct_open + nbytes <= self._direct_cap:
                 self._direct_open += nbytes
@@ -966,6 +969,7 @@ class _Connection:
         if poll_s <= 0:
             return
         ahead = nbytes / self.fill_rate - poll_s / 2 if self.fill_rate > 0 else 0.0
+        ahead = min(ahead, self.server.config.lease_timeout_s)  # past the lease the commit is refused anyway
         if ahead > 0:
             poller = select.poll()  # not select.select: a descriptor may be past FD_SETSIZE
             poller.register(self.sock, select.POLLIN)

@@ -238,11 +238,15 @@ def test_client_checks_a_batch_reply_before_writing_a_byte():
     assert C._batch_plan({"ok": True, "status": "ok", "items": [{"status": "full"}]}, size, [1]) == (["full"], [None])
     assert C._batch_plan(None, size, [1]) is None
     # a hello's limits: a server that names none (or nonsense) gets no batches
-    assert C._batch_limits({"batch_writes": 16, "write_share": 4096}) == (16, 4096)
-    assert C._batch_limits({"batch_writes": 10**6, "write_share": 4096}) == (P.MAX_BATCH_ITEMS, 4096)
-    for hello in ({}, {"batch_writes": True, "write_share": 1}, {"batch_writes": 8, "write_share": 0},
-                  {"batch_writes": "8", "write_share": 1}, {"batch_writes": 1, "write_share": 1}):
-        assert C._batch_limits(hello) == (1, 0), hello
+    assert C._batch_limits({"batch_writes": 16, "write_share": 4096, "page_size": 512}) == (16, 4096, 512)
+    assert C._batch_limits({"batch_writes": 10**6, "write_share": 4096, "page_size": 1}) == (P.MAX_BATCH_ITEMS, 4096, 1)
+    for hello in ({}, {"batch_writes": True, "write_share": 1, "page_size": 1},
+                  {"batch_writes": 8, "write_share": 0, "page_size": 1},
+                  {"batch_writes": "8", "write_share": 1, "page_size": 1},
+                  {"batch_writes": 1, "write_share": 1, "page_size": 1},
+                  {"batch_writes": 8, "write_share": 1, "page_size": 0},
+                  {"batch_writes": 8, "write_share": 1}):
+        assert C._batch_limits(hello) == (1, 0, 1), hello
 
 
 def test_a_client_of_a_server_without_batches_writes_one_at_a_time(make_server):

@@ -292,11 +292,14 @@ class BackgroundSaves:
                 items.append(WriteItem(job.key, data.size, lambda segs, data=data: _fill_from(data, segs),
                                        job.parent, job.chunk_index))
         try:
-            stored = iter(self._store.write_many(items))
+            results = list(self._store.write_many(items))
+            if len(results) != len(items):
+                raise ValueError(f"the store answered {len(results)} results for {len(items)} chunks")
         except Exception:
             log.exception("kvtier: background save of %d chunks failed; dropped", len(items))
-            stored = iter([False] * len(items))
-        return [ok and next(stored) for ok in landed]
+            results = [False] * len(items)
+        stored = iter(results)
+        return [ok and bool(next(stored)) for ok in landed]
 
 
 def _fill_from(data: np.ndarray, segments) -> None:
