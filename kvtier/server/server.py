@@ -213,7 +213,8 @@ class _ServerCounters:
     leases_expired: int = 0  # get leases released by the server after lease_timeout_s
     lease_quota: int = 0  # gets answered as a miss because the client held too many leases
     put_quota: int = 0  # reserves refused because the client held its staging share
-    direct_puts: int = 0  # reserve_arena requests (also counted in puts)
+    direct_puts: int = 0  # chunks of reserve_arena and reserve_arena_many requests (also counted in puts)
+    direct_batches: int = 0  # reserve_arena_many requests (batches of direct writes)
     direct_aborted: int = 0  # direct writes aborted (abort, connection end, refused commit)
     write_leases_expired: int = 0  # direct-write commits refused: past lease_timeout_s
     direct_abandoned: int = 0  # direct writes ended by a request other than their commit/abort
@@ -572,7 +573,7 @@ class CacheServer:
         ``reserve_arena``. The reserve reply itself when nothing was reserved (``quota``, or
         every item ``exists``/``full``); the commit's ``stored`` is per item."""
         items = msg["items"]
-        self.count(puts=len(items), direct_puts=len(items))
+        self.count(puts=len(items), direct_puts=len(items), direct_batches=1)
         total = sum(self.arena.footprint(item["nbytes"]) for item in items)  # whole pages, as the arena holds them
         if not self._hold_direct(total):
             return {"ok": True, "status": "quota"}, None

@@ -94,6 +94,8 @@ def test_engines_share_kv_through_server_fs_and_redis(model, tmp_path, redis_url
             assert probe.flush(timeout=60)  # write-through to fs and redis is done
             after_a = probe.stats()
         assert after_a["server"]["put_stored"] >= DOC_TOKENS // 256
+        # the engine's saves went as batches (write_many): fewer batches than chunks
+        assert 1 <= after_a["server"]["direct_batches"] < after_a["server"]["direct_puts"]
         b_server = _engine(model, via_server, doc, _warm(2), tmp_path / "b-server.log")
         with ServerStore(server.address) as probe:
             after_b = probe.stats()

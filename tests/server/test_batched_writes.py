@@ -57,6 +57,7 @@ def test_a_batch_round_trip_is_bit_exact_and_costs_two_requests(make_server):
             assert reader.get(_key(i)) == _payload(i, n).tobytes(), i
         server_stats = c.stats()["server"]
         assert server_stats["direct_puts"] == len(sizes) and server_stats["put_stored"] == len(sizes)
+        assert server_stats["direct_batches"] == 1
         assert server_stats["direct_write_bytes_open"] == 0
         for i in range(len(sizes)):
             assert c.delete(_key(i))
