@@ -385,6 +385,74 @@ class ServerStore(KVStore):
         """
         return self._read(key, consume, None)
 
+    @property
+    def reads_in_batches(self) -> bool:
+        """A batch of reads is one ``get_many`` round trip (see ``read_many``)."""
+        return True
+
+    def read_many(self, keys: Sequence[Key], consume: Callable[[int, list], None]) -> list[str | None]:
+        """``KVStore.read_many`` in batches of at most ``MAX_BATCH_ITEMS`` keys: one ``get_many``
+        (a lease per hit), ``consume(i, views)`` for each raw hit (read-only views of the shared
+        arena), then one ``release_many``. A batch whose copies outlasted the server's lease
+        timeout is all misses (the pages may have changed under them, as in ``read``). Coded
+        entries are read one at a time after their batch (``read``: decoded here). An exception
+        from ``consume`` propagates after the batch's leases are released."""
+        keys = [bytes(k) for k in keys]
+        found: list[str | None] = [None] * len(keys)
+        step = P.MAX_BATCH_ITEMS
+        for start in range(0, len(keys), step):
+            coded = self._read_batch(keys[start : start + step], start, consume, found)
+            for i in coded:
+                found[i] = self._read(keys[i], lambda views, i=i: consume(i, views), None)
+        return found
+
+    def _read_batch(self, keys: list[bytes], base: int, consume: Callable[[int, list], None],
+                    found: list[str | None]) -> list[int]:
+        """One ``get_many`` of ``keys`` (indexes from ``base``), recording hits in ``found``;
+        the indexes of coded hits, left to ``read``."""
+        n = len(keys)
+        with self._session(self._timeout) as deadline:
+            if deadline is None:
+                self._counters.misses += n
+                return []
+            started = time.monotonic()
+            answer = self._call({"op": "get_many", "keys": keys}, deadline)
+            items = answer.get("items") if answer is not None else None
+            if not (isinstance(items, list) and len(items) == n and all(isinstance(it, dict) for it in items)):
+                self._counters.misses += n
+                if answer is not None:  # a reply this client cannot trust: its leases end with the connection
+                    self._counters.errors += 1
+                    self._drop()
+                return []
+            leases = [it["lease"] for it in items if isinstance(it.get("lease"), int) and not isinstance(it["lease"], bool)]
+            hits, coded = [], []
+            copy_start = time.monotonic()
+            try:
+                for i, item in enumerate(items):
+                    if item.get("tier") is None:
+                        continue
+                    if item.get("codec") is not None:
+                        coded.append(base + i)
+                        continue
+                    views = self._arena_views(item)
+                    if views is not None:
+                        consume(base + i, views)
+                        hits.append(i)
+            finally:
+                copied = time.monotonic()
+                if leases:
+                    self._call({"op": "release_many", "leases": leases}, deadline + (copied - copy_start), reply=False)
+            if hits and copied - started >= self._map.lease_timeout_s:
+                self._counters.lease_expired += 1
+                log.warning("kvtier: a batch of reads took %.1f s, past the server's %.1f s lease; treated as misses",
+                            copied - started, self._map.lease_timeout_s)
+                hits = []
+            for i in hits:
+                found[base + i] = items[i]["tier"]
+            self._counters.hits += len(hits)
+            self._counters.misses += n - len(hits) - len(coded)
+            return coded
+
     def get_into(self, key: Key, out: Any) -> int | None:
         """``KVStore.get_into``; a coded entry is decoded straight into ``out`` (no copy more)."""
         dst = byte_view(out)

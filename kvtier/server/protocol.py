@@ -47,7 +47,11 @@ client's own entry limit, before a byte is decoded; the checksum is verified aft
 that does not list it (every client before coded arenas) is answered a miss for a coded entry,
 never its coded bytes. The protocol version is unchanged: the field is optional both ways.
 
-Every key field (``lookup.keys[i]``, ``get.key``, ``reserve.key``, ``reserve.parent``,
+Batched reads: ``get_many`` answers up to ``MAX_BATCH_ITEMS`` keys in one round trip, each as
+``get`` would (a hit holds a lease; the per-connection lease cap applies to the batch), and
+``release_many`` gives a batch's leases back in one message.
+
+Every key field (``lookup.keys[i]``, ``get.key``, ``get_many.keys[i]``, ``reserve.key``, ``reserve.parent``,
 ``reserve_arena.key``, ``reserve_arena.parent``, ``delete.key``) is a chunk key of exactly ``KEY_BYTES`` bytes; any other length is a
 ``malformed`` error reply and the connection goes on.
 
@@ -65,7 +69,11 @@ get      key:bytes                                tier (str|None), lease:int, ex
                                                   ``lease_timeout_s`` from hello's reply);
                                                   a coded entry adds codec:int, raw:int,
                                                   checksum:int (see below)
+get_many keys:[bytes] (1..MAX_BATCH_ITEMS)        items[{tier, lease, extents, ...}]: each key
+                                                  answered as ``get`` answers it, in order
 release  lease:int                                (none)
+release_ leases:[int]                             (none)
+many
 reserve  key, nbytes:int, parent:bytes|None,      status ("ok"|"exists"|"full"|"quota"), lease, extents
          chunk_index:int                          (offsets in the staging area)
 reserve_ key, nbytes, parent, chunk_index         status ("ok"|"exists"|"full"|"quota"), lease,
@@ -113,7 +121,9 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "hello": {"version": (int,), "token": (str, type(None))},
     "lookup": {"keys": (list,)},
     "get": {"key": (bytes,)},
+    "get_many": {"keys": (list,)},
     "release": {"lease": (int,)},
+    "release_many": {"leases": (list,)},
     "reserve": {"key": (bytes,), "nbytes": (int,), "parent": (bytes, type(None)), "chunk_index": (int,)},
     "reserve_arena": {"key": (bytes,), "nbytes": (int,), "parent": (bytes, type(None)),
                       "chunk_index": (int,)},
@@ -125,7 +135,7 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     "events": {},
     "flush": {"timeout": (int, float)},
 }
-NO_REPLY = frozenset({"release", "abort"})
+NO_REPLY = frozenset({"release", "release_many", "abort"})
 
 # error codes
 BAD_TOKEN = "bad_token"
@@ -229,9 +239,16 @@ def validate(message: dict[str, Any]) -> str:
         if name not in message or not isinstance(value, types) or isinstance(value, bool):
             want = "|".join(t.__name__ for t in types)
             raise ProtocolError(MALFORMED, f"{op}: field {name!r} must be {want}")
-    if op == "lookup":
+    if op in ("get_many", "release_many"):
+        (field,) = SCHEMA[op]
+        if not 1 <= len(message[field]) <= MAX_BATCH_ITEMS:
+            raise ProtocolError(MALFORMED, f"{op}: {field} must hold 1 to {MAX_BATCH_ITEMS} entries, "
+                                           f"got {len(message[field])}")
+    if op in ("lookup", "get_many"):
         for i, key in enumerate(message["keys"]):
-            _check_key(key, f"lookup: keys[{i}]")
+            _check_key(key, f"{op}: keys[{i}]")
+    if op == "release_many" and not all(isinstance(x, int) and not isinstance(x, bool) for x in message["leases"]):
+        raise ProtocolError(MALFORMED, "release_many: leases must be integers")
     for name in _KEY_FIELDS.get(op, ()):
         if message[name] is not None:
             _check_key(message[name], f"{op}: field {name!r}")

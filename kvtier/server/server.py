@@ -215,6 +215,7 @@ class _ServerCounters:
     put_quota: int = 0  # reserves refused because the client held its staging share
     direct_puts: int = 0  # chunks of reserve_arena and reserve_arena_many requests (also counted in puts)
     direct_batches: int = 0  # reserve_arena_many requests (batches of direct writes)
+    get_batches: int = 0  # get_many requests (each of its keys also counted in gets)
     direct_aborted: int = 0  # direct writes aborted (abort, connection end, refused commit)
     write_leases_expired: int = 0  # direct-write commits refused: past lease_timeout_s
     direct_abandoned: int = 0  # direct writes ended by a request other than their commit/abort
@@ -1085,10 +1086,15 @@ class _Connection:
         server = self.server
         if op == "get":
             return server.get(msg["key"], self.leases, self.decodes)
-        if op == "release":
-            held = self.leases.pop(msg["lease"], None)
-            if held is not None:
-                held[0].__exit__(None, None, None)
+        if op == "get_many":
+            server.count(get_batches=1)
+            answers = [server.get(key, self.leases, self.decodes) for key in msg["keys"]]
+            return {"ok": True, "items": [{k: v for k, v in a.items() if k != "ok"} for a in answers]}
+        if op in ("release", "release_many"):
+            for lease in msg["leases"] if op == "release_many" else (msg["lease"],):
+                held = self.leases.pop(lease, None)
+                if held is not None:
+                    held[0].__exit__(None, None, None)
             return None
         if op == "lookup":
             return {"ok": True, "n": server.store.lookup(msg["keys"])}

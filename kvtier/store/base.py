@@ -95,6 +95,18 @@ class KVStore(ABC):
     def enable_events(self, maxlen: int = 100_000) -> None:
         """Start recording events for ``take_events`` (stores that always record: nothing)."""
 
+    @property
+    def reads_in_batches(self) -> bool:
+        """Whether ``read_many`` costs less than a ``read`` per key (one round trip for the
+        batch: the cache server's client). By default: not."""
+        return False
+
+    def read_many(self, keys: Sequence[Key], consume: Callable[[int, Segments], None]) -> list[str | None]:
+        """``read`` of each of ``keys``: ``consume(i, segments)`` gets the ``i``-th key's payload
+        (segments valid only during the call); per key, the serving tier's name or None (a miss).
+        An exception from ``consume`` propagates. By default one ``read`` per key, in order."""
+        return [self.read(key, lambda segments, i=i: consume(i, segments)) for i, key in enumerate(keys)]
+
     def write_many(self, items: Sequence[WriteItem]) -> list[bool]:
         """Store several chunks; for each item, what ``write`` would return for it.
 

@@ -103,6 +103,9 @@ def test_engines_share_kv_through_server_fs_and_redis(model, tmp_path, redis_url
         server.stop()
     # the server's arena served B's chunks (hits went up by at least the document's chunks)
     assert after_b["server"]["get_hits"] - after_a["server"]["get_hits"] >= DOC_TOKENS // 256
+    # ... in batches (read_many: one get_many round trip for a load's chunks)
+    batches = after_b["server"]["get_batches"] - after_a["server"]["get_batches"]
+    assert 1 <= batches < after_b["server"]["get_hits"] - after_a["server"]["get_hits"]
     # two machines: per shared tier a document of its own (no entry of another scenario can hit)
     own = {"fs": _doc(1000), "redis": _doc(1017)}
     private = {"fs": {"tiers": [{"type": "ram", "capacity": "512MiB"}, fs_tier]},

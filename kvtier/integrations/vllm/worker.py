@@ -632,6 +632,10 @@ class KVTierWorker:
         load = loads[0]
         keys = [self._key(k, load.group) for k in load.keys]
         tiers: list[str | None] = [None] * len(keys)
+        if self.store.reads_in_batches:  # a cache server: one round trip for the batch, copied on this thread
+            self._read_many(loads, keys, tiers)
+            self._settle(loads, tiers)
+            return
         local = self.store.in_top_tier(keys)
         pending = {}
         if self._load_pool is not None:  # start the slow reads first, then copy the local ones
@@ -646,6 +650,28 @@ class KVTierWorker:
         for i, future in pending.items():
             tiers[i] = future.result()
         self._settle(loads, tiers)
+
+    def _read_many(self, loads: list[LoadSpec], keys: list[bytes], tiers: list[str | None]) -> None:
+        """Read every chunk of one pack's load with one ``store.read_many`` and copy each into
+        its pages, recording each loaded chunk's tier in ``tiers``. An entry of another size is
+        left out (None) and deleted, as ``_read_entry`` does."""
+        load = loads[0]
+        foreign: list[bytes] = []
+
+        def consume(i: int, segments) -> None:
+            c, first = load.first_chunk + i, load.skip_blocks if i == 0 else 0
+            try:
+                self._check_size(loads, segments)  # before any copy
+                for member, part in zip(loads, self._parts(loads, segments)):
+                    self._layouts[member.group].load(part, self.geometry.chunk_blocks(member.block_ids, c), first)
+            except CorruptEntry:
+                log.warning("kvtier: chunk %d of %s has an unexpected size; recomputing", c, load.req_id)
+                foreign.append(keys[i])
+
+        found = self.store.read_many(keys, consume)
+        for i, tier in enumerate(found):
+            tiers[i] = tier if keys[i] not in foreign else None
+        self._delete_foreign(foreign)
 
     def _copy_top(self, loads: list[LoadSpec], keys: list[bytes], chunks: list[int],
                   tiers: list[str | None]) -> list[int]:
