@@ -59,7 +59,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 # RAM over a shared-directory tier with each tier codec: what coding the lower tier costs a first
 # pass and gives a re-read from it (fs: the NFS/Lustre case, here on local disk)
 FS_CODEC_SETTINGS = {"kvtier-ram+fs": "none", "kvtier-ram+fs-lossless": "lossless", "kvtier-ram+fs-fp8": "fp8"}
-OPTIONAL_SETTINGS = ("example-connector", "lmcache-mp", *FS_CODEC_SETTINGS)
+# the engine over a `kvtier serve` process whose shared RAM arena is as large as kvtier-ram's tier
+# (the connector keeps no tiers of its own): reads from the shared arena, batched direct writes
+SERVE_SETTING = "kvtier-serve"
+OPTIONAL_SETTINGS = ("example-connector", "lmcache-mp", SERVE_SETTING, *FS_CODEC_SETTINGS)
 # RAM over a Redis tier across a link of R Gb/s (a real redis-server behind the project's delay
 # proxy, one link per setting) with a tier codec: what a re-read from a shared tier over the
 # network costs, per codec, beside recomputing (vLLM alone's first pass). E.g. kvtier-ram+redis-1g,
@@ -87,6 +90,8 @@ class Setting:
     engine_hit_docs: int = 0
     capacity_fraction: float | None = None
     lmcache_l1_bytes: int | None = None  # "lmcache-mp": L1 size of the LMCache server started around the run
+    serve_arena_bytes: int | None = None  # "kvtier-serve": arena of the kvtier serve process started around the run
+    serve_dir: Path | None = None  # "kvtier-serve": that process's directory (its socket is kvtier.sock there)
     result: dict = field(default_factory=dict)
 
 
@@ -486,6 +491,13 @@ def _settings(names: list[str], fractions: list[float], working_set: int, work: 
                                            "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}))
         elif name == "lmcache-mp":  # LMCache's server with an L1 as large as kvtier-ram's RAM tier
             settings.append(Setting(name, None, lmcache_l1_bytes=int(big * working_set)))
+        elif name == SERVE_SETTING:  # kvtier's own server with an arena as large as kvtier-ram's RAM tier
+            where = work / f"serve{own}"
+            config = _kvtier([], chunk_tokens)
+            extra = config["kv_connector_extra_config"]
+            del extra["tiers"]
+            extra["server"] = f"unix://{where / 'kvtier.sock'}"
+            settings.append(Setting(name, config, serve_arena_bytes=int(big * working_set), serve_dir=where))
         is_async = asked.endswith(ASYNC_SUFFIX)
         is_idle = asked.removesuffix(ASYNC_SUFFIX).endswith(IDLE_SUFFIX)
         if (is_async or is_idle) and len(settings) > count and settings[-1].kv_transfer_config:
@@ -550,6 +562,8 @@ def _run_group(group: list[Setting], order: dict, model: str, docs, warmup, hit_
             if server is not None:
                 stack.enter_context(server)
                 setting.kv_transfer_config = server.kv_transfer_config()  # its ports are known once started
+            if setting.serve_arena_bytes is not None:
+                stack.enter_context(_kvtier_serve(setting))
             python, run_env = (args.lmcache_python, server.engine_env(env)) if server else (sys.executable, env)
             spec_path = work / f"{setting.name}.spec.json"
             spec_path.write_text(json.dumps({**spec, "kv_transfer_config": setting.kv_transfer_config}))
@@ -806,6 +820,19 @@ def _lmcache_server(setting: Setting, args, work: Path, env: dict):
     from kvtier.bench.lmcache_mp import LMCacheServer
 
     return LMCacheServer(args.lmcache_python, setting.lmcache_l1_bytes, work / f"{setting.name}.server.log", env=env)
+
+
+@contextlib.contextmanager
+def _kvtier_serve(setting: Setting):
+    """For "kvtier-serve": a started ``kvtier serve`` process on ``setting.serve_dir``'s socket
+    (the one its connector config names), stopped when the block ends."""
+    from kvtier.bench.server import ServerTarget
+
+    target = ServerTarget(str(setting.serve_dir), setting.serve_arena_bytes)
+    try:
+        yield target
+    finally:
+        target.close()
 
 
 def _engine_env() -> dict:

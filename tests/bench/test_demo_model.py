@@ -6,6 +6,7 @@ and ``--variant hybrid`` (recurrent state stored and restored by the connector) 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
@@ -404,6 +405,39 @@ def test_fs_codec_settings_put_ram_over_an_fs_tier_with_each_codec(tmp_path):
         assert ConnectorConfig.from_extra_config(extra).store.tiers[1].config.codec == fs["codec"]  # a valid config
     with pytest.raises(ConfigError, match="kvtier-ram\\+fs-lossless"):  # the valid choices, in one line
         offload._parse_settings("vllm,kvtier-ram+fs-zip")
+
+
+def test_the_serve_setting_runs_the_connector_over_a_kvtier_serve_process_it_starts(tmp_path):
+    """``kvtier-serve``: the connector keeps no tiers and names a server socket; the demo starts
+    a real ``kvtier serve`` with an arena as large as kvtier-ram's tier on exactly that socket
+    (a client reaches it there and stores a chunk in batches), and stops it after."""
+    from kvtier.integrations.vllm.config import ConnectorConfig
+    from kvtier.server import ServerStore
+
+    names = ["kvtier-ram", "kvtier-serve", "kvtier-serve-async"]
+    assert offload._parse_settings(",".join(names)) == names
+    settings = {s.name: s for s in offload._settings(names, [], 10 << 20, tmp_path, None)}
+    ram = settings["kvtier-ram"].kv_transfer_config["kv_connector_extra_config"]["tiers"][0]["capacity"]
+    addresses = set()
+    for name in ("kvtier-serve", "kvtier-serve-async"):
+        setting = settings[name]
+        extra = setting.kv_transfer_config["kv_connector_extra_config"]
+        config = ConnectorConfig.from_extra_config(extra)
+        assert "tiers" not in extra and config.server == extra["server"]
+        assert config.transfer_mode == ("async" if name.endswith("-async") else "sync")
+        assert setting.serve_arena_bytes == ram
+        addresses.add(extra["server"])
+    assert len(addresses) == 2  # each its own server
+    setting = settings["kvtier-serve"]
+    with offload._kvtier_serve(setting) as target:
+        pid = target._child.pid
+        with ServerStore(setting.kv_transfer_config["kv_connector_extra_config"]["server"]) as client:
+            capacity = client.stats()["tiers"][0]["capacity_bytes"]
+            assert setting.serve_arena_bytes - 256 * 1024 < capacity <= setting.serve_arena_bytes  # whole pages
+            assert client.put_many([(bytes([i]) * 32, bytes([i]) * 4096) for i in range(3)]) == [True] * 3
+            assert client.stats()["server"]["direct_batches"] == 1
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
 
 
 def test_async_settings_are_the_same_tiers_in_transfer_mode_async_with_their_own_directories(tmp_path):
