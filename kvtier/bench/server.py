@@ -17,6 +17,7 @@ import os
 import sys
 import time
 
+from kvtier.errors import KVTierError
 from kvtier.harness.procs import Child, spawn, wait_ready
 from kvtier.server.client import ServerStore
 from kvtier.server.protocol import ServerRejected
@@ -35,6 +36,9 @@ class ServerTarget:
                  direct_writes: bool = True, codec: str = "none", element_dtype: str | None = None):
         os.makedirs(workdir, exist_ok=True)
         sock = os.path.join(workdir, "kvtier.sock")
+        if os.path.lexists(sock):  # a live server there would answer the readiness probe for this one
+            raise KVTierError(f"{sock} exists: another kvtier serve may be listening there; stop it or remove "
+                              "the socket, or use another work directory")
         path = os.path.join(workdir, "serve.json")
         with open(path, "w") as f:
             json.dump(_serve_config(sock, capacity, page_size, codec, element_dtype), f)

@@ -136,6 +136,7 @@ class _Mapping:
     batch_items: int = 1  # the most chunks one batched direct write may hold (1: no batches)
     write_share: int = 0  # the most arena bytes one batch may hold (this connection's write share)
     page_size: int = 1  # the arena's page: the share counts each chunk in whole pages
+    read_batch: int = 1  # the most keys one get_many should hold (1: the server takes no get_many)
 
 
 class ServerStore(KVStore):
@@ -258,6 +259,7 @@ class ServerStore(KVStore):
                     float(reply.get("lease_timeout_s", math.inf)),
                     writer,
                     *_batch_limits(reply),
+                    _read_batch_limit(reply),
                 )
         except BaseException:
             sock.close()
@@ -387,8 +389,11 @@ class ServerStore(KVStore):
 
     @property
     def reads_in_batches(self) -> bool:
-        """A batch of reads is one ``get_many`` round trip (see ``read_many``)."""
-        return True
+        """Whether a batch of reads is one ``get_many`` round trip here (see ``read_many``): the
+        server said so in its hello (not one from before batched reads, nor a client not yet
+        connected)."""
+        mapping = self._map
+        return mapping is not None and mapping.read_batch > 1
 
     def read_many(self, keys: Sequence[Key], consume: Callable[[int, list], None]) -> list[str | None]:
         """``KVStore.read_many`` in batches of at most ``MAX_BATCH_ITEMS`` keys: one ``get_many``
@@ -397,19 +402,26 @@ class ServerStore(KVStore):
         timeout is all misses (the pages may have changed under them, as in ``read``). Coded
         entries are read one at a time after their batch (``read``: decoded here). An exception
         from ``consume`` propagates after the batch's leases are released."""
+        mapping = self._map
+        step = mapping.read_batch if mapping is not None else 1
+        if step <= 1:  # a server that takes no get_many (or none reached yet): one read per key
+            return super().read_many(keys, consume)
         keys = [bytes(k) for k in keys]
         found: list[str | None] = [None] * len(keys)
-        step = P.MAX_BATCH_ITEMS
-        for start in range(0, len(keys), step):
-            coded = self._read_batch(keys[start : start + step], start, consume, found)
+        valid = [i for i, k in enumerate(keys) if P.is_key(k)]  # any other key is a miss, not the batch's end
+        self._counters.misses += len(keys) - len(valid)
+        for start in range(0, len(valid), step):
+            index = valid[start : start + step]
+            coded = self._read_batch([keys[i] for i in index], index, consume, found)
             for i in coded:
                 found[i] = self._read(keys[i], lambda views, i=i: consume(i, views), None)
         return found
 
-    def _read_batch(self, keys: list[bytes], base: int, consume: Callable[[int, list], None],
+    def _read_batch(self, keys: list[bytes], index: list[int], consume: Callable[[int, list], None],
                     found: list[str | None]) -> list[int]:
-        """One ``get_many`` of ``keys`` (indexes from ``base``), recording hits in ``found``;
-        the indexes of coded hits, left to ``read``."""
+        """One ``get_many`` of ``keys`` (the caller's indexes ``index``), recording hits in
+        ``found``; the indexes of coded hits, left to ``read``. An item is a hit only with a
+        tier name and an integer lease (anything else from the server is a miss)."""
         n = len(keys)
         with self._session(self._timeout) as deadline:
             if deadline is None:
@@ -424,19 +436,21 @@ class ServerStore(KVStore):
                     self._counters.errors += 1
                     self._drop()
                 return []
-            leases = [it["lease"] for it in items if isinstance(it.get("lease"), int) and not isinstance(it["lease"], bool)]
+            leases = [it["lease"] for it in items if type(it.get("lease")) is int]
             hits, coded = [], []
             copy_start = time.monotonic()
             try:
                 for i, item in enumerate(items):
-                    if item.get("tier") is None:
+                    if not isinstance(item.get("tier"), str) or type(item.get("lease")) is not int:
+                        if item.get("tier") is not None:  # a hit the reply does not vouch for
+                            self._counters.errors += 1
                         continue
                     if item.get("codec") is not None:
-                        coded.append(base + i)
+                        coded.append(index[i])
                         continue
                     views = self._arena_views(item)
                     if views is not None:
-                        consume(base + i, views)
+                        consume(index[i], views)
                         hits.append(i)
             finally:
                 copied = time.monotonic()
@@ -448,7 +462,7 @@ class ServerStore(KVStore):
                             copied - started, self._map.lease_timeout_s)
                 hits = []
             for i in hits:
-                found[base + i] = items[i]["tier"]
+                found[index[i]] = items[i]["tier"]
             self._counters.hits += len(hits)
             self._counters.misses += n - len(hits) - len(coded)
             return coded
@@ -482,13 +496,16 @@ class ServerStore(KVStore):
                 return None
             started = time.monotonic()
             answer = self._call({"op": "get", "key": bytes(key)}, deadline)
-            views = self._arena_views(answer) if answer is not None and answer.get("tier") is not None else None
+            hit = answer is not None and isinstance(answer.get("tier"), str) and type(answer.get("lease")) is int
+            if answer is not None and answer.get("tier") is not None and not hit:
+                self._counters.errors += 1  # a hit the reply does not vouch for (no lease, no tier name)
+            views = self._arena_views(answer) if hit else None
             if views is not None and answer.get("codec") is not None and not self._codec_ready():
                 self._counters.undecodable += 1
                 views = None  # this process's fault, not the entry's: a miss that deletes nothing
             if views is None:
                 self._counters.misses += 1
-                if answer is not None and answer.get("lease") is not None:
+                if answer is not None and type(answer.get("lease")) is int:
                     self._call({"op": "release", "lease": answer["lease"]}, deadline, reply=False)
                 return None
             lease_timeout = self._map.lease_timeout_s
@@ -948,6 +965,13 @@ def _batch_limits(hello: dict) -> tuple[int, int, int]:
             and items > 1 and share > 0 and page > 0:
         return min(items, P.MAX_BATCH_ITEMS), share, page
     return 1, 0, 1
+
+
+def _read_batch_limit(hello: dict) -> int:
+    """The most keys one ``get_many`` should hold, from the server's hello reply (at most
+    ``MAX_BATCH_ITEMS``); 1, no batched reads, for a server that names none or nonsense."""
+    limit = hello.get("batch_reads")
+    return min(limit, P.MAX_BATCH_ITEMS) if type(limit) is int and limit > 1 else 1
 
 
 def _batch_plan(answer: dict | None, size: int, sizes: list[int]) -> tuple[list[str], list] | None:

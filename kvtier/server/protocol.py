@@ -47,9 +47,11 @@ client's own entry limit, before a byte is decoded; the checksum is verified aft
 that does not list it (every client before coded arenas) is answered a miss for a coded entry,
 never its coded bytes. The protocol version is unchanged: the field is optional both ways.
 
-Batched reads: ``get_many`` answers up to ``MAX_BATCH_ITEMS`` keys in one round trip, each as
-``get`` would (a hit holds a lease; the per-connection lease cap applies to the batch), and
-``release_many`` gives a batch's leases back in one message.
+Batched reads (a server whose hello reply has ``batch_reads: N``, the most keys one batch should
+hold: ``MAX_BATCH_ITEMS`` or its per-connection lease cap if smaller): ``get_many`` answers up to
+``MAX_BATCH_ITEMS`` keys in one round trip, each as ``get`` would (a hit holds a lease; the
+lease cap applies to the batch: a key past it is a miss), and ``release_many`` gives a batch's
+leases back in one message. Against a server that names none, a client reads one key at a time.
 
 Every key field (``lookup.keys[i]``, ``get.key``, ``get_many.keys[i]``, ``reserve.key``, ``reserve.parent``,
 ``reserve_arena.key``, ``reserve_arena.parent``, ``delete.key``) is a chunk key of exactly ``KEY_BYTES`` bytes; any other length is a
@@ -61,8 +63,8 @@ op       request fields                           reply fields
 hello    version:int, token:str|None,             version, server_id, arena{path,size},
          decodes:[str] (optional)                 staging{path,size}, page_size, tiers[str],
                                                   lease_timeout_s, direct_writes:bool,
-                                                  arena_codec:str, batch_writes:int,
-                                                  write_share:int
+                                                  arena_codec:str, batch_reads:int,
+                                                  batch_writes:int, write_share:int
 lookup   keys:[bytes]                             n (leading keys present in some tier)
 get      key:bytes                                tier (str|None), lease:int, extents[[off,len]]
                                                   (a lease is released by the server after

@@ -456,6 +456,7 @@ class CacheServer:
             "lease_timeout_s": float(self.config.lease_timeout_s),
             "direct_writes": True,
             "arena_codec": getattr(self.arena.config, "codec", "none"),
+            "batch_reads": min(P.MAX_BATCH_ITEMS, self.config.max_leases_per_client),  # get_many's keys
             "batch_writes": P.MAX_BATCH_ITEMS,
             "write_share": self._staging_quota,  # arena bytes, each chunk counted in whole pages
         }

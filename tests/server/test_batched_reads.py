@@ -90,14 +90,25 @@ def test_a_batch_that_outlasts_its_lease_is_all_misses(make_server):
         assert c.read_many([_key(0), _key(1)], _collect(got)) == ["ram", "ram"]  # in time: hits
 
 
-def test_the_lease_cap_holds_for_a_batch(make_server):
+def test_the_lease_cap_holds_for_a_batch_and_the_client_batches_within_it(make_server):
+    """The server's cap answers a key past it a miss; its hello names the cap (``batch_reads``),
+    so the client's batches stay within it and every stored key is a hit."""
     server = make_server(tiers=ARENA_8M, max_leases_per_client=4)
+    keys = [_key(i) for i in range(6)]
     with ServerStore(server.address) as c:
-        keys = [_key(i) for i in range(6)]
+        assert c._map.read_batch == 4
         assert c.put_many([(k, b"x" * 4096) for k in keys]) == [True] * 6
-        assert c.read_many(keys, lambda i, segs: None) == ["ram"] * 4 + [None] * 2
+        assert c.read_many(keys, lambda i, segs: None) == ["ram"] * 6
         stats = c.stats()["server"]
-        assert stats["lease_quota"] == 2 and stats["leases_open"] == 0
+        assert stats["get_batches"] == 2 and stats["lease_quota"] == 0 and stats["leases_open"] == 0
+    s = _raw(server.address)
+    try:
+        reply = _ask(s, {"op": "get_many", "keys": keys})
+        assert [item["tier"] for item in reply["items"]] == ["ram"] * 4 + [None] * 2
+        P.send(s, {"op": "release_many", "leases": [item["lease"] for item in reply["items"][:4]]})
+    finally:
+        s.close()
+    assert _server_stats(server.address)["server"]["lease_quota"] == 2
 
 
 def test_coded_entries_in_a_batch_are_decoded_one_at_a_time(make_server):
