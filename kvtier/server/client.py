@@ -157,7 +157,10 @@ class ServerStore(KVStore):
         corrupt: nothing is allocated for it).
     reply_poll_s: how long a call polls (spinning, yielding the CPU between polls) for the
         server's reply before it blocks; 0: it always blocks. A reply is due within a fraction
-        of a millisecond; a blocked thread's wake-up costs ~0.1 ms where idle vCPUs halt.
+        of a millisecond; a blocked thread's wake-up costs ~0.1 ms where idle vCPUs halt. The
+        client stops polling while its replies take longer than that on average (a busy
+        server: the spin would only take a core from it) and resumes once they are fast again
+        (``protocol.Poller``).
     """
 
     def __init__(self, address: str, token: str | None = None, timeout: float = 5.0,
@@ -170,7 +173,7 @@ class ServerStore(KVStore):
                 raise ValueError(f"ServerStore {name}: {value!r} must be a positive number of seconds")
         if not (isinstance(reply_poll_s, (int, float)) and math.isfinite(reply_poll_s) and 0 <= reply_poll_s <= 0.1):
             raise ValueError(f"ServerStore reply_poll_s: {reply_poll_s!r} must be 0 to 0.1 seconds")
-        self._reply_poll = float(reply_poll_s)
+        self._poller = P.Poller(reply_poll_s)
         if not (isinstance(max_entry_bytes, int) and max_entry_bytes > 0):
             raise ValueError(f"ServerStore max_entry_bytes: {max_entry_bytes!r} must be a positive number of bytes")
         self._max_entry = max_entry_bytes
@@ -344,11 +347,13 @@ class ServerStore(KVStore):
             return None
         self._counters.requests += 1
         try:
+            sent = time.monotonic()
             P.send_by(self._sock, message, deadline)
             if not reply:
                 return {"ok": True}
-            P.poll_readable(self._sock, min(self._reply_poll, max(0.0, deadline - time.monotonic())))
+            self._poller.poll(self._sock, max(0.0, deadline - sent))
             answer = P.recv(self._sock, deadline=deadline)
+            self._poller.observe(time.monotonic() - sent)
             if answer is None:
                 raise ConnectionError("server closed the connection")
         except TimeoutError:

@@ -230,6 +230,36 @@ def poll_readable(sock: socket.socket, spin_s: float) -> bool:
         sock.settimeout(timeout)
 
 
+class Poller:
+    """When to poll (``poll_readable``) before a blocking read, learned from the waits seen.
+
+    Polling pays only where the awaited message comes within the budget; where it comes later
+    (the peer's cores are busy: many clients, a slow tier's writers) the spin only takes a core
+    from the peer. So it polls while the moving average of the recent waits stays within the
+    budget, stops once the average exceeds it, and resumes once it falls under half of it. One
+    per connection, used under that connection's lock (not thread-safe).
+    """
+
+    def __init__(self, budget_s: float):
+        self.budget = float(budget_s)
+        self.average = 0.0  # seconds; 0: no wait seen yet
+        self.polling = self.budget > 0
+
+    def poll(self, sock: socket.socket, limit_s: float = math.inf) -> bool:
+        """``poll_readable`` for up to the budget (and ``limit_s``) when polling is on."""
+        return self.polling and poll_readable(sock, min(self.budget, limit_s))
+
+    def observe(self, waited_s: float) -> None:
+        """Fold one wait (the request, or the end of an expected fill, to the message) in."""
+        if self.budget <= 0:
+            return
+        self.average = waited_s if self.average <= 0 else 0.8 * self.average + 0.2 * waited_s
+        if self.polling and self.average > self.budget:
+            self.polling = False
+        elif not self.polling and self.average < self.budget / 2:
+            self.polling = True
+
+
 def validate(message: dict[str, Any]) -> str:
     """Check a request against ``SCHEMA``; return its op. Raises ProtocolError(MALFORMED)."""
     op = message.get("op")

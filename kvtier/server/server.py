@@ -860,9 +860,11 @@ def _await_commit(server: CacheServer, conn: "_Connection", lease: int, announce
     P.send(sock, announce)
     announced = time.monotonic()
     deadline = announced + server.config.lease_timeout_s
-    conn.await_fill(nbytes, server.config.commit_poll_s)
+    woke = conn.await_fill(nbytes, server.config.commit_poll_s)
     msg = P.recv(sock)
-    conn.observe_fill(nbytes, time.monotonic() - announced)
+    arrived = time.monotonic()
+    conn.observe_fill(nbytes, arrived - announced)
+    conn.poller.observe(max(0.0, arrived - woke))  # how long the commit took past the expected fill
     if msg is None:
         raise ConnectionError("client closed the connection during a direct write")
     try:
@@ -961,24 +963,32 @@ class _Connection:
         self.authenticated = False
         self.decodes = False  # the client decodes coded arena entries (said so in its hello)
         self.fill_rate = 0.0  # bytes/s of this client's direct-write fills (moving average; 0: none yet)
+        self.poller = P.Poller(server.config.commit_poll_s)  # polls for commits while they come in time
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def await_fill(self, nbytes: int, poll_s: float) -> None:
+    def await_fill(self, nbytes: int, poll_s: float) -> float:
         """Wait, without reading, until the client's request after a direct write's announce
-        may be near: blocked (``select``) through the part of a fill of ``nbytes`` expected to
-        take longer than half of ``poll_s``, then polling for at most ``poll_s``. Returns early
-        once the socket is readable; the caller's blocking read does the rest."""
+        may be near: blocked (``poll``) through the part of a fill of ``nbytes`` expected to
+        take longer than half of ``poll_s``, then polling for at most ``poll_s`` while polls
+        pay (``self.poller``; otherwise nothing here). Returns early once the socket is
+        readable; the caller's blocking read does the rest. Returns the instant the blocked
+        part is planned to end (``time.monotonic``), polling or not: the poller learns from the
+        time between it and the request."""
+        start = time.monotonic()
         if poll_s <= 0:
-            return
+            return start
         ahead = nbytes / self.fill_rate - poll_s / 2 if self.fill_rate > 0 else 0.0
-        ahead = min(ahead, self.server.config.lease_timeout_s)  # past the lease the commit is refused anyway
+        ahead = max(0.0, min(ahead, self.server.config.lease_timeout_s))  # past the lease the commit is refused
+        if not self.poller.polling:
+            return start + ahead
         if ahead > 0:
             poller = select.poll()  # not select.select: a descriptor may be past FD_SETSIZE
             poller.register(self.sock, select.POLLIN)
             if poller.poll(ahead * 1000.0):
-                return
-        P.poll_readable(self.sock, poll_s)
+                return start + ahead
+        self.poller.poll(self.sock)
+        return start + ahead
 
     def observe_fill(self, nbytes: int, seconds: float) -> None:
         """Fold one fill (announce to the next request) into ``fill_rate``."""
