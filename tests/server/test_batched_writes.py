@@ -302,3 +302,22 @@ def test_poll_readable_returns_at_once_with_data_and_times_out_without(tmp_path)
         assert P.poll_readable(a, 5.0)  # the stream's end is readable too
     finally:
         a.close()
+
+
+def test_the_poller_stops_while_messages_come_late_and_resumes_when_they_are_fast_again():
+    poller = P.Poller(0.001)
+    assert poller.polling
+    for _ in range(3):
+        poller.observe(0.0001)
+    assert poller.polling  # replies well within the budget
+    for _ in range(20):
+        poller.observe(0.005)  # a busy peer: the spin would only take its core
+    assert not poller.polling
+    poller.observe(0.0008)
+    assert not poller.polling  # under the budget but not under half of it: still off
+    for _ in range(30):
+        poller.observe(0.0002)
+    assert poller.polling
+    off = P.Poller(0)
+    off.observe(1.0)
+    assert not off.polling and off.average == 0
