@@ -76,7 +76,7 @@ import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from kvtier.buffers import copy_segments, total_bytes
 from kvtier.config import Size, build, out_of_range, ranged, secret, show, validate
@@ -551,17 +551,12 @@ class CacheServer:
         if not self._hold_direct(held):
             return {"ok": True, "status": "quota"}, None
         write = _DirectWrite(self, conn, next(self._lease_ids))
-        try:
-            stored = self.store.write(key, nbytes, write.fill, msg["parent"], msg["chunk_index"])
-        except _WriteEnded as ended:
-            self.count(direct_aborted=1)
-            return ended.reply, ended.follow
-        except BaseException:
-            self.count(direct_aborted=1)
-            raise
-        finally:
-            with self._lock:
-                self._direct_open -= held
+        outcome: list[bool] = []
+        ended = self._run_direct(held, lambda: outcome.append(
+            self.store.write(key, nbytes, write.fill, msg["parent"], msg["chunk_index"])))
+        if ended is not None:
+            return ended
+        stored = outcome[0]
         if not write.reserved:  # the store answered without reserving: held already, or no room
             if not stored:
                 self.count(put_full=1)
@@ -580,8 +575,24 @@ class CacheServer:
         if not self._hold_direct(total):
             return {"ok": True, "status": "quota"}, None
         batch = _DirectBatch(self, conn, next(self._lease_ids), items)
+        ended = self._run_direct(total, batch.run)
+        if ended is not None:
+            return ended
+        failed = batch.status.count("full")
+        if failed:
+            self.count(put_full=failed)
+        if not batch.reserved:
+            return {"ok": True, "status": "ok", "items": [{"status": st} for st in batch.status]}, None
+        self.count(put_stored=sum(1 for st, ok in zip(batch.status, batch.stored) if st == "ok" and ok))
+        return {"ok": True, "stored": batch.stored}, None
+
+    def _run_direct(self, held: int, run: Callable[[], Any]) -> tuple | None:
+        """Run a direct write (``run``: its ``store.write`` calls) whose ``held`` arena bytes
+        ``_hold_direct`` counted, and uncount them after. (reply, follow) of the request that
+        ended it without its commit (``_WriteEnded``), else None; anything else propagates
+        (the connection's end), counted as an abort."""
         try:
-            batch.run()
+            run()
         except _WriteEnded as ended:
             self.count(direct_aborted=1)
             return ended.reply, ended.follow
@@ -590,14 +601,8 @@ class CacheServer:
             raise
         finally:
             with self._lock:
-                self._direct_open -= total
-        failed = batch.status.count("full")
-        if failed:
-            self.count(put_full=failed)
-        if not batch.reserved:
-            return {"ok": True, "status": "ok", "items": [{"status": st} for st in batch.status]}, None
-        self.count(put_stored=sum(1 for st, ok in zip(batch.status, batch.stored) if st == "ok" and ok))
-        return {"ok": True, "stored": batch.stored}, None
+                self._direct_open -= held
+        return None
 
     def _hold_direct(self, nbytes: int) -> bool:
         """Count ``nbytes`` (the arena bytes a write holds: whole pages) against the direct-write

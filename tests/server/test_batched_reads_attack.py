@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.integrations.vllm.metadata import KVTierMetadata, LoadSpec
 from kvtier.integrations.vllm.worker import KVTierWorker
 from kvtier.keys import KEY_BYTES, WorkerShare, chunk_keys
 from kvtier.server import ServerStore
 from kvtier.server import protocol as P
+from tests.integration.test_async_saves import GEOMETRY, NUM_BLOCKS, _kv_caches, _pages, _same, _saves
 from tests.server.test_direct_write import _ask, _key, _payload, _raw, _reserve, _server_stats, _wait
 
 MiB = 1 << 20
@@ -347,17 +348,6 @@ def test_one_bad_key_does_not_cost_the_rest_of_the_batch(make_server):
 
 # ------------------------------------------------------------------------------ the worker
 
-BLOCK = 16
-GEOMETRY = ChunkGeometry(block_size=BLOCK, chunk_tokens=2 * BLOCK)  # two blocks per chunk
-NUM_BLOCKS = 32
-
-
-def _kv_caches(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {f"layer{i}": torch.randint(-1000, 1000, (NUM_BLOCKS, 2, BLOCK, 16), generator=g).to(torch.bfloat16)
-            for i in range(3)}
-
-
 def _server_worker(address: str) -> tuple[KVTierWorker, dict[str, torch.Tensor]]:
     config = ConnectorConfig.from_extra_config({"server": address, "transfer_mode": "sync"})
     worker = KVTierWorker(config, GEOMETRY, WorkerShare())
@@ -369,18 +359,6 @@ def _server_worker(address: str) -> tuple[KVTierWorker, dict[str, torch.Tensor]]
 
 def _doc_keys(n: int) -> list[bytes]:
     return chunk_keys(list(range(n * GEOMETRY.chunk_tokens)), b"ns", GEOMETRY.chunk_tokens)
-
-
-def _saves(req_id: str, keys: list[bytes], blocks: list[int]) -> list[SaveSpec]:
-    return [SaveSpec(req_id, k, keys[c - 1] if c else None, c, blocks[2 * c : 2 * c + 2]) for c, k in enumerate(keys)]
-
-
-def _pages(kv: dict[str, torch.Tensor], blocks: list[int]) -> list[torch.Tensor]:
-    return [t[blocks].clone() for t in kv.values()]
-
-
-def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("bad", [0, 1, 2])
