@@ -21,6 +21,12 @@ for the reserved pages during their ``fill``, so a stray write faults instead; i
 as half the copy). A direct write whose reserve-to-commit time reached the server's
 ``lease_timeout_s`` is aborted by the client itself (``lease_expired``) rather than committed.
 
+Batches: ``read_many`` reads up to the server's ``batch_reads`` keys per ``get_many`` round trip
+and gives their leases back in one ``release_many``; ``write_many`` writes runs of chunks that
+fit the server's ``batch_writes`` and ``write_share`` as one ``reserve_arena_many`` and one
+``commit`` (see ``kvtier.server.protocol``). Against a server whose hello names no batches,
+both go one chunk at a time.
+
 Trust: before saying hello (and sending its token) on a unix socket, the client checks the
 server's peer credentials (``SO_PEERCRED``): its uid must be this process's effective uid or one
 of ``allowed_uids``. Before mapping a shared-memory file it checks, on the opened descriptor,

@@ -12,6 +12,8 @@ Contract shared by every implementation:
   during the call; an exception from ``consume`` propagates. ``write`` hands ``fill`` writable
   segments of ``nbytes`` in all; ``fill`` must only copy.
 - Every method may be called from any thread.
+- ``read_many``/``write_many`` are ``read``/``write`` of several chunks; a store that pays a round
+  trip per call (the cache server's client) answers a batch in one (``reads_in_batches``).
 
 Imports: ``kvtier.buffers``, ``kvtier.keys``, ``kvtier.store.events``.
 """
