@@ -34,9 +34,9 @@ direct write. Its ``commit`` answers ``stored`` per item (an item answered ``exi
 ``true``, one answered ``full`` is ``false``); an abort, a late commit or another request frees
 every page of the batch. A batch whose chunks, each counted in whole arena pages
 (``page_size``), exceed ``write_share`` is answered ``quota`` and reserves nothing (a single
-``reserve_arena`` is counted the same way). Two round trips per batch instead of per chunk: what a step's saves need
-where a round trip costs as much as copying a chunk. A key twice in one batch: the second is
-``full`` (the first is being written).
+``reserve_arena`` is counted the same way). Two round trips per batch instead of per chunk:
+what a step's saves need where a round trip costs as much as copying a chunk. A key twice in
+one batch: the second is ``full`` (the first is being written).
 
 Coded arena entries (a server whose arena has ``codec: lossless``; ``arena_codec`` in the hello
 reply): a client that lists ``"lossless"`` in its hello's optional ``decodes`` may get a reply
