@@ -656,11 +656,12 @@ class ServerStore(KVStore):
         earlier batches may be)."""
         results: list[bool] = []
         for batch in self._batches(items):
-            if len(batch) == 1:
-                results.extend(self.write(i.key, i.nbytes, i.fill, i.parent, i.chunk_index) for i in batch)
-            else:
-                results.extend(self._write_batch(batch))
+            results.extend(self._write_batch(batch) if len(batch) > 1 else self._write_each(batch))
         return results
+
+    def _write_each(self, items: list[WriteItem]) -> list[bool]:
+        """One ``write`` per item (a run the server does not take as one batch)."""
+        return [self.write(i.key, i.nbytes, i.fill, i.parent, i.chunk_index) for i in items]
 
     def _batches(self, items: Sequence[WriteItem]) -> Iterator[list[WriteItem]]:
         """``items`` in order, cut into runs the server takes as one batch (the current
@@ -686,14 +687,13 @@ class ServerStore(KVStore):
         n = len(batch)
         failed = [False] * n
         with self._session(self._timeout) as deadline:
-            self._counters.writes += n
             if deadline is None or not self._ensure(deadline):
+                self._counters.writes += n
                 self._counters.write_failures += n
                 return failed
             writer = self._map.writer
             if writer is None or self._map.batch_items < n:  # reconnected to a server that takes no such batch
-                self._counters.writes -= n  # counted again by each write
-                return [self.write(i.key, i.nbytes, i.fill, i.parent, i.chunk_index) for i in batch]
+                return self._write_each(batch)
             request = {"op": "reserve_arena_many", "items": [
                 {"key": bytes(i.key), "nbytes": int(i.nbytes),
                  "parent": bytes(i.parent) if i.parent is not None else None,
@@ -701,8 +701,8 @@ class ServerStore(KVStore):
             started = time.monotonic()
             answer = self._call(request, deadline)
             if answer is not None and answer.get("status") == "quota":  # the share shrank under a reconnect
-                self._counters.writes -= n
-                return [self.write(i.key, i.nbytes, i.fill, i.parent, i.chunk_index) for i in batch]
+                return self._write_each(batch)
+            self._counters.writes += n
             plan = _batch_plan(answer, writer.size, [i.nbytes for i in batch])
             if plan is None:
                 self._counters.write_failures += n

@@ -19,7 +19,7 @@ from kvtier.keys import KEY_BYTES
 from kvtier.server import ServerStore
 from kvtier.server import protocol as P
 from kvtier.store import TieredStore
-from tests.server.test_direct_write import _ask, _key, _payload, _raw, _server_stats
+from tests.server.test_direct_write import _ask, _key, _payload, _raw, _server_stats, _wait
 
 MiB = 1 << 20
 ARENA_8M = [{"type": "ram", "capacity": "8MiB", "page_size": "64KiB", "policy": "lru"}]
@@ -182,19 +182,10 @@ def test_a_forged_batch_reply_is_all_misses_and_the_connection_is_dropped(make_s
             assert c.read_many([_key(1), _key(2)], lambda i, segs: pytest.fail("consumed a forged reply")) == [None] * 2
         assert c.stats()["client"]["errors"] >= 3
         got: dict = {}
-        deadline = time.monotonic() + 15  # the circuit breaker skips the server for a while after the drops
-        while c.read_many([_key(1)], _collect(got)) != ["ram"]:
-            assert time.monotonic() < deadline, "the client never reconnected"
-            time.sleep(0.1)
+        # the circuit breaker skips the server for a while after the drops
+        _wait(lambda: c.read_many([_key(1)], _collect(got)) == ["ram"], 15, "the client's reconnect")
         assert got[0] == b"y" * 4096
-    _wait_leases_zero(server.address)
-
-
-def _wait_leases_zero(address: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while _server_stats(address)["server"]["leases_open"]:
-        assert time.monotonic() < deadline, "leases stayed open"
-        time.sleep(0.05)
+    _wait(lambda: _server_stats(server.address)["server"]["leases_open"] == 0, 10, "every lease released")
 
 
 def test_the_default_read_many_is_one_read_per_key(tmp_path):

@@ -659,13 +659,12 @@ class KVTierWorker:
         foreign: list[bytes] = []
 
         def consume(i: int, segments) -> None:
-            c, first = load.first_chunk + i, load.skip_blocks if i == 0 else 0
             try:
                 self._check_size(loads, segments)  # before any copy
-                for member, part in zip(loads, self._parts(loads, segments)):
-                    self._layouts[member.group].load(part, self.geometry.chunk_blocks(member.block_ids, c), first)
+                self._fill_pages(loads, i, segments)
             except CorruptEntry:
-                log.warning("kvtier: chunk %d of %s has an unexpected size; recomputing", c, load.req_id)
+                log.warning("kvtier: chunk %d of %s has an unexpected size; recomputing", load.first_chunk + i,
+                            load.req_id)
                 foreign.append(keys[i])
 
         found = self.store.read_many(keys, consume)
@@ -741,18 +740,21 @@ class KVTierWorker:
         """Load the ``i``-th planned chunk of a pack into its groups' blocks; the serving tier's
         name or None."""
         load = loads[0]
-        c = load.first_chunk + i
-        first = load.skip_blocks if i == 0 else 0
-
-        def fill(segments) -> None:
-            for member, part in zip(loads, self._parts(loads, segments)):
-                self._layouts[member.group].load(part, self.geometry.chunk_blocks(member.block_ids, c), first)
-
         try:
-            return self._read_entry(self._key(load.keys[i], load.group), loads, fill)
+            return self._read_entry(self._key(load.keys[i], load.group), loads,
+                                    lambda segments: self._fill_pages(loads, i, segments))
         except CorruptEntry:  # an entry of another size: not ours to trust
-            log.warning("kvtier: chunk %d of %s has an unexpected size; recomputing", c, load.req_id)
+            log.warning("kvtier: chunk %d of %s has an unexpected size; recomputing", load.first_chunk + i,
+                        load.req_id)
             return None
+
+    def _fill_pages(self, loads: list[LoadSpec], i: int, segments) -> None:
+        """Copy the ``i``-th planned chunk of a pack's load (its entry's ``segments``) into its
+        groups' blocks; CorruptEntry, before any copy, for an entry of another size."""
+        load = loads[0]
+        c, first = load.first_chunk + i, load.skip_blocks if i == 0 else 0
+        for member, part in zip(loads, self._parts(loads, segments)):
+            self._layouts[member.group].load(part, self.geometry.chunk_blocks(member.block_ids, c), first)
 
     def _settle(self, loads: list[LoadSpec], tiers: list[str | None]) -> int:
         """Count a finished load of one pack (``loads``: its groups' specs) and report the blocks
