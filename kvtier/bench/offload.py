@@ -538,7 +538,7 @@ def _run_settings(settings: list[Setting], model: str, docs, warmup, hit_docs, a
     last = list(range((rounds - 1) * n, rounds * n))
     order = {"first": [list(range(r * n, (r + 1) * n)) for r in range(rounds)], "again": [last],
              "reverse": [last[::-1]]}
-    total = (sum(len(d) for s in settings for p in s.passes for d in order[p])
+    total = (sum(len(d) * (2 if p == "again" else 1) for s in settings for p in s.passes for d in order[p])
              + sum((1 + ENGINE_HIT_REPEATS) * s.engine_hit_docs for s in settings))
     quiet = args.json and not sys.stderr.isatty()
     with tqdm(total=total, desc="kvtier demo", unit="req", file=sys.stderr, disable=quiet) as bar:
@@ -584,8 +584,12 @@ def _run_group(group: list[Setting], order: dict, model: str, docs, warmup, hit_
                     bar.set_postfix_str(f"{setting.name}: {name}" + (f" {r + 1}" if len(order[name]) > 1 else ""))
                     for j, doc in enumerate(docs_of_round):
                         answer = engines[setting.name].ask({"doc": doc}, settle if j == 0 else 0.0)
-                        setting.result["passes"][name].append({**answer, "doc": doc, "round": r})
                         bar.update(1)
+                        if name == "again":  # the same document again: this engine's own hit, back to back
+                            again = engines[setting.name].ask({"doc": doc})
+                            answer["own_hit"] = {k: again[k] for k in ("ttft_ms", "hit_tokens", "local_hit_tokens")}
+                            bar.update(1)
+                        setting.result["passes"][name].append({**answer, "doc": doc, "round": r})
             if name == "first":
                 for s in counted:
                     s.result["stored"] = _counter_delta(before[s.name], engines[s.name].ask({"stats": True}, settle))
@@ -670,6 +674,36 @@ def first_rounds(settings: list[Setting]) -> dict:
             out[s.name] = {"ratios": [round(x, 4) for x in ratios], "median": round(statistics.median(ratios), 4),
                            "min": round(min(ratios), 4), "max": round(max(ratios), 4)}
     return {"rounds": len(ref), "settings": out}
+
+
+def own_hits(settings: list[Setting]) -> dict:
+    """Each setting's re-read ("again") against the same engine's own prefix hit of the same
+    document, asked right after it (``_run_group``): per document the ratio of the two TTFTs,
+    then their median, min and max. A pair counts only where the re-read came from the
+    connector (more external than local hit tokens) and the second ask was a whole local hit
+    (no external tokens, at least as many local hit tokens as the re-read found): one process,
+    one document, a few milliseconds apart, so a drift of the machine between engines or
+    passes is not in the ratio. vLLM alone's pairs have no ratio (its re-read recomputes) but
+    their own hits are reported, timed through the same pass as the others'."""
+    out = {}
+    for s in settings:
+        reqs = [r for r in s.result.get("passes", {}).get("again", []) if "own_hit" in r]
+        if not reqs:
+            continue
+        own = [r["own_hit"] for r in reqs
+               if r["own_hit"]["hit_tokens"] == 0
+               and r["own_hit"]["local_hit_tokens"] >= max(1, r["hit_tokens"] + r["local_hit_tokens"])]
+        pairs = [(r["ttft_ms"], r["own_hit"]["ttft_ms"]) for r in reqs
+                 if r["hit_tokens"] > r["local_hit_tokens"] and r["own_hit"]["hit_tokens"] == 0
+                 and r["own_hit"]["local_hit_tokens"] >= r["hit_tokens"] + r["local_hit_tokens"]]
+        row = {"own_hit_p50_ms": _p50([o["ttft_ms"] for o in own]), "own_hits": len(own), "pairs": len(pairs)}
+        ratios = [a / b for a, b in pairs if b > 0]
+        if ratios:
+            row.update(ratios=[round(x, 4) for x in ratios], median=round(statistics.median(ratios), 4),
+                       min=round(min(ratios), 4), max=round(max(ratios), 4),
+                       reread_p50_ms=_p50([a for a, _ in pairs]))
+        out[s.name] = row
+    return out
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -901,7 +935,8 @@ def _report(settings: list[Setting], working_set: int, doc_bytes: int = 0, copy_
     report["requests"] = {s.name: {p: [round(r["ttft_ms"], 2) for r in reqs] for p, reqs in s.result["passes"].items()}
                           for s in settings}
     report["agreement"] = _agreement(by_name)
-    report["targets"] = _targets(p50, curve, engine_hit, bound)
+    report["own_hit"] = own_hits(settings)
+    report["targets"] = _targets(p50, curve, engine_hit, bound, report["own_hit"])
     return report
 
 
@@ -919,10 +954,15 @@ def _agreement(by_name: dict[str, Setting]) -> dict:
     return out
 
 
-def _targets(p50: dict, curve: list[dict], engine_hit: float, bound: float | None = None) -> list[dict]:
-    """The issues' targets (``kvtier.bench.targets``) checked against this run's TTFTs and curve."""
+def _targets(p50: dict, curve: list[dict], engine_hit: float, bound: float | None = None,
+             own: dict | None = None) -> list[dict]:
+    """The issues' targets (``kvtier.bench.targets``) checked against this run's TTFTs, curve
+    and re-reads paired with their engine's own hits (``own_hits``)."""
     measured = {f"p50:{setting}/{pass_name}": ms for (setting, pass_name), ms in p50.items() if ms is not None}
     measured["engine_hit"] = engine_hit
+    for setting, row in (own or {}).items():
+        if "median" in row:
+            measured[f"own_hit_ratio:{setting}"] = row["median"]
     if bound is not None:
         measured["physical_bound"] = bound
     over = []
@@ -950,6 +990,12 @@ def _print(report: dict, args: argparse.Namespace, working_set: int) -> None:
                     [[f"{p['capacity_fraction']:g}", p["ttft_p50_ms"], p["ttft_mean_ms"],
                       f"{p['hit_tokens']:,} / {p['query_tokens']:,}"] for p in report["capacity_curve"]])
     print(f"\nvLLM's own prefix-cache hit (same document twice): TTFT p50 {report['engine_hit_ttft_p50_ms']:.1f} ms")
+    paired = {name: row for name, row in (report.get("own_hit") or {}).items() if "median" in row}
+    if paired:
+        print_table(["setting", "pairs", "re-read / own hit: median", "min", "max", "own hit p50 (ms)"],
+                    [[name, row["pairs"], row["median"], row["min"], row["max"], row["own_hit_p50_ms"]]
+                     for name, row in paired.items()],
+                    title="each re-read beside the same engine's own hit of the same document, asked right after it")
     rounds = report.get("first_rounds") or {}
     if rounds.get("settings"):
         print_table(["setting", "first-pass TTFT / vLLM alone's: median", "min", "max"],

@@ -125,6 +125,12 @@ TARGETS: tuple[IssueTarget, ...] = (
     _t(3, "offload", "capacity-0.67", "capacity 0.67: hit share", "hit_share@0.67", None, ">=", 0.55),
     _t(3, "offload", "capacity-over", "capacity {fraction:g}: hit share", "hit_share@{fraction:g}", None, ">=", 0.9,
        each=()),  # every fraction above the working set, passed by the benchmark
+    # issue 26: the same, each re-read beside the same engine's own hit of the same document asked
+    # right after it (the median of the per-document ratios: no drift between engines or passes)
+    _t(26, "offload", "ram-vs-own-hit", "kvtier-ram re-read / its engine's own hit, paired per document",
+       "own_hit_ratio:kvtier-ram", None, "<=", 1.3),
+    _t(26, "offload", "disk-vs-own-hit", "kvtier-ram+disk re-read / its engine's own hit, paired per document",
+       "own_hit_ratio:kvtier-ram+disk", None, "<=", 2),
     _t(3, "offload", "ram-vs-example-again", "kvtier-ram re-read / example-connector re-read",
        "p50:kvtier-ram/again", "p50:example-connector/again", "<=", 1),
     _t(3, "offload", "ram-vs-example-first", "kvtier-ram first / example-connector first",

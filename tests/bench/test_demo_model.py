@@ -316,6 +316,37 @@ def test_first_rounds_are_ratios_of_medians_round_by_round(capsys):
     assert "--first-rounds must be 1..100" in capsys.readouterr().err
 
 
+def test_own_hits_pair_each_re_read_with_the_same_engines_hit_asked_right_after_it():
+    """The re-read beside its own engine's hit of the same document: per document the ratio, then
+    the median, min and max; a pair counts only for a re-read from the connector followed by a
+    whole local hit (a recompute, a re-read vLLM's own pool served, or a second ask that was not a
+    full local hit is no pair). vLLM alone reports its own hits with no ratio."""
+    def again(ttft, hit, local, own_ttft, own_hit, own_local):
+        return {"doc": 0, "ttft_ms": ttft, "hit_tokens": hit, "local_hit_tokens": local, "token_ids": [],
+                "own_hit": {"ttft_ms": own_ttft, "hit_tokens": own_hit, "local_hit_tokens": own_local}}
+
+    kv = Setting("kvtier-ram", offload._kvtier([], None), result={"passes": {"again": [
+        again(24, 4992, 0, 20, 0, 4992),      # 1.2
+        again(30, 4992, 0, 20, 0, 4992),      # 1.5
+        again(11, 4864, 128, 10, 0, 4992),    # 1.1 (part of it still in vLLM's pool)
+        again(12, 0, 4992, 10, 0, 4992),      # vLLM's own pool served the re-read: no pair
+        again(500, 0, 0, 20, 0, 4992),        # recomputed: no pair
+        again(25, 4992, 0, 26, 4992, 0),      # the second ask came from the connector too: no pair
+        again(25, 4992, 0, 26, 0, 2048),      # the second ask found less than the re-read: no pair
+    ]}})
+    alone = Setting("vllm", None, result={"passes": {"again": [again(600, 0, 0, 18, 0, 4992), again(610, 0, 0, 22, 0, 4992)]}})
+    out = offload.own_hits([alone, kv])
+    assert out["vllm"] == {"own_hit_p50_ms": 20, "own_hits": 2, "pairs": 0}
+    row = out["kvtier-ram"]
+    assert row["pairs"] == 3 and row["ratios"] == [1.2, 1.5, 1.1]
+    assert (row["median"], row["min"], row["max"], row["reread_p50_ms"]) == (1.2, 1.1, 1.5, 24)
+    assert row["own_hits"] == 5  # every whole local hit, paired or not
+    targets = {t["target"]: t for t in offload._targets({}, [], float("nan"), None, out)}
+    met = targets["kvtier-ram re-read / its engine's own hit, paired per document"]
+    assert met["value"] == 1.2 and met["met"] is True
+    assert offload.own_hits([Setting("x", None, result={"passes": {"first": []}})]) == {}
+
+
 # -- one small engine run per family ----------------------------------------------------------
 def _tiny_demo(tmp_path, capsys, variant: str, pool_tokens: int):
     """``kvtier demo --variant VARIANT --json`` with 2 documents of 1,536 tokens, vLLM alone beside
