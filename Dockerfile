@@ -11,11 +11,15 @@
 ARG PYTHON_IMAGE=python:3.11-slim
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 
+# One pure-Python wheel for both images (the engine image's Python may differ from this one):
+# the optional streaming-copy extension (setup.py) is left out, so the connector copies KV pages
+# with numpy here; `pip install kvtier` where a C compiler is present (vLLM's images have one,
+# for Triton) builds it.
 FROM ${PYTHON_IMAGE} AS wheel
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY kvtier ./kvtier
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+RUN KVTIER_NO_EXTENSIONS=1 pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE} AS kvtier
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \

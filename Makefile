@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast test-bench test-loaded install system router vllm-wheel bench clean
 
-$(STAMP): requirements/lock.txt pyproject.toml requirements/vllm_launcher.py
+$(STAMP): requirements/lock.txt pyproject.toml setup.py kvtier/_ntcopy.c requirements/vllm_launcher.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements/lock.txt
@@ -71,4 +71,4 @@ test-loaded: install system router
 	$(PY) -m kvtier.harness.cpu_hog -- $(PY) -m pytest -q -ra --shuffle $(SHUFFLE)
 
 clean:
-	rm -rf $(VENV) $(ROUTER_VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(ROUTER_VENV) .pytest_cache build *.egg-info kvtier/*.so

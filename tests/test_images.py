@@ -136,13 +136,14 @@ def _env(**extra: str) -> dict[str, str]:
 def wheel(tmp_path_factory) -> Path:
     """The wheel, built with ``pip wheel --no-deps`` from a copy of this tree's sources."""
     src = tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    shutil.copytree(ROOT / "kvtier", src / "kvtier", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(ROOT / "kvtier", src / "kvtier", ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
     out = tmp_path_factory.mktemp("wheels")
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-          str(src)], cwd=src)
+          str(src)], cwd=src, env=_env(KVTIER_NO_EXTENSIONS="1"))  # as the Dockerfile builds it
     (whl,) = out.glob("kvtier-*.whl")
+    assert whl.name.endswith("-py3-none-any.whl"), whl.name  # one wheel for any engine image's Python
     return whl
 
 

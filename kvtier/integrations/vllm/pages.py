@@ -43,7 +43,9 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from kvtier.affinity import spread_thread
 from kvtier.errors import ConfigError, CorruptEntry
+from kvtier.fastcopy import copy_pairs
 
 ENTRY_FORMAT = "entry:block-major-v1"
 ENGINES = ("host", "torch")
@@ -102,7 +104,8 @@ class PageLayout:
         # Host copies of a large chunk are split over a few threads (numpy releases the GIL while
         # copying): one thread does not reach the memory bandwidth of the machine.
         threads = copy_threads if copy_threads is not None else min(4, os.cpu_count() or 1)
-        self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvtier-copy") if threads > 1 else None
+        self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvtier-copy",
+                                        initializer=spread_thread) if threads > 1 else None
         self._threads = threads
 
     @property
@@ -154,11 +157,13 @@ class PageLayout:
 
     def copy(self, pairs: list, split: bool = True) -> None:
         """Make ``load_pairs``' copies (of any layouts' pages): split over the copy threads when
-        they are large and ``split``, else on this thread."""
+        they are large and ``split``, else on this thread without letting go of the GIL (the
+        engine's thread: had it released the GIL, it could wait for another thread to hand it
+        back after the copy)."""
         if split:
             self._copy(pairs)
         else:
-            _copy_all(pairs)
+            copy_pairs(pairs, release_gil=False)
 
     # ------------------------------------------------------------------ a step's chunks
 
@@ -581,5 +586,4 @@ def _split_large(pairs: list[tuple[np.ndarray, np.ndarray]], n: int) -> list[tup
 
 
 def _copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    for dst, src in pairs:
-        np.copyto(dst, src)
+    copy_pairs(pairs)
