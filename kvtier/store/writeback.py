@@ -10,7 +10,7 @@ the copy and counts it: the caller never waits. Every queued copy is registered 
 
 Thread-safety: the queueing methods are called with the store's lock held (the ledger is
 guarded by it); ``flush``, ``stop`` and the worker threads take it themselves, and only around
-ledger calls. Imports: ``kvtier.affinity``, ``kvtier.keys``, ``kvtier.tiers.base`` (TierStats),
+ledger calls. Imports: ``kvtier.keys``, ``kvtier.tiers.base`` (TierStats),
 ``kvtier.store.index`` (Counters), ``kvtier.store.ledger``.
 """
 
@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from kvtier.affinity import spread_thread
 from kvtier.keys import Key
 from kvtier.store.index import Counters
 from kvtier.store.ledger import CopyLedger
@@ -157,7 +156,6 @@ class WriteBack:
     def _writer(self, i: int) -> None:
         """Worker of level ``i``: carries queued copies out until told to stop."""
         q, lane = self._queues[i], self._lanes[i]
-        spread_thread()
         try:
             if self._idle and not run_when_idle():
                 log.warning("kvtier: the %s writer runs at the store's priority (writer_idle not applied)",
@@ -254,7 +252,6 @@ class Prefetcher:
                 self._thread.start()
 
     def _run(self) -> None:
-        spread_thread()
         while True:
             keys = self._queue.get()
             if keys is _STOP:

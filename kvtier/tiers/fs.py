@@ -66,7 +66,6 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 from kvtier import entry
-from kvtier.affinity import spread_thread
 from kvtier.codecs import CodecName
 from kvtier.config import Size, ranged, validate
 from kvtier.errors import CorruptEntry, TierUnavailable
@@ -671,7 +670,6 @@ class FsTier(Tier):
 
 def _refresh_loop(ref: "weakref.ref[FsTier]", stop: threading.Event, interval: float) -> None:
     """Scan at once, then every ``interval`` seconds until ``stop`` is set or the tier is gone."""
-    spread_thread()
     delay = 0.0
     while not stop.wait(delay):
         tier = ref()

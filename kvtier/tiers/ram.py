@@ -43,7 +43,6 @@ from typing import Iterator, Literal, NamedTuple
 
 import numpy as np
 
-from kvtier.affinity import spread_thread
 from kvtier.buffers import Scratch, gather_into, scatter
 from kvtier.codecs import LOSSLESS_ID, decode_into
 from kvtier.config import Size, out_of_range, ranged, validate
@@ -720,7 +719,6 @@ class RamTier(ArenaTier):
 
     def _code_loop(self) -> None:
         """The coder thread: code queued entries until ``close``."""
-        spread_thread()
         while True:
             with self._lock:
                 while not self._queue and not self._stop:

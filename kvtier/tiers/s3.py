@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from kvtier import entry, s3client
-from kvtier.affinity import spread_thread
 from kvtier.codecs import CodecName
 from kvtier.config import Size
 from kvtier.errors import ConfigError
@@ -166,10 +165,9 @@ class S3Tier(Tier):
         self._endpoint = s3client.endpoint_of(config)
         self._client = self._make_client(lookup=False)
         self._lookup_client = self._make_client(lookup=True)
-        self._pool = ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=f"kvtier-{name}",
-                                        initializer=spread_thread)
+        self._pool = ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix=f"kvtier-{name}")
         self._lookup_pool = ThreadPoolExecutor(max_workers=config.lookup_workers,
-                                               thread_name_prefix=f"kvtier-{name}-lookup", initializer=spread_thread)
+                                               thread_name_prefix=f"kvtier-{name}-lookup")
         _start_every_thread(self._pool, config.max_workers)
         _start_every_thread(self._lookup_pool, config.lookup_workers)
         # a probe that never reports is given up after the longest a call can take
@@ -545,7 +543,6 @@ class S3Tier(Tier):
 
 def _list_loop(ref: "weakref.ref[S3Tier]", stop: threading.Event, interval: float) -> None:
     """Re-list every ``interval`` seconds until ``stop`` is set or the tier is gone."""
-    spread_thread()
     while not stop.wait(interval):
         tier = ref()
         if tier is None:

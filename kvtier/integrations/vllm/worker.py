@@ -77,7 +77,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvtier.affinity import spread_thread
 from kvtier.buffers import scatter, split_segments, total_bytes
 from kvtier.errors import CorruptEntry
 from kvtier.integrations.vllm.config import ConnectorConfig
@@ -263,7 +262,6 @@ class BackgroundSaves:
             log.warning("kvtier: background saves still running after %.0f s at close", timeout)
 
     def _run(self) -> None:
-        spread_thread()
         batch = 1 if self._store.memcpy_writes else _WRITER_BATCH  # a memcpy store gains nothing from batches
         while True:
             with self._cond:
@@ -484,9 +482,9 @@ class KVTierWorker:
                     self._layouts[group.index] = PageLayout(layers, num_blocks, bpc)
         self._index_packs()
         if self.config.load_threads > 1:
-            self._load_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-load", initializer=spread_thread)
+            self._load_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-load")
         if self.config.transfer_mode == "async":
-            self._background_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-bgload", initializer=spread_thread)
+            self._background_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-bgload")
             if self._saves_copy_twice():
                 chunk = max(self._pack_bytes.values())  # the largest entry
                 slots = max(1, min(SAVE_BACKLOG_CHUNKS, SAVE_BACKLOG_BYTES // chunk))
@@ -569,7 +567,7 @@ class KVTierWorker:
     def _start_background_pool(self) -> ThreadPoolExecutor:
         """The background threads, for a load planned in async mode by a scheduler whose
         config this worker did not read as async (never expected; loads still complete)."""
-        self._background_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-bgload", initializer=spread_thread)
+        self._background_pool = ThreadPoolExecutor(self.config.load_threads, thread_name_prefix="kvtier-bgload")
         return self._background_pool
 
     def _fill_chunk(self, pending: BackgroundLoad, i: int) -> str | None:
@@ -721,7 +719,7 @@ class KVTierWorker:
     def _copy_thread(self) -> ThreadPoolExecutor:
         """The thread that copies the second half of a large top-tier load (engine thread only)."""
         if self._copy_pool is None:
-            self._copy_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-copy-local", initializer=spread_thread)
+            self._copy_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-copy-local")
         return self._copy_pool
 
     @staticmethod
