@@ -115,3 +115,19 @@ def test_the_copy_releases_the_gil():
         sys.setswitchinterval(sys_interval)
     assert during > 0
     assert all(np.array_equal(a, b) for a, b in zip(dst, src))
+
+
+def test_kvtier_bench_copy_reports_both_methods_side_by_side(capsys):
+    """``kvtier bench copy --json``: per-method GB/s over the same scattered pages, the per-round
+    ratio, and whether the streaming extension is in use; a span too small is one line."""
+    import json
+
+    from kvtier.cli import main
+
+    assert main(["bench", "copy", "--json", "--page", "64KiB", "--pages", "8", "--span", "8MiB", "--rounds", "3"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["gbps"]) == {"np.copyto", "kvtier.fastcopy"} and all(v > 0 for v in report["gbps"].values())
+    assert report["streaming"] is fastcopy.STREAMING and report["rounds"] == 3
+    assert report["ratio"]["min"] <= report["ratio"]["median"] <= report["ratio"]["max"]
+    assert main(["bench", "copy", "--pages", "200", "--span", "1MiB"]) == 2
+    assert "--span" in capsys.readouterr().err

@@ -4,7 +4,7 @@ Imports run one way, downward:
 ``cli`` -> ``bench`` (beside it ``harness``, which never imports ``bench``) -> ``route``,
 ``integrations`` -> ``server`` -> ``store`` ->
 ``tiers``, ``policies``, ``loader``, ``plan``, ``sim`` -> the ground floor (``keys``, ``entry``,
-``config``, ``errors``, ``registry`` and the shared helpers ``buffers``, ``fastcopy``, ``affinity``, ``fileio``,
+``config``, ``errors``, ``registry`` and the shared helpers ``buffers``, ``fastcopy``, ``fileio``,
 ``s3client``, ``output``).
 
 Every ``import`` counts, at module level or inside a function (a lazy import is still a
@@ -30,7 +30,7 @@ LAYERS = {
     "store": 2,
     "tiers": 1, "policies": 1, "loader": 1, "plan": 1, "sim": 1,
     "keys": 0, "entry": 0, "config": 0, "errors": 0, "registry": 0, "buffers": 0, "fileio": 0,
-    "s3client": 0, "output": 0, "codecs": 0, "fp8": 0, "fastcopy": 0, "affinity": 0, "_ntcopy": 0, "__init__": 0,
+    "s3client": 0, "output": 0, "codecs": 0, "fp8": 0, "fastcopy": 0, "_ntcopy": 0, "__init__": 0,
 }
 # packages of one layer that must not know each other (DESIGN.md: "the loader does not know
 # the KV store"; the router knows neither vLLM's connector nor the store; the harness the

@@ -21,6 +21,7 @@ BENCHMARKS = {
     "serve": ("kvtier.bench.serve", "concurrent streaming clients against one vLLM engine: TTFT, ITL, tok/s"),
     "store": ("kvtier.bench.store", "RAM-tier hits of many clients on one store while a lower tier is slow"),
     "auth": ("kvtier.bench.auth", "entry authentication (auth_key): keyed-hash GB/s beside xxh3, and an fs tier with/without it"),
+    "copy": ("kvtier.bench.copy", "the connector's page copies (streaming stores) beside np.copyto, scattered pages, one core"),
     "codec": ("kvtier.bench.codec", "KV codecs: ratio and one-core encode/decode GB/s on the random model's KV, through the store"),
 }
 

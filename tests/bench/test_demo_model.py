@@ -334,7 +334,8 @@ def test_own_hits_pair_each_re_read_with_the_same_engines_hit_asked_right_after_
         again(25, 4992, 0, 26, 4992, 0),      # the second ask came from the connector too: no pair
         again(25, 4992, 0, 26, 0, 2048),      # the second ask found less than the re-read: no pair
     ]}})
-    alone = Setting("vllm", None, result={"passes": {"again": [again(600, 0, 0, 18, 0, 4992), again(610, 0, 0, 22, 0, 4992)]}})
+    alone = Setting("vllm", None, result={"passes": {"again": [again(600, 0, 0, 18, 0, 4992),
+                                                               again(610, 0, 0, 22, 0, 4992)]}})
     out = offload.own_hits([alone, kv])
     assert out["vllm"] == {"own_hit_p50_ms": 20, "own_hits": 2, "pairs": 0}
     row = out["kvtier-ram"]
