@@ -23,21 +23,58 @@ STREAMING = bool(_ntcopy is not None and _ntcopy.STREAMING)
 
 
 def copy_pairs(pairs: Sequence[tuple[np.ndarray, np.ndarray]], release_gil: bool = True) -> None:
-    """``dst[:] = src[:]`` for each ``(dst, src)`` tuple of uint8 arrays of equal length.
+    """``dst[:] = src[:]`` for each ``(dst, src)`` tuple of buffers (uint8 arrays) of equal byte
+    length, copied byte for byte (never cast or broadcast).
 
-    Contract: the pairs go to the extension in one call (nothing is copied unless every pair is
-    valid: a read-only or shorter ``dst`` raises before a byte moves); where a pair is not
-    C-contiguous (the extension's ``BufferError``), or without the extension, every pair is
-    copied with ``np.copyto`` (its errors).
+    Contract, on both paths: nothing is copied unless every pair is valid (a read-only or
+    shorter ``dst``, a non-buffer or a non-tuple item raises before a byte moves). The pairs go
+    to the extension in one call; where it cannot take a pair (its ``BufferError``: a view that
+    is not C-contiguous, or an exporter's refusal), or without the extension, every pair is
+    checked, then copied with ``np.copyto`` (a non-contiguous pair must then have one shape and
+    one item size on both sides). ``pairs`` may be any iterable (it is read once).
     Pairs must not overlap. ``release_gil``: let other Python threads run during the copy (a
     background copy); False keeps the GIL (the engine's own thread, which would otherwise wait
     for another thread to hand it back after the copy)."""
+    if not isinstance(pairs, (list, tuple)):
+        pairs = list(pairs)  # a generator: the extension would use it up before the fallback
     if _ntcopy is None:
-        for dst, src in pairs:
-            np.copyto(dst, src)
+        _numpy_copy(pairs)
         return
     try:
         _ntcopy.copy_pairs(pairs, release_gil)
-    except BufferError:  # a non-contiguous view: numpy copies any layout
-        for dst, src in pairs:
-            np.copyto(dst, src)
+    except BufferError:  # a non-contiguous view (numpy copies any layout), or a refused export
+        _numpy_copy(pairs)
+
+
+def _as_array(obj, i: int, role: str) -> np.ndarray:
+    if isinstance(obj, np.ndarray):
+        return np.asarray(obj)
+    try:
+        return np.asarray(memoryview(obj))
+    except TypeError:
+        raise TypeError(f"copy_pairs: pair {i}: {role} is not a buffer "
+                        f"({type(obj).__name__})") from None
+
+
+def _numpy_copy(pairs: Sequence) -> None:
+    """The extension's checks, then ``np.copyto`` per pair, byte for byte (views that neither
+    cast nor broadcast)."""
+    views = []
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise TypeError(f"copy_pairs: item {i} is not a (dst, src) tuple")
+        dst, src = _as_array(pair[0], i, "dst"), _as_array(pair[1], i, "src")
+        if not dst.flags.writeable:
+            raise ValueError(f"copy_pairs: pair {i}: dst is read-only")
+        if dst.nbytes != src.nbytes:
+            raise ValueError(f"copy_pairs: pair {i}: dst has {dst.nbytes} bytes, src {src.nbytes}")
+        if dst.flags.c_contiguous and src.flags.c_contiguous:
+            views.append((dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8)))
+        elif dst.shape == src.shape and dst.itemsize == src.itemsize:
+            item = np.dtype((np.void, dst.itemsize))
+            views.append((dst.view(item), src.view(item)))
+        else:
+            raise ValueError(f"copy_pairs: pair {i} is not C-contiguous: dst {dst.shape} and src {src.shape} "
+                             f"need one shape and one item size")
+    for dst, src in views:
+        np.copyto(dst, src, casting="no")

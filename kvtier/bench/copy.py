@@ -38,12 +38,17 @@ def _numpy(pairs) -> None:
 
 def measure(page: int, pages: int, span: int, rounds: int, seed: int = 0) -> dict:
     """GB/s per method per round over the same scattered pairs, and the per-round ratios."""
+    if page < 1:
+        raise ConfigError(f"--page {page}: need at least 1 byte")
     slots = span // page
     if pages < 1 or slots < pages or rounds < 1:
         raise ConfigError(f"--span {span} holds {slots} pages of {page} bytes: need --pages (1..{slots}) "
                           f"and --rounds >= 1")
-    src = np.ones(span, dtype=np.uint8)  # touched: no page faults in the timed copies
-    dst = np.ones(span, dtype=np.uint8)
+    try:
+        src = np.ones(span, dtype=np.uint8)  # touched: no page faults in the timed copies
+        dst = np.ones(span, dtype=np.uint8)
+    except MemoryError:
+        raise ConfigError(f"--span {span}: cannot allocate two buffers of that size") from None
     rng = np.random.default_rng(seed)
     methods = {"np.copyto": _numpy, "kvtier.fastcopy": fastcopy.copy_pairs}
     gbps: dict[str, list[float]] = {name: [] for name in methods}

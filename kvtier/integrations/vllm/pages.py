@@ -43,7 +43,6 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from kvtier.affinity import spread_thread
 from kvtier.errors import ConfigError, CorruptEntry
 from kvtier.fastcopy import copy_pairs
 
@@ -104,8 +103,7 @@ class PageLayout:
         # Host copies of a large chunk are split over a few threads (numpy releases the GIL while
         # copying): one thread does not reach the memory bandwidth of the machine.
         threads = copy_threads if copy_threads is not None else min(4, os.cpu_count() or 1)
-        self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvtier-copy",
-                                        initializer=spread_thread) if threads > 1 else None
+        self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvtier-copy") if threads > 1 else None
         self._threads = threads
 
     @property
@@ -230,7 +228,7 @@ class PageLayout:
         return list(zip(pieces, pages) if to_entry else zip(pages, pieces))
 
     def _copy(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """``np.copyto(dst, src)`` for each pair; large batches are split over the copy threads."""
+        """``dst[:] = src[:]`` for each pair (``copy_pairs``); large batches are split over the copy threads."""
         if self._pool is None or sum(src.nbytes for _, src in pairs) < _PARALLEL_BYTES:
             _copy_all(pairs)
             return
