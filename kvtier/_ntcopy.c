@@ -95,6 +95,7 @@ static PyObject *copy_pairs(PyObject *self, PyObject *args, PyObject *kwargs)
         Py_DECREF(seq);
         return PyErr_NoMemory();
     }
+    PyObject *result = NULL;
     Py_ssize_t held = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *pair = PySequence_Fast_GET_ITEM(seq, i);
@@ -125,15 +126,12 @@ static PyObject *copy_pairs(PyObject *self, PyObject *args, PyObject *kwargs)
     } else {
         copy_all(views, n);
     }
-    release_all(views, held);
-    PyMem_Free(views);
-    Py_DECREF(seq);
-    Py_RETURN_NONE;
+    result = Py_NewRef(Py_None);
 fail:
     release_all(views, held);
     PyMem_Free(views);
     Py_DECREF(seq);
-    return NULL;
+    return result;
 }
 
 static PyMethodDef methods[] = {

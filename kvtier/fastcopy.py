@@ -47,8 +47,9 @@ def copy_pairs(pairs: Sequence[tuple[np.ndarray, np.ndarray]], release_gil: bool
 
 
 def _as_array(obj, i: int, role: str) -> np.ndarray:
+    """``obj`` as an array over its own memory (any buffer); TypeError naming the pair otherwise."""
     if isinstance(obj, np.ndarray):
-        return np.asarray(obj)
+        return obj
     try:
         return np.asarray(memoryview(obj))
     except TypeError:

@@ -204,5 +204,5 @@ def test_the_connectors_page_copies_import_and_use_it():
     from kvtier.integrations.vllm import pages
     src = _random(3 * 8192, 11)
     dst = np.zeros_like(src)
-    pages._copy_all([(dst[i:i + 8192], src[i:i + 8192]) for i in range(0, src.size, 8192)])
+    pages.copy_pairs([(dst[i:i + 8192], src[i:i + 8192]) for i in range(0, src.size, 8192)])
     assert np.array_equal(dst, src)

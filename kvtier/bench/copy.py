@@ -2,8 +2,9 @@
 
 What a load or a save does on a CPU engine: ``--pages`` pages of ``--page`` bytes, each at a
 random place of a ``--span`` buffer (cold memory: a load's arena pages and an engine's blocks are
-scattered over gigabytes), copied into random places of another. Per round the same scattered
-pairs are copied by each method in turn (order alternated), on one thread; reported: each
+scattered over gigabytes), copied into random places of another. Per round each method copies
+its own freshly drawn pairs (so neither finds the other's pages in the cache), the two in turn,
+order alternated, on one thread; reported: each
 method's median GB/s over the rounds and the streamed copy's ratio to ``np.copyto`` per round
 (median, min, max). ``streaming`` says whether this install has the C extension (without it both
 methods are numpy's).
@@ -37,7 +38,7 @@ def _numpy(pairs) -> None:
 
 
 def measure(page: int, pages: int, span: int, rounds: int, seed: int = 0) -> dict:
-    """GB/s per method per round over the same scattered pairs, and the per-round ratios."""
+    """GB/s per method per round (fresh scattered pairs for each copy), and the per-round ratios."""
     if page < 1:
         raise ConfigError(f"--page {page}: need at least 1 byte")
     slots = span // page

@@ -690,12 +690,10 @@ def own_hits(settings: list[Setting]) -> dict:
         reqs = [r for r in s.result.get("passes", {}).get("again", []) if "own_hit" in r]
         if not reqs:
             continue
-        own = [r["own_hit"] for r in reqs
-               if r["own_hit"]["hit_tokens"] == 0
-               and r["own_hit"]["local_hit_tokens"] >= max(1, r["hit_tokens"] + r["local_hit_tokens"])]
-        pairs = [(r["ttft_ms"], r["own_hit"]["ttft_ms"]) for r in reqs
-                 if r["hit_tokens"] > r["local_hit_tokens"] and r["own_hit"]["hit_tokens"] == 0
-                 and r["own_hit"]["local_hit_tokens"] >= r["hit_tokens"] + r["local_hit_tokens"]]
+        whole = [r for r in reqs if r["own_hit"]["hit_tokens"] == 0
+                 and r["own_hit"]["local_hit_tokens"] >= max(1, r["hit_tokens"] + r["local_hit_tokens"])]
+        own = [r["own_hit"] for r in whole]
+        pairs = [(r["ttft_ms"], r["own_hit"]["ttft_ms"]) for r in whole if r["hit_tokens"] > r["local_hit_tokens"]]
         row = {"own_hit_p50_ms": _p50([o["ttft_ms"] for o in own]), "own_hits": len(own), "pairs": len(pairs)}
         ratios = [a / b for a, b in pairs if b > 0]
         if ratios:

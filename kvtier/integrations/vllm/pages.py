@@ -100,7 +100,7 @@ class PageLayout:
         # side stream) never queues behind the previous step's device-to-host copy
         self._d2h_stream = torch.cuda.Stream(device=self.device) if cuda else None
         self._buffers = _Buffers(self)
-        # Host copies of a large chunk are split over a few threads (numpy releases the GIL while
+        # Host copies of a large chunk are split over a few threads (copy_pairs releases the GIL while
         # copying): one thread does not reach the memory bandwidth of the machine.
         threads = copy_threads if copy_threads is not None else min(4, os.cpu_count() or 1)
         self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvtier-copy") if threads > 1 else None
@@ -230,12 +230,12 @@ class PageLayout:
     def _copy(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
         """``dst[:] = src[:]`` for each pair (``copy_pairs``); large batches are split over the copy threads."""
         if self._pool is None or sum(src.nbytes for _, src in pairs) < _PARALLEL_BYTES:
-            _copy_all(pairs)
+            copy_pairs(pairs)
             return
         n = self._threads
         pairs = _split_large(pairs, n)
-        futures = [self._pool.submit(_copy_all, pairs[i::n]) for i in range(1, n)]
-        _copy_all(pairs[0::n])
+        futures = [self._pool.submit(copy_pairs, pairs[i::n]) for i in range(1, n)]
+        copy_pairs(pairs[0::n])
         for future in futures:
             future.result()
 
@@ -301,7 +301,7 @@ class SaveStep:
         layout's copy threads)."""
         layout = self._layout
         arrays = layout._arrays(segments)
-        copy = layout._copy if parallel else _copy_all
+        copy = layout._copy if parallel else copy_pairs
         if not self._groups:  # host engine: straight from the pages
             copy(layout._page_pairs(self._chunks[i], arrays, 0, to_entry=True))
             return
@@ -581,7 +581,3 @@ def _split_large(pairs: list[tuple[np.ndarray, np.ndarray]], n: int) -> list[tup
         step = -(-src.size // n)
         out.extend((dst[k : k + step], src[k : k + step]) for k in range(0, src.size, step))
     return out
-
-
-def _copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    copy_pairs(pairs)
