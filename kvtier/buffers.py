@@ -5,7 +5,12 @@ a reservation): a *segment list* is a list of flat uint8 arrays (or buffers nump
 whose concatenation is the payload. These helpers are the only place that walks such lists,
 so every copy in the store, the server and its client is one of them.
 
-Imports: numpy only (this is the ground floor). No global state.
+Writes into a tier's storage (``scatter``, ``copy_segments``) go through
+``kvtier.fastcopy.copy_pairs``: streaming stores where its extension is built (the bytes are read
+by another process or much later, never by the copying core next), the GIL released. Reads out
+of a tier (``gather_into``, ``gather``) use ordinary copies: their caller reads the bytes next.
+
+Imports: numpy and ``fastcopy`` (both the ground floor). No global state.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import threading
 from typing import Any, Sequence
 
 import numpy as np
+
+from kvtier.fastcopy import copy_pairs
 
 Segments = Sequence[Any]  # flat uint8 arrays or bytes-like objects, in payload order
 
@@ -58,14 +65,17 @@ def gather(segments: Segments) -> bytes:
 
 
 def scatter(src: Any, segments: Segments) -> int:
-    """Copy the contiguous ``src`` into the writable ``segments`` in order (each filled whole
-    while bytes last); returns the bytes copied."""
+    """Copy the contiguous ``src`` into the writable ``segments`` in order; returns the bytes
+    copied. ValueError, before a byte moves, unless the segments' total is ``src``'s size."""
     data = byte_view(src)
-    pos = 0
-    for seg in segments:
-        seg = byte_view(seg)
-        seg[:] = data[pos : pos + seg.size]
-        pos += seg.size
+    views = [byte_view(seg) for seg in segments]
+    if sum(v.size for v in views) != data.size:
+        raise ValueError(f"segments of {sum(v.size for v in views)} bytes for a source of {data.size} bytes")
+    pairs, pos = [], 0
+    for view in views:
+        pairs.append((view, data[pos : pos + view.size]))
+        pos += view.size
+    copy_pairs(pairs)
     return pos
 
 
@@ -95,18 +105,20 @@ def split_segments(segments: Segments, sizes: Sequence[int]) -> list[list[np.nda
 def copy_segments(src: Segments, dst: Segments) -> None:
     """Copy the concatenation of uint8 segments ``src`` into segments ``dst`` (same total size),
     whatever the two lists' boundaries are."""
+    pairs = []
     si = so = 0
     for seg in dst:
         pos = 0
         while pos < seg.size:
             s = src[si]
             n = min(seg.size - pos, s.size - so)
-            seg[pos : pos + n] = s[so : so + n]
+            pairs.append((seg[pos : pos + n], s[so : so + n]))
             pos += n
             so += n
             if so == s.size:
                 si += 1
                 so = 0
+    copy_pairs(pairs)
 
 
 class Scratch:

@@ -18,6 +18,7 @@ import sys
 import time
 
 from kvtier.errors import KVTierError
+from kvtier.fastcopy import copy_pairs
 from kvtier.harness.procs import Child, spawn, wait_ready
 from kvtier.server.client import ServerStore
 from kvtier.server.protocol import ServerRejected
@@ -175,6 +176,14 @@ def _one_round(direct: ServerStore, staged: ServerStore, entry_bytes: int, count
             np.copyto(out, slot)
         t2 = time.perf_counter()
         figures["memcpy", "put"], figures["memcpy", "get"] = gb / (t1 - t0), gb / (t2 - t1)
+        t0 = time.perf_counter()
+        for slot in slots:  # the same copies with the streaming stores the server's fills use
+            copy_pairs([(slot, payload)])
+        t1 = time.perf_counter()
+        for slot in slots:
+            copy_pairs([(out, slot)])
+        t2 = time.perf_counter()
+        figures["memcpy-stream", "put"], figures["memcpy-stream", "get"] = gb / (t1 - t0), gb / (t2 - t1)
 
     def server_pass(name: str, client: ServerStore, batched: bool = False) -> None:
         t0 = time.perf_counter()
@@ -210,7 +219,7 @@ def _summarise(entry_bytes: int, rounds: list[dict]) -> list[dict]:
     import statistics
 
     rows = []
-    for path in ("memcpy", "direct", "direct-batch", "staging"):
+    for path in ("memcpy", "memcpy-stream", "direct", "direct-batch", "staging"):
         for op in ("put", "get"):
             gbps = [r[path, op] for r in rounds]
             ratios = [r[path, op] / r["memcpy", op] for r in rounds]

@@ -141,6 +141,10 @@ class ServeConfig:
         timed to end where the client's fill is expected to end (at the rate of the connection's
         previous fills), so a core spins at most this long per direct write. Worth it where a
         blocked thread wakes slowly (virtual machines whose idle vCPUs halt: ~0.1 ms a wake-up).
+    request_poll_s: how long a connection's thread polls for the client's next request after it
+        answers one, while that client's requests have come back to back (the moving average
+        of the gaps within this budget: a put or get loop, a batch's reads); a client that pauses
+        between requests (an engine between steps) turns it off. 0: it always blocks.
 
     Ranges are declared on the fields (``kvtier.config.ranged``) and checked by ``validate``,
     cross-field rules by ``check``: one ConfigError line ``serve.KEY: ...``.
@@ -161,6 +165,7 @@ class ServeConfig:
     metrics_max_connections: int = ranged(8, ge=1, le=1024)
     metrics_request_timeout_s: float = ranged(5.0, gt=0.0, le=300.0)
     commit_poll_s: float = ranged(0.002, ge=0.0, le=0.1)
+    request_poll_s: float = ranged(0.0002, ge=0.0, le=0.01)
 
     def __post_init__(self):
         validate(self, "serve")  # a config built by hand is checked as one built from a file
@@ -969,6 +974,7 @@ class _Connection:
         self.decodes = False  # the client decodes coded arena entries (said so in its hello)
         self.fill_rate = 0.0  # bytes/s of this client's direct-write fills (moving average; 0: none yet)
         self.poller = P.Poller(server.config.commit_poll_s)  # polls for commits while they come in time
+        self.request_poller = P.Poller(server.config.request_poll_s)  # polls for requests that come back to back
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -1026,11 +1032,12 @@ class _Connection:
             self.sock.settimeout(None)  # an engine may stay idle between requests for hours
             server.count(connections=1)
             follow = None  # a request that ended a direct write, to serve next
+            answered = None  # when the last reply was sent (time.monotonic), or None
             while True:
                 if follow is not None:
                     (op, msg), follow = follow, None
                 else:
-                    msg = P.recv(self.sock)
+                    msg = self._next_request(answered)
                     if msg is None:
                         return
                     try:
@@ -1049,6 +1056,7 @@ class _Connection:
                         reply = self._dispatch(op, msg)
                 if reply is not None:
                     P.send(self.sock, reply)
+                answered = time.monotonic() if follow is None else None
         except P.ProtocolError as exc:  # the stream is out of sync: answer once, then hang up
             server.count(malformed=1)
             self._try_send(P.error(exc.code, str(exc)))
@@ -1059,6 +1067,21 @@ class _Connection:
         finally:
             self._cleanup()
             server._leave(self, self.authenticated)
+
+    def _next_request(self, answered: float | None) -> dict | None:
+        """The client's next request (None at the stream's end). Right after a reply
+        (``answered``), polled for while ``request_poller`` says requests come back to back,
+        which learns from the gap between the reply and the request's first byte (at most
+        ``request_poll_s`` of spinning per request)."""
+        if answered is not None and self.request_poller.budget > 0:
+            if not self.request_poller.poll(self.sock):
+                waiter = select.poll()  # not select.select: a descriptor may be past FD_SETSIZE
+                waiter.register(self.sock, select.POLLIN)
+                waiter.poll()  # also ends at the stream's end or a shutdown (POLLHUP)
+            # a gap counts at most twice the budget: one pause (a client's other work between two
+            # loops) must not outweigh the back-to-back requests around it for the next dozen
+            self.request_poller.observe(min(time.monotonic() - answered, 2 * self.request_poller.budget))
+        return P.recv(self.sock)
 
     def _handshake(self) -> bool:
         """One small hello frame within the hello deadline; True when the client is accepted."""

@@ -272,13 +272,17 @@ def test_the_poll_settings_are_checked_at_the_edge():
     with pytest.raises(ConfigError, match="commit_poll_s"):
         ServeConfig.from_mapping({"commit_poll_s": 5})
     assert ServeConfig.from_mapping({"commit_poll_s": 0}).commit_poll_s == 0
+    for bad in (-1, 0.5, "fast"):
+        with pytest.raises(ConfigError, match="request_poll_s"):
+            ServeConfig.from_mapping({"request_poll_s": bad})
+    assert ServeConfig.from_mapping({"request_poll_s": 0}).request_poll_s == 0
     for bad in (-0.1, 1.0, float("nan"), "0.1"):
         with pytest.raises(ValueError, match="reply_poll_s"):
             ServerStore("unix:///nonexistent/kvtier.sock", reply_poll_s=bad)
 
 
 def test_writes_and_reads_work_with_polling_off_on_both_sides(make_server):
-    server = make_server(tiers=ARENA_8M, commit_poll_s=0)
+    server = make_server(tiers=ARENA_8M, commit_poll_s=0, request_poll_s=0)
     with ServerStore(server.address, reply_poll_s=0) as c:
         assert c.put(_key(1), _payload(1, MiB)) and c.put_many([(_key(2), _payload(2, MiB))] * 1) == [True]
         assert c.put_many([(_key(3), _payload(3, 65536)), (_key(4), _payload(4, 65536))]) == [True, True]
@@ -321,3 +325,45 @@ def test_the_poller_stops_while_messages_come_late_and_resumes_when_they_are_fas
     off = P.Poller(0)
     off.observe(1.0)
     assert not off.polling and off.average == 0
+
+
+def test_the_server_polls_for_requests_while_they_come_back_to_back_and_not_for_a_client_that_pauses():
+    import socket
+    import threading
+    from types import SimpleNamespace
+
+    from kvtier.server.server import _Connection
+
+    a, b = socket.socketpair()
+    try:
+        conn = _Connection(SimpleNamespace(config=SimpleNamespace(commit_poll_s=0.002, request_poll_s=0.0002)), a)
+        poller = conn.request_poller
+
+        def ask(delay: float) -> dict | None:
+            answered = time.monotonic()
+            if delay == 0:  # back to back: the request is there before the wait
+                P.send(b, {"op": "stats"})
+                return conn._next_request(answered)
+            timer = threading.Timer(delay, P.send, (b, {"op": "stats"}))
+            timer.start()
+            try:
+                return conn._next_request(answered)
+            finally:
+                timer.join()
+
+        for _ in range(5):
+            assert ask(0.0) == {"op": "stats"}
+        assert poller.polling and poller.average < 0.0002  # a loop of requests: polled for
+        assert ask(0.03) == {"op": "stats"}
+        assert poller.polling  # one pause between two loops does not turn it off
+        for _ in range(6):
+            assert ask(0.03) == {"op": "stats"}
+        assert not poller.polling and poller.average <= 0.0004  # a pause counts at most twice the budget
+        for _ in range(10):
+            ask(0.0)
+        assert poller.polling  # back to back again
+        b.close()
+        assert conn._next_request(time.monotonic()) is None  # the stream's end ends the wait
+    finally:
+        b.close()
+        a.close()

@@ -390,6 +390,6 @@ def test_the_write_comparison_benchmark_reports_every_path_beside_memcpy(tmp_pat
     report = compare_writes([65536], total=MiB, rounds=2, workdir=str(tmp_path), batch=5)
     rows = {(r["path"], r["op"]): r for r in report["results"]}
     assert report["batch"] == 5
-    assert set(rows) == {(p, o) for p in ("memcpy", "direct", "direct-batch", "staging") for o in ("put", "get")}
+    assert set(rows) == {(p, o) for p in ("memcpy", "memcpy-stream", "direct", "direct-batch", "staging") for o in ("put", "get")}
     assert all(r["gb_per_s"] > 0 and r["vs_memcpy_min"] <= r["vs_memcpy"] <= r["vs_memcpy_max"] for r in rows.values())
     assert rows["memcpy", "put"]["vs_memcpy"] == 1.0
