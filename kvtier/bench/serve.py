@@ -33,7 +33,8 @@ tokens. ``--json`` prints ``{"rows": [...], "targets": [...]}`` (issue 10's targ
 ``--rounds R`` runs every setting R times (a fresh engine each time), each round on fresh
 documents and in the reverse order of the round before, so that settings are compared within a
 round on a machine whose speed drifts: rows carry their ``round``, and each target is the median
-of its per-round ratios, with their min and max.
+of its per-round ratios, with their min and max. A setting's tier directories are removed, and
+the page cache's dirty pages flushed, before the next setting's engine starts.
 
 Settings (``SETTINGS``): ``vllm`` (no connector), ``kvtier`` (today's synchronous transfers),
 and ``kvtier-async`` (kvtier with ``transfer_mode: async``: hits below the RAM tier load in the
@@ -176,8 +177,11 @@ def run(args: argparse.Namespace) -> int:
                         setting_dir = work / f"{variant}-{name}"
                         shutil.rmtree(setting_dir, ignore_errors=True)
                         setting_dir.mkdir(parents=True)
-                        results[name] = _run_setting(dict(spec, kv_transfer_config=SETTINGS[name](setting_dir, load)),
-                                                     setting_dir, args.timeout)
+                        try:
+                            results[name] = _run_setting(dict(spec, kv_transfer_config=SETTINGS[name](setting_dir, load)),
+                                                         setting_dir, args.timeout)
+                        finally:
+                            _clear_tiers(setting_dir)
                 except KVTierError as exc:
                     if r == 0:
                         raise
@@ -295,6 +299,18 @@ def _spec(model: str, load: Workload, levels: list[int], seed: int = SEED) -> di
     pool_tokens = max(levels) * max_len + 4 * 128  # every client's request resident at once
     return {"model": model, "max_model_len": max_len, "pool_blocks": -(-pool_tokens // 128),
             "warmup": tokens(600), "levels": spec_levels}
+
+
+TIER_DIRS = ("disk", "shared")  # what ``_kvtier`` writes under a setting's directory
+
+
+def _clear_tiers(work: Path) -> None:
+    """Remove a finished setting's tier directories and flush the page cache's dirty pages
+    (``os.sync``), so the next setting's engine does not share the disk with the write-back of
+    this one's gigabytes (it did: a setting run after a kvtier one started on a busier disk)."""
+    for name in TIER_DIRS:
+        shutil.rmtree(work / name, ignore_errors=True)
+    os.sync()
 
 
 def _run_setting(spec: dict, work: Path, timeout: float) -> dict:

@@ -47,6 +47,42 @@ def test_settings_hook_has_the_async_setting_and_tiers_for_each_group(tmp_path):
     assert serve.SETTINGS["kvtier-async"](tmp_path, load)["kv_connector_extra_config"]["transfer_mode"] == "async"
 
 
+def test_a_settings_tier_data_is_gone_before_the_next_setting_starts(tmp_path, monkeypatch, capsys):
+    """The next engine must not share the disk with the write-back of the last one's tiers:
+    each setting's tier directories are removed (its spec and logs stay) once it ends, also
+    when its engine fails."""
+    from kvtier.errors import KVTierError
+
+    seen = []
+
+    def fake_run(spec, work, timeout):
+        seen.append(sorted(p.name for p in work.parent.rglob("*") if p.is_file()))
+        for name in serve.TIER_DIRS:
+            (work / name).mkdir()
+            (work / name / "chunk").write_bytes(b"x" * 4096)
+        (work / "spec.json").write_text("{}")
+        if len(seen) == 3:
+            raise KVTierError("serve engine exited 1 without results")
+        level = {"concurrency": 1, "wall_s": 1.0, "hit_tokens": 0, "local_hit_tokens": 0,
+                 "records": [{"kind": "doc-ram", "ttft_ms": 100.0, "gaps_ms": [1.0], "output_tokens": 2,
+                              "query_tokens": 10}]}
+        return {"levels": [{"concurrency": 1, "first": level, "reread": level}]}
+
+    monkeypatch.setattr(serve, "_run_setting", fake_run)
+    monkeypatch.setattr(serve, "_model", lambda variant: tmp_path)
+    monkeypatch.setattr(serve, "_bytes_per_token", lambda model: 4096)
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    work = tmp_path / "w"
+    args = ["--rounds", "2", "--settings", "kvtier,kvtier-async", "--concurrency", "1", "--json",
+            "--work-dir", str(work), "--doc-tokens", "200"]
+    assert serve.run(parser.parse_args(args)) == 0
+    assert all("chunk" not in files for files in seen)  # every engine started without another's tier data
+    assert not [p for p in work.rglob("chunk")]  # nor is any left, the failed engine's included
+    assert (work / "small-kvtier" / "spec.json").exists()
+    assert "round 2" in json.loads(capsys.readouterr().out)["incomplete"]
+
+
 def test_rounds_alternate_the_order_and_draw_fresh_documents():
     assert serve.round_order(["vllm", "kvtier", "kvtier-async"], 0) == ["vllm", "kvtier", "kvtier-async"]
     assert serve.round_order(["vllm", "kvtier", "kvtier-async"], 1) == ["kvtier-async", "kvtier", "vllm"]
