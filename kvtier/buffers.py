@@ -66,7 +66,8 @@ def gather(segments: Segments) -> bytes:
 
 def scatter(src: Any, segments: Segments) -> int:
     """Copy the contiguous ``src`` into the writable ``segments`` in order; returns the bytes
-    copied. ValueError, before a byte moves, unless the segments' total is ``src``'s size."""
+    copied. ValueError, before a byte moves, unless the segments' total is ``src``'s size.
+    ``src`` must not overlap the segments (``copy_pairs``: a memcpy)."""
     data = byte_view(src)
     views = [byte_view(seg) for seg in segments]
     if sum(v.size for v in views) != data.size:
@@ -103,8 +104,8 @@ def split_segments(segments: Segments, sizes: Sequence[int]) -> list[list[np.nda
 
 
 def copy_segments(src: Segments, dst: Segments) -> None:
-    """Copy the concatenation of uint8 segments ``src`` into segments ``dst`` (same total size),
-    whatever the two lists' boundaries are."""
+    """Copy the concatenation of uint8 segments ``src`` into segments ``dst`` (same total size;
+    not overlapping), whatever the two lists' boundaries are."""
     pairs = []
     si = so = 0
     for seg in dst:

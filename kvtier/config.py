@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import os
 import re
 import reprlib
@@ -220,12 +221,17 @@ def validate(config: Any, where: str = "") -> None:
     """Check every ranged field of the dataclass ``config`` and every field declared a
     ``Literal`` (None values pass), then its own cross-field ``check(where)`` if it has one;
     ConfigError naming the key and the valid range or choices. So a config built by hand (its
-    ``__post_init__`` calling ``validate``) is held to what ``build`` checks."""
+    ``__post_init__`` calling ``validate``) is held to what ``build`` checks: a ranged field
+    holds a real number, never a bool or a string."""
     label = where or type(config).__name__
     choices = _literal_fields(type(config))
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if value is None or isinstance(value, bool):
+        if value is None:
+            continue
+        if "range" in f.metadata and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise ConfigError(f"{label}.{f.name}: expected a number, got {_val(value, is_secret(f))}")
+        if isinstance(value, bool):
             continue
         if f.name in choices and value not in choices[f.name]:
             raise ConfigError(f"{label}.{f.name}: must be one of {', '.join(map(str, choices[f.name]))}, "

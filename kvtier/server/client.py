@@ -849,7 +849,8 @@ class ServerStore(KVStore):
         answer = self._call({"op": "reserve", **request}, deadline)
         if answer is not None and answer.get("status") == "exists":
             return True
-        segments = self._staging_views(answer) if answer is not None and answer.get("status") == "ok" else None
+        ok = answer is not None and answer.get("status") == "ok"
+        segments = self._staging_views(answer, request["nbytes"]) if ok else None
         if segments is None:
             self._counters.write_failures += 1
             if answer is not None and answer.get("lease") is not None:
@@ -868,9 +869,10 @@ class ServerStore(KVStore):
             return False
         return True
 
-    def _staging_views(self, answer: dict) -> list[np.ndarray] | None:
+    def _staging_views(self, answer: dict, nbytes: int) -> list[np.ndarray] | None:
         """Writable views of the staging extents a ``reserve`` answered; None when one lies
-        outside the staging area."""
+        outside the staging area or they do not hold ``nbytes`` in all (``scatter`` refuses
+        segments that do not hold the payload exactly)."""
         staging = self._map.staging
         views = []
         try:
@@ -879,6 +881,8 @@ class ServerStore(KVStore):
                         and off + length <= staging.size):
                     raise ValueError("extent outside the staging area")
                 views.append(staging[off : off + length])
+            if sum(v.size for v in views) != nbytes:
+                raise ValueError("extents that do not hold the write")
         except (ValueError, TypeError, KeyError):
             self._counters.errors += 1
             return None

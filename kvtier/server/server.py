@@ -1045,6 +1045,7 @@ class _Connection:
                     except P.ProtocolError as exc:
                         server.count(malformed=1)
                         P.send(self.sock, P.error(exc.code, str(exc)))
+                        answered = time.monotonic()  # a reply too: the next gap counts from it
                         continue
                     server.count(requests=1)
                 if op == "reserve_arena":  # waits for the client: never under the lease lock
