@@ -7,6 +7,7 @@ ordering and error paths. The ``host`` engine (the CPU default) must write the s
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -230,3 +231,40 @@ def test_load_staging_holds_the_step_not_a_full_group():
         load.release()
         layout._buffers.clear()  # the next take must size a new buffer
     layout.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs a thread affinity of two CPUs or more")
+def test_copy_threads_only_where_the_building_thread_may_run_on_several_cores():
+    """A CPU engine binds its thread to one core and the copy threads would inherit it: then
+    there are none (taking turns on one core splits nothing); with two cores or more there are."""
+    def build(cpus):
+        os.sched_setaffinity(0, cpus)  # this (pool) thread only
+        return PageLayout(_cpu_layout(), 12, blocks_per_chunk=2, engine="host")
+
+    cpus = sorted(os.sched_getaffinity(0))
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(build, {cpus[0]}).result()._pool is None
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(build, set(cpus[:2])).result()._pool is not None
+
+
+def test_unsplit_copies_keep_the_gil_on_the_engines_thread_and_release_it_on_others(monkeypatch):
+    """The engine's thread (the one that built the layout) must not let go of the GIL for a
+    copy: a writer thread could take it, and the engine would wait to get it back. Any other
+    thread (a load or write-back thread) lets go of it, so the engine's thread can run."""
+    import kvtier.integrations.vllm.pages as pages
+
+    seen = []
+    real = pages.copy_pairs
+    monkeypatch.setattr(pages, "copy_pairs", lambda pairs, release_gil=True: (seen.append(release_gil),
+                                                                             real(pairs, release_gil))[1])
+    kv = _cpu_layout()
+    layout = PageLayout(kv, 12, blocks_per_chunk=2, engine="host", copy_threads=2)
+    entry = np.zeros(layout.chunk_bytes, dtype=np.uint8)
+    layout.save([0, 1], [entry])  # small: unsplit
+    with ThreadPoolExecutor(1) as pool:
+        out = np.zeros_like(entry)
+        pool.submit(layout.save, [0, 1], [out]).result()
+    assert seen == [False, True]
+    assert np.array_equal(entry, out) and entry.any()

@@ -101,10 +101,15 @@ class PageLayout:
         self._d2h_stream = torch.cuda.Stream(device=self.device) if cuda else None
         self._buffers = _Buffers(self)
         # Host copies of a large chunk are split over a few threads (copy_pairs releases the GIL while
-        # copying): one thread does not reach the memory bandwidth of the machine.
-        threads = copy_threads if copy_threads is not None else min(4, os.cpu_count() or 1)
+        # copying): one thread does not reach the memory bandwidth of the machine. Only over the
+        # cores this thread may run on: the copy threads inherit its affinity, and a CPU engine
+        # binds its thread to one core (threads sharing it would only take turns).
+        threads = copy_threads if copy_threads is not None else min(4, _usable_cpus())
         self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvtier-copy") if threads > 1 else None
         self._threads = threads
+        # the engine's thread (it builds the layout): its unsplit copies keep the GIL, since a
+        # thread that lets go of it may then wait for another (a writer) to hand it back
+        self._engine_thread = threading.get_ident()
 
     @property
     def block_bytes(self) -> int:
@@ -228,9 +233,10 @@ class PageLayout:
         return list(zip(pieces, pages) if to_entry else zip(pages, pieces))
 
     def _copy(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        """``dst[:] = src[:]`` for each pair (``copy_pairs``); large batches are split over the copy threads."""
+        """``dst[:] = src[:]`` for each pair (``copy_pairs``); large batches are split over the
+        copy threads. Unsplit on the engine's thread, the copy keeps the GIL (``copy``)."""
         if self._pool is None or sum(src.nbytes for _, src in pairs) < _PARALLEL_BYTES:
-            copy_pairs(pairs)
+            copy_pairs(pairs, release_gil=threading.get_ident() != self._engine_thread)
             return
         n = self._threads
         pairs = _split_large(pairs, n)
@@ -567,6 +573,14 @@ def _split_copy(arrays: list[np.ndarray], flat: np.ndarray, to_segments: bool,
             pairs.append((seg, part) if to_segments else (part, seg))
         pos = hi
     return pairs
+
+
+def _usable_cpus() -> int:
+    """The CPUs the calling thread may run on (its affinity where the OS reports one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS, Windows)
+        return os.cpu_count() or 1
 
 
 def _split_large(pairs: list[tuple[np.ndarray, np.ndarray]], n: int) -> list[tuple[np.ndarray, np.ndarray]]:
