@@ -3,7 +3,7 @@
 ``python tests/integration/scenario.py SPEC.json OUT.json``. The spec names the model, the pool
 size, the kv_transfer_config, the documents and the steps: ``{"send": DOC, "tag": NAME}`` sends a
 document and records its result under NAME (``"max_tokens": N`` generates N tokens instead of the
-spec's default); ``{"follow": NAME, "then": DOC, "tag": NAME2}`` sends the next turn of a
+spec's default; ``"kv_transfer_params": {...}`` goes with the request); ``{"follow": NAME, "then": DOC, "tag": NAME2}`` sends the next turn of a
 conversation: NAME's prompt, the tokens it generated, then the first 64 tokens of DOC;
 ``{"reset_prefix_cache": true}`` empties vLLM's own prefix cache; ``{"rss": NAME}`` records the
 summed RSS of this process tree (the engine runs in this process; vLLM's own processes count
@@ -61,8 +61,9 @@ def main(spec_path: str, out_path: str) -> int:
     out: dict = {"results": {}, "rss": {}}
     prompts: dict[str, list[int]] = {}
     for step in spec["steps"]:
+        extra = {"kv_transfer_params": step["kv_transfer_params"]} if "kv_transfer_params" in step else None
         sampling = SamplingParams(max_tokens=step.get("max_tokens", spec.get("max_tokens", 1)), temperature=0.0,
-                                  logprobs=5)
+                                  logprobs=5, extra_args=extra)
         if "send" in step or "follow" in step:
             if "send" in step:
                 prompt = docs[step["send"]]

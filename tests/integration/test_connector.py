@@ -210,3 +210,32 @@ def test_generated_tokens_are_saved_for_the_next_turn(tmp_path):
     assert local["local_hit_tokens"] == computed // CHUNK * CHUNK
     assert kv["local_hit_tokens"] == 0 and kv["hit_tokens"] == computed // CHUNK * CHUNK
     assert kv["token_ids"] == local["token_ids"]
+
+
+def test_a_request_can_ask_that_nothing_of_it_be_stored(tmp_path):
+    """``kv_transfer_params: {"kvtier.skip_save": true}``: nothing of that request is stored
+    (a later read of it recomputes), while its own hits still load; any other value is ignored
+    with one warning (the request is stored)."""
+    from kvtier.bench.models import make_random_model
+
+    docs = [d[:1000] for d in _docs(3)]
+    disk = tmp_path / "disk"
+    tiers = [{"type": "ram", "capacity": "16MiB"}, {"type": "disk", "path": str(disk), "capacity": "1GiB"}]
+    skip = {"kvtier.skip_save": True}
+    steps = [{"send": 0, "tag": "skipped", "kv_transfer_params": skip},
+             {"send": 1, "tag": "bad", "kv_transfer_params": {"kvtier.skip_save": "yes"}},
+             {"send": 2, "tag": "stored", "kv_transfer_params": {"other.connector": 1}},
+             {"reset_prefix_cache": True},
+             {"send": 0, "tag": "again0"}, {"send": 1, "tag": "again1"},
+             {"send": 2, "tag": "again2", "kv_transfer_params": skip}]
+    spec = {"model": str(make_random_model("small")), "docs": docs, "pool_blocks": 24, "max_model_len": 2560,
+            "kv_transfer_config": _connector(tiers), "steps": steps}
+    rc, out, log = run_scenario(tmp_path, "skip", spec)
+    assert rc == 0, log[-3000:]
+    res = out["results"]
+    stored = (len(docs[0]) - 1) // CHUNK * CHUNK
+    assert res["again0"]["hit_tokens"] == 0 and res["again0"]["local_hit_tokens"] == 0  # never stored: recomputed
+    assert res["again1"]["hit_tokens"] == stored  # a bad value: stored as usual
+    assert res["again2"]["hit_tokens"] == stored  # a request that skips saving still loads its hit
+    assert res["again2"]["token_ids"] == res["stored"]["token_ids"]
+    assert log.count("kvtier.skip_save") == 1 and "valid: true or false" in log

@@ -47,6 +47,13 @@ commits it; the worker copies it after that step's forward), only at chunk bound
 prompt's last chunk boundary on (the point a re-read resumes at). A hit of ``n`` chunks loads
 state chunk ``n - 1`` into the group's block at index ``n - 1``.
 
+Per request (vLLM's ``kv_transfer_params``, e.g. ``SamplingParams(extra_args={"kv_transfer_params":
+{"kvtier.skip_save": True}})`` or the OpenAI server's ``kv_transfer_params`` field):
+``kvtier.skip_save: true`` stores nothing of that request (a one-off prompt that should not
+take the place of prefixes worth keeping); its prompt is still looked up and its hits loaded.
+Any other value of that key is ignored with a warning naming the valid ones; other keys are
+left to other connectors.
+
 Events for routers (when vLLM publishes KV events): ``take_events`` turns the worker's store
 events into vLLM ``BlockStored``/``BlockRemoved`` events shaped as the engine's own (its block
 hashes, block size, token ids and extra keys; each group's entries with that group's
@@ -78,6 +85,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _DIGESTS_KEPT = 1024  # namespace digests remembered per (adapter, cache salt); the table is cleared when full
+SKIP_SAVE = "kvtier.skip_save"  # kv_transfer_params key: true stores nothing of the request
 
 
 @dataclass
@@ -98,6 +106,7 @@ class RequestState:
     load: tuple[int, int, int] | None = None  # (first_chunk, end_chunk, skip_blocks) pending
     saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or being stored
     saved_states: set[tuple[int, int]] = field(default_factory=set)  # (state group, chunk) saved
+    skip_save: bool = False  # the request asked that nothing of it be stored (kvtier.skip_save)
 
 
 class KVTierScheduler:
@@ -243,7 +252,7 @@ class KVTierScheduler:
         chunk = self.geometry.chunk_tokens
         for req_id, entries in offers.items():
             state = self._requests.get(req_id)
-            if state is None:
+            if state is None or state.skip_save:
                 continue
             for group_idx, block_id, boundary in entries:
                 group = self._states.get(group_idx)
@@ -331,7 +340,7 @@ class KVTierScheduler:
             ns = self._digest(self._lora_identity(request), request.cache_salt)
             state = RequestState(chunk_keys(prompt, ns, self.geometry.chunk_tokens, mm=mm,
                                             auth_key=self._auth_key), len(prompt), tokens,
-                                 ns, mm, request)
+                                 ns, mm, request, skip_save=_skips_save(request))
             self._requests[request.request_id] = state
         return state
 
@@ -395,6 +404,8 @@ class KVTierScheduler:
             prev = state.keys[-1] if state.keys else ROOT
             state.keys += chunk_keys(state.token_ids[: full * chunk], state.namespace, chunk,
                                      start=len(state.keys), prev=prev, mm=state.mm, auth_key=self._auth_key)
+        if state.skip_save:
+            return
         bpc = self.geometry.blocks_per_chunk
         paged = [g for g in self.groups if g.kind != STATE]  # state groups: saved from vLLM's offers
         for c in range(state.saved_chunks, full):
@@ -529,3 +540,17 @@ def make_probes(tier_specs: list) -> list:
         if probe is not None:
             probes.append(probe)
     return probes
+
+
+def _skips_save(request: "Request") -> bool:
+    """Whether the request's ``kv_transfer_params`` say ``kvtier.skip_save: true``. A value
+    other than true or false is ignored (the request is stored) with a warning."""
+    params = getattr(request, "kv_transfer_params", None)
+    if not isinstance(params, dict) or SKIP_SAVE not in params:
+        return False
+    value = params[SKIP_SAVE]
+    if isinstance(value, bool):
+        return value
+    log.warning("kvtier: request %s: kv_transfer_params %r is %r; valid: true or false (ignored: the request "
+                "is stored)", getattr(request, "request_id", "?"), SKIP_SAVE, value)
+    return False
