@@ -130,12 +130,19 @@ def serve(spec: dict) -> None:
     """Start the engine, then answer commands from stdin, one JSON object per line.
 
     ``{"doc": I}`` sends document I, ``{"hit": I}`` the I-th engine-hit probe document,
-    ``{"stats": true}`` answers ``stats`` and ``{"quit": true}`` ends. Each answer is one stdout
-    line: MARKER + JSON (see ``_one``).
+    ``{"probe": I, "skip_save": B}`` the I-th of ``spec["probe_docs"]`` (with B, its
+    ``kv_transfer_params`` ask the connector to store nothing of it), ``{"stats": true}``
+    answers ``stats`` and ``{"quit": true}`` ends. Each answer is one stdout line: MARKER +
+    JSON (see ``_one``).
     """
     def handle(llm, cmd: dict, sampling) -> dict:
         if cmd.get("stats"):
             return stats(llm)
+        if "probe" in cmd:
+            if cmd.get("skip_save"):
+                sampling = sampling.clone()
+                sampling.extra_args = {"kv_transfer_params": {"kvtier.skip_save": True}}
+            return _one(llm, spec["probe_docs"][cmd["probe"]], sampling)
         tokens = spec["docs"][cmd["doc"]] if "doc" in cmd else spec["hit_docs"][cmd["hit"]]
         return _one(llm, tokens, sampling)
 

@@ -140,6 +140,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "round by round; the report gives each setting's first-pass TTFT over vLLM alone's "
                              "per round (median, min, max). The re-reads use the last round's documents, after the store "
                              "has seen every round's (with the default admission, mostly misses) (1)")
+    parser.add_argument("--first-pairs", type=int, default=0,
+                        help="after the passes, N pairs of fresh documents per kvtier setting, in the same engine: "
+                             "one stored as usual, one with kv_transfer_params kvtier.skip_save (nothing stored), the "
+                             "order alternated pair by pair, each after --settle-ms; reports the first pass's cost of "
+                             "storing beside the same engine not storing (median of the per-pair ratios) (0: none)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
 
 
@@ -159,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
     rounds = getattr(args, "first_rounds", 1)
     if not 1 <= rounds <= 100:
         raise ConfigError(f"--first-rounds must be 1..100, got {rounds}")
+    if not 0 <= getattr(args, "first_pairs", 0) <= 100:
+        raise ConfigError(f"--first-pairs must be 0..100, got {args.first_pairs}")
     check_pool(args.pool_tokens, args.tokens, BLOCK_TOKENS)
     if not 1 <= getattr(args, "compare_tokens", 1) <= 64:  # the engine's max_model_len leaves 64 tokens
         raise ConfigError(f"--compare-tokens must be 1..64, got {args.compare_tokens}")
@@ -170,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     chunk = check_chunk_tokens(shape, block, args.chunk_tokens, model)
     args.engine_args = engine_args(shape, block)
     docs, warmup, hit_docs = _documents(args.docs * rounds, args.tokens, _vocab_size(config))
+    args.probe_docs = _probe_documents(2 * getattr(args, "first_pairs", 0), args.tokens, _vocab_size(config))
     generated = getattr(args, "compare_tokens", 1)
     stored = stored_tokens(args.tokens, generated, chunk)
     boundaries = state_boundaries(args.tokens, chunk) if any(k.state_bytes for k in shape.kinds) else 0
@@ -192,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
     report["stored_bytes"] = stored_bytes(settings, args.docs * rounds, report["model"]["formula_bytes"])
     report["first_rounds"] = first_rounds(settings)
     report["first_tokens"] = first_tokens(settings, getattr(args, "compare_tokens", 1))
+    if getattr(args, "first_pairs", 0):
+        report["first_pairs"] = first_pairs(settings)
     if args.plot:
         _plot(report, args.plot)
     if args.json:
@@ -441,6 +451,15 @@ def _documents(num_docs: int, tokens: int, vocab: int = 32000) -> tuple[list[lis
     return docs, warmup, hit_docs
 
 
+def _probe_documents(n: int, tokens: int, vocab: int) -> list[list[int]]:
+    """``n`` more fresh documents (their own seed: none equals a document of the passes) of
+    ``tokens`` token ids below ``vocab``, for ``--first-pairs``."""
+    high = min(31000, vocab)
+    low = min(100, high // 4)
+    rng = np.random.default_rng(20261205)
+    return [rng.integers(low, high, tokens).tolist() for _ in range(n)]
+
+
 def _kvtier(tiers: list[dict], chunk_tokens: int | None) -> dict:
     extra: dict = {"tiers": tiers}
     if chunk_tokens:
@@ -539,7 +558,8 @@ def _run_settings(settings: list[Setting], model: str, docs, warmup, hit_docs, a
     order = {"first": [list(range(r * n, (r + 1) * n)) for r in range(rounds)], "again": [last],
              "reverse": [last[::-1]]}
     total = (sum(len(d) * (2 if p == "again" else 1) for s in settings for p in s.passes for d in order[p])
-             + sum((1 + ENGINE_HIT_REPEATS) * s.engine_hit_docs for s in settings))
+             + sum((1 + ENGINE_HIT_REPEATS) * s.engine_hit_docs for s in settings)
+             + sum(2 * getattr(args, "first_pairs", 0) for s in settings if "first" in s.passes and _is_kvtier(s)))
     quiet = args.json and not sys.stderr.isatty()
     with tqdm(total=total, desc="kvtier demo", unit="req", file=sys.stderr, disable=quiet) as bar:
         for group in groups:
@@ -549,7 +569,9 @@ def _run_settings(settings: list[Setting], model: str, docs, warmup, hit_docs, a
 def _run_group(group: list[Setting], order: dict, model: str, docs, warmup, hit_docs, args, work: Path, bar) -> None:
     """Start one engine per setting of ``group``, replay the passes interleaved, stop them."""
     env = _engine_env()
+    pairs = getattr(args, "first_pairs", 0)
     spec = {"model": model, "docs": docs, "warmup": warmup, "hit_docs": hit_docs,
+            "probe_docs": getattr(args, "probe_docs", []),
             "pool_blocks": getattr(args, "pool_blocks", None) or args.pool_tokens // 128,
             "max_model_len": args.tokens + 64,
             "max_tokens": getattr(args, "compare_tokens", 1), "enforce_eager": bool(getattr(args, "enforce_eager", False)),
@@ -600,6 +622,13 @@ def _run_group(group: list[Setting], order: dict, model: str, docs, warmup, hit_
                 for _ in range(ENGINE_HIT_REPEATS):  # the pool holds one document: each a local hit
                     again = engines[setting.name].ask({"hit": i})
                     setting.result["engine_hit"].append({"first": first, "again": again})
+                    bar.update(1)
+        for setting in (counted if pairs else []):
+            setting.result["first_pairs"] = []
+            for k in range(pairs):  # fresh documents: one stored, one not, the order alternated
+                for m, skip in enumerate((True, False) if k % 2 == 0 else (False, True)):
+                    answer = engines[setting.name].ask({"probe": 2 * k + m, "skip_save": skip}, settle)
+                    setting.result["first_pairs"].append({**answer, "pair": k, "skip_save": skip})
                     bar.update(1)
 
 
@@ -674,6 +703,39 @@ def first_rounds(settings: list[Setting]) -> dict:
             out[s.name] = {"ratios": [round(x, 4) for x in ratios], "median": round(statistics.median(ratios), 4),
                            "min": round(min(ratios), 4), "max": round(max(ratios), 4)}
     return {"rounds": len(ref), "settings": out}
+
+
+def first_pairs(settings: list[Setting]) -> dict:
+    """Per kvtier setting with ``--first-pairs``: each pair's first-pass TTFT stored over not
+    stored (``kvtier.skip_save``), in the same engine moments apart, and their median, min and
+    max. Both documents are looked up (misses): what the ratio holds is the cost of storing
+    (the step's copies into the top tier, the lower tiers' write-through while it runs); what
+    the connector costs every request alike (its lookup, its per-step metadata) is not in it.
+    A pair that hit anything (it should not: fresh documents) is left out and counted."""
+    out = {}
+    for s in settings:
+        rows = s.result.get("first_pairs") if s.result else None
+        if not rows:
+            continue
+        by_pair: dict[int, dict[bool, dict]] = {}
+        for r in rows:
+            by_pair.setdefault(r["pair"], {})[r["skip_save"]] = r
+        ratios, hit = [], 0
+        for pair in by_pair.values():
+            if len(pair) != 2:
+                continue
+            if any(r["hit_tokens"] or r["local_hit_tokens"] for r in pair.values()):
+                hit += 1
+                continue
+            ratios.append(pair[False]["ttft_ms"] / pair[True]["ttft_ms"])
+        row: dict = {"pairs": len(ratios), "with_hits": hit,
+                     "stored_p50_ms": _p50([r["ttft_ms"] for r in rows if not r["skip_save"]]),
+                     "not_stored_p50_ms": _p50([r["ttft_ms"] for r in rows if r["skip_save"]])}
+        if ratios:
+            row.update(ratios=[round(x, 4) for x in ratios], median=round(statistics.median(ratios), 4),
+                       min=round(min(ratios), 4), max=round(max(ratios), 4))
+        out[s.name] = row
+    return out
 
 
 def own_hits(settings: list[Setting]) -> dict:
@@ -994,6 +1056,13 @@ def _print(report: dict, args: argparse.Namespace, working_set: int) -> None:
                     [[name, row["pairs"], row["median"], row["min"], row["max"], row["own_hit_p50_ms"]]
                      for name, row in paired.items()],
                     title="each re-read beside the same engine's own hit of the same document, asked right after it")
+    stored = {name: row for name, row in (report.get("first_pairs") or {}).items() if "median" in row}
+    if stored:
+        print_table(["setting", "pairs", "stored / not stored: median", "min", "max", "stored p50 (ms)",
+                     "not stored p50 (ms)"],
+                    [[name, row["pairs"], row["median"], row["min"], row["max"], row["stored_p50_ms"],
+                      row["not_stored_p50_ms"]] for name, row in stored.items()],
+                    title="first pass, fresh documents in the same engine: stored beside kvtier.skip_save")
     rounds = report.get("first_rounds") or {}
     if rounds.get("settings"):
         print_table(["setting", "first-pass TTFT / vLLM alone's: median", "min", "max"],

@@ -570,3 +570,32 @@ def test_the_ram_tier_is_sized_on_arena_pages_where_state_entries_round_up():
             assert (got > 10 << 20) == bool(states and boundaries)
         for k in states:  # each layer's state plus its padding is whole pages
             assert 0 < k.state_bytes <= page and (k.state_bytes + (page - k.state_bytes % page) % page) % page == 0
+
+
+def test_first_pairs_compare_storing_with_not_storing_in_the_same_engine(capsys):
+    """``--first-pairs``: per pair of fresh documents, the TTFT of the one stored over the one
+    with ``kvtier.skip_save``; a pair with any hit (not fresh) or missing a side is left out."""
+    def probe(pair, skip, ttft, hit=0, local=0):
+        return {"pair": pair, "skip_save": skip, "ttft_ms": ttft, "hit_tokens": hit, "local_hit_tokens": local}
+
+    kv = Setting("kvtier-ram", offload._kvtier([], None), result={"first_pairs": [
+        probe(0, True, 100), probe(0, False, 103),
+        probe(1, False, 220), probe(1, True, 200),   # the order alternated
+        probe(2, True, 100), probe(2, False, 90, hit=128),  # a hit: left out
+        probe(3, True, 100),  # no partner: left out
+    ]})
+    out = offload.first_pairs([Setting("vllm", None, result={"passes": {}}), kv])
+    row = out["kvtier-ram"]
+    assert list(out) == ["kvtier-ram"]
+    assert row["pairs"] == 2 and row["with_hits"] == 1 and row["ratios"] == [1.03, 1.1]
+    assert (row["median"], row["min"], row["max"]) == (1.065, 1.03, 1.1)
+    assert main(["demo", "--first-pairs", "-1"]) == 2  # one line, before any engine or model
+    assert "--first-pairs must be 0..100" in capsys.readouterr().err
+
+
+def test_probe_documents_are_fresh_and_reproducible():
+    docs, _, hit_docs = offload._documents(10, 300, 32000)
+    probes = offload._probe_documents(6, 300, 32000)
+    assert probes == offload._probe_documents(6, 300, 32000) and len(probes) == 6
+    assert all(len(p) == 300 and max(p) < 31000 for p in probes)
+    assert not {tuple(p) for p in probes} & {tuple(d) for d in docs + hit_docs}
