@@ -47,6 +47,24 @@ def test_settings_hook_has_the_async_setting_and_tiers_for_each_group(tmp_path):
     assert serve.SETTINGS["kvtier-async"](tmp_path, load)["kv_connector_extra_config"]["transfer_mode"] == "async"
 
 
+def _fake_result() -> dict:
+    """One level's records as an engine process answers them (one document, one gap)."""
+    level = {"concurrency": 1, "wall_s": 1.0, "hit_tokens": 0, "local_hit_tokens": 0,
+             "records": [{"kind": "doc-ram", "ttft_ms": 100.0, "gaps_ms": [1.0], "output_tokens": 2,
+                          "query_tokens": 10}]}
+    return {"levels": [{"concurrency": 1, "first": level, "reread": level}]}
+
+
+def _without_engines(monkeypatch, tmp_path, fake_run) -> argparse.ArgumentParser:
+    """``kvtier bench serve``'s parser, with ``fake_run`` in place of each engine process."""
+    monkeypatch.setattr(serve, "_run_setting", fake_run)
+    monkeypatch.setattr(serve, "_model", lambda variant: tmp_path)
+    monkeypatch.setattr(serve, "_bytes_per_token", lambda model: 4096)
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    return parser
+
+
 def test_a_settings_tier_data_is_gone_before_the_next_setting_starts(tmp_path, monkeypatch, capsys):
     """The next engine must not share the disk with the write-back of the last one's tiers:
     each setting's tier directories are removed (its spec and logs stay) once it ends, also
@@ -63,16 +81,9 @@ def test_a_settings_tier_data_is_gone_before_the_next_setting_starts(tmp_path, m
         (work / "spec.json").write_text("{}")
         if len(seen) == 3:
             raise KVTierError("serve engine exited 1 without results")
-        level = {"concurrency": 1, "wall_s": 1.0, "hit_tokens": 0, "local_hit_tokens": 0,
-                 "records": [{"kind": "doc-ram", "ttft_ms": 100.0, "gaps_ms": [1.0], "output_tokens": 2,
-                              "query_tokens": 10}]}
-        return {"levels": [{"concurrency": 1, "first": level, "reread": level}]}
+        return _fake_result()
 
-    monkeypatch.setattr(serve, "_run_setting", fake_run)
-    monkeypatch.setattr(serve, "_model", lambda variant: tmp_path)
-    monkeypatch.setattr(serve, "_bytes_per_token", lambda model: 4096)
-    parser = argparse.ArgumentParser()
-    serve.add_arguments(parser)
+    parser = _without_engines(monkeypatch, tmp_path, fake_run)
     work = tmp_path / "w"
     args = ["--rounds", "2", "--settings", "kvtier,kvtier-async", "--concurrency", "1", "--json",
             "--work-dir", str(work), "--doc-tokens", "200"]
@@ -113,16 +124,9 @@ def test_a_later_round_that_fails_keeps_the_rounds_before_it(tmp_path, monkeypat
         calls.append(spec)
         if len(calls) == 5:
             raise KVTierError("serve engine exited 1 without results")
-        level = {"concurrency": 1, "wall_s": 1.0, "hit_tokens": 0, "local_hit_tokens": 0,
-                 "records": [{"kind": "doc-ram", "ttft_ms": 100.0, "gaps_ms": [1.0], "output_tokens": 2,
-                              "query_tokens": 10}]}
-        return {"levels": [{"concurrency": 1, "first": level, "reread": level}]}
+        return _fake_result()
 
-    monkeypatch.setattr(serve, "_run_setting", fake_run)
-    monkeypatch.setattr(serve, "_model", lambda variant: tmp_path)
-    monkeypatch.setattr(serve, "_bytes_per_token", lambda model: 4096)
-    parser = argparse.ArgumentParser()
-    serve.add_arguments(parser)
+    parser = _without_engines(monkeypatch, tmp_path, fake_run)
     args = ["--rounds", "3", "--settings", "vllm,kvtier", "--concurrency", "1", "--json",
             "--work-dir", str(tmp_path / "w"), "--doc-tokens", "200"]
     assert serve.run(parser.parse_args(args)) == 0
