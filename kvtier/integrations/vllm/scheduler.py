@@ -51,7 +51,8 @@ Per request (vLLM's ``kv_transfer_params``, e.g. ``SamplingParams(extra_args={"k
 {"kvtier.skip_save": True}})`` or the OpenAI server's ``kv_transfer_params`` field):
 ``kvtier.skip_save: true`` stores nothing of that request (a one-off prompt that should not
 take the place of prefixes worth keeping); its prompt is still looked up and its hits loaded.
-Any other value of that key is ignored with a warning naming the valid ones; other keys are
+Any other value of that key is ignored with a warning naming the valid ones (once per
+process; later ones at debug); other keys are
 left to other connectors.
 
 Events for routers (when vLLM publishes KV events): ``take_events`` turns the worker's store
@@ -64,6 +65,7 @@ or load was planned.
 from __future__ import annotations
 
 import logging
+import reprlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -542,15 +544,31 @@ def make_probes(tier_specs: list) -> list:
     return probes
 
 
+_warned_bad_skip_save = False  # a bad kvtier.skip_save value has been warned about (once per process)
+_SHORT = reprlib.Repr()  # a client's value as logged: cut short
+_SHORT.maxstring = _SHORT.maxother = 60
+_SHORT.maxlevel = 2
+
+
 def _skips_save(request: "Request") -> bool:
     """Whether the request's ``kv_transfer_params`` say ``kvtier.skip_save: true``. A value
-    other than true or false is ignored (the request is stored) with a warning."""
+    other than true or false is ignored (the request is stored): the first such request of
+    the process is warned about (its value cut to 60 characters), later ones are logged at
+    debug only, so that a client sending bad values cannot flood the log."""
+    global _warned_bad_skip_save
     params = getattr(request, "kv_transfer_params", None)
     if not isinstance(params, dict) or SKIP_SAVE not in params:
         return False
     value = params[SKIP_SAVE]
     if isinstance(value, bool):
         return value
-    log.warning("kvtier: request %s: kv_transfer_params %r is %r; valid: true or false (ignored: the request "
-                "is stored)", getattr(request, "request_id", "?"), SKIP_SAVE, value)
+    shown = _SHORT.repr(value)
+    if _warned_bad_skip_save:
+        log.debug("kvtier: request %s: kv_transfer_params %r is %s (ignored)",
+                  getattr(request, "request_id", "?"), SKIP_SAVE, shown)
+        return False
+    _warned_bad_skip_save = True
+    log.warning("kvtier: request %s: kv_transfer_params %r is %s; valid: true or false (ignored: the request "
+                "is stored; later requests with a bad value are logged at debug only)",
+                getattr(request, "request_id", "?"), SKIP_SAVE, shown)
     return False
