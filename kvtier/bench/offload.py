@@ -1035,6 +1035,25 @@ def _targets(p50: dict, curve: list[dict], engine_hit: float, bound: float | Non
     return targets.evaluate("offload", measured, {"capacity-over": over})
 
 
+def _print_first_pairs(pairs: dict | None) -> None:
+    """``--first-pairs``' table (``first_pairs``): the settings with a ratio, then one line for
+    each pair left out for a hit and each setting with no ratio at all, so that a setting
+    asked for is never missing without a word."""
+    from kvtier.output import print_table
+
+    stored = {name: row for name, row in (pairs or {}).items() if "median" in row}
+    if stored:
+        print_table(["setting", "pairs", "stored / not stored: median", "min", "max", "stored p50 (ms)",
+                     "not stored p50 (ms)"],
+                    [[name, row["pairs"], row["median"], row["min"], row["max"], row["stored_p50_ms"],
+                      row["not_stored_p50_ms"]] for name, row in stored.items()],
+                    title="first pass, fresh documents in the same engine: stored beside kvtier.skip_save")
+    for name, row in (pairs or {}).items():
+        if row.get("with_hits") or "median" not in row:
+            print(f"first pairs, {name}: {row.get('with_hits', 0)} pair(s) left out (a side hit the store or "
+                  f"vLLM's cache){'' if 'median' in row else '; no pair left to compare'}")
+
+
 def _print(report: dict, args: argparse.Namespace, working_set: int) -> None:
     from kvtier.config import format_bytes
     from kvtier.output import print_table
@@ -1056,13 +1075,7 @@ def _print(report: dict, args: argparse.Namespace, working_set: int) -> None:
                     [[name, row["pairs"], row["median"], row["min"], row["max"], row["own_hit_p50_ms"]]
                      for name, row in paired.items()],
                     title="each re-read beside the same engine's own hit of the same document, asked right after it")
-    stored = {name: row for name, row in (report.get("first_pairs") or {}).items() if "median" in row}
-    if stored:
-        print_table(["setting", "pairs", "stored / not stored: median", "min", "max", "stored p50 (ms)",
-                     "not stored p50 (ms)"],
-                    [[name, row["pairs"], row["median"], row["min"], row["max"], row["stored_p50_ms"],
-                      row["not_stored_p50_ms"]] for name, row in stored.items()],
-                    title="first pass, fresh documents in the same engine: stored beside kvtier.skip_save")
+    _print_first_pairs(report.get("first_pairs"))
     rounds = report.get("first_rounds") or {}
     if rounds.get("settings"):
         print_table(["setting", "first-pass TTFT / vLLM alone's: median", "min", "max"],
