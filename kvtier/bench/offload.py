@@ -141,7 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "per round (median, min, max). The re-reads use the last round's documents, after the store "
                              "has seen every round's (with the default admission, mostly misses) (1)")
     parser.add_argument("--first-pairs", type=int, default=0,
-                        help="after the passes, N pairs of fresh documents per kvtier setting, in the same engine: "
+                        help="after the passes, N pairs of fresh documents per kvtier setting (not the capacity curve's), in the same engine: "
                              "one stored as usual, one with kv_transfer_params kvtier.skip_save (nothing stored), the "
                              "order alternated pair by pair, each after --settle-ms; reports the first pass's cost of "
                              "storing beside the same engine not storing (median of the per-pair ratios) (0: none)")
@@ -559,7 +559,7 @@ def _run_settings(settings: list[Setting], model: str, docs, warmup, hit_docs, a
              "reverse": [last[::-1]]}
     total = (sum(len(d) * (2 if p == "again" else 1) for s in settings for p in s.passes for d in order[p])
              + sum((1 + ENGINE_HIT_REPEATS) * s.engine_hit_docs for s in settings)
-             + sum(2 * getattr(args, "first_pairs", 0) for s in settings if "first" in s.passes and _is_kvtier(s)))
+             + sum(2 * getattr(args, "first_pairs", 0) for s in settings if _pairs_probe(s)))
     quiet = args.json and not sys.stderr.isatty()
     with tqdm(total=total, desc="kvtier demo", unit="req", file=sys.stderr, disable=quiet) as bar:
         for group in groups:
@@ -623,13 +623,19 @@ def _run_group(group: list[Setting], order: dict, model: str, docs, warmup, hit_
                     again = engines[setting.name].ask({"hit": i})
                     setting.result["engine_hit"].append({"first": first, "again": again})
                     bar.update(1)
-        for setting in (counted if pairs else []):
+        for setting in ([s for s in group if _pairs_probe(s)] if pairs else []):
             setting.result["first_pairs"] = []
             for k in range(pairs):  # fresh documents: one stored, one not, the order alternated
                 for m, skip in enumerate((True, False) if k % 2 == 0 else (False, True)):
                     answer = engines[setting.name].ask({"probe": 2 * k + m, "skip_save": skip}, settle)
                     setting.result["first_pairs"].append({**answer, "pair": k, "skip_save": skip})
                     bar.update(1)
+
+
+def _pairs_probe(setting: Setting) -> bool:
+    """Whether ``--first-pairs`` probes this setting: a main kvtier setting with a first pass
+    (not a capacity-curve one: the same connector at another RAM size)."""
+    return "first" in setting.passes and _is_kvtier(setting) and not setting.name.startswith("capacity-")
 
 
 def _is_kvtier(setting: Setting) -> bool:

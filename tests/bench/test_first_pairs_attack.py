@@ -50,3 +50,14 @@ def test_probe_documents_differ_from_each_other_and_from_every_document_of_the_p
     firsts = {tuple(d[:16]) for d in docs + hit_docs + [warmup]}  # not even a first chunk in common
     assert len({tuple(p[:16]) for p in probes}) == 200 and not {tuple(p[:16]) for p in probes} & firsts
     assert offload._probe_documents(0, 256, 32000) == []
+
+
+def test_only_the_main_kvtier_settings_are_probed():
+    """The capacity curve's settings are the same connector at other RAM sizes: no pairs there,
+    nor for vLLM alone."""
+    from kvtier.bench.offload import Setting, _kvtier, _pairs_probe
+
+    kv = Setting("kvtier-ram", _kvtier([], None))
+    curve = Setting("capacity-0.5", _kvtier([], None))
+    alone = Setting("vllm", None)
+    assert [_pairs_probe(s) for s in (kv, curve, alone)] == [True, False, False]
