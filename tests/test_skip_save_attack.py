@@ -18,9 +18,8 @@ def _req(params, rid="r"):
     return SimpleNamespace(request_id=rid, kv_transfer_params=params)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_warning(monkeypatch):
-    monkeypatch.setattr(scheduler, "_warned_bad_skip_save", False, raising=False)
+def _skips(request, bad=None) -> bool:
+    return scheduler._skips_save(request, bad or scheduler.BadValueLog())
 
 
 @pytest.mark.parametrize("params", [None, [], ["kvtier.skip_save"], "kvtier.skip_save", 1, {},
@@ -28,24 +27,25 @@ def _fresh_warning(monkeypatch):
                                     {("kvtier.skip_save",): True}, {f"k{i}": i for i in range(100_000)}])
 def test_params_that_do_not_name_the_key_store_as_usual_without_a_word(params, caplog):
     with caplog.at_level(logging.DEBUG, logger=LOGGER):
-        assert scheduler._skips_save(_req(params)) is False
+        assert _skips(_req(params)) is False
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_only_a_bool_decides():
-    assert scheduler._skips_save(_req({"kvtier.skip_save": True, "other": [1]})) is True
-    assert scheduler._skips_save(_req({"kvtier.skip_save": False})) is False
-    assert scheduler._skips_save(SimpleNamespace(request_id="x")) is False  # no attribute at all
+    assert _skips(_req({"kvtier.skip_save": True, "other": [1]})) is True
+    assert _skips(_req({"kvtier.skip_save": False})) is False
+    assert _skips(SimpleNamespace(request_id="x")) is False  # no attribute at all
 
 
 def test_a_flood_of_bad_values_logs_one_short_warning(caplog):
     """Every request of a client sending ``"kvtier.skip_save": "<10 MB>"`` used to log a warning
     holding the whole value: the log grew by the value's size per request. Now the first bad
-    value warns once per process, its value cut short; the rest are logged at debug."""
+    value warns once per scheduler, its value cut short; the rest are logged at debug."""
     huge = "y" * (10 << 20)
+    bad = scheduler.BadValueLog()  # one scheduler's
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         for i in range(1000):
-            assert scheduler._skips_save(_req({"kvtier.skip_save": huge if i == 0 else i}, f"r{i}")) is False
+            assert _skips(_req({"kvtier.skip_save": huge if i == 0 else i}, f"r{i}"), bad) is False
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1
     text = warnings[0].getMessage()

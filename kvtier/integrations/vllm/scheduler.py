@@ -52,7 +52,7 @@ Per request (vLLM's ``kv_transfer_params``, e.g. ``SamplingParams(extra_args={"k
 ``kvtier.skip_save: true`` stores nothing of that request (a one-off prompt that should not
 take the place of prefixes worth keeping); its prompt is still looked up and its hits loaded.
 Any other value of that key is ignored with a warning naming the valid ones (once per
-process; later ones at debug); other keys are
+scheduler; later ones at debug); other keys are
 left to other connectors.
 
 Events for routers (when vLLM publishes KV events): ``take_events`` turns the worker's store
@@ -135,6 +135,7 @@ class KVTierScheduler:
         self._room = (RoomLedger() if self._hybrid and not self._states
                       and share.tp_size * share.pp_size == 1 and not config.server else None)
         self._step = 0  # the metadata built so far (``KVTierMetadata.step``)
+        self._bad_skip_save = BadValueLog()  # bad kvtier.skip_save values: one warning, then debug
         self.namespace = namespace
         self._share = share.of(0, 0)  # worker rank 0 of stage 0 speaks for all
         self._lora_ids: dict[tuple[str, str], str] = {}  # (name, path) -> identity, read once
@@ -342,7 +343,7 @@ class KVTierScheduler:
             ns = self._digest(self._lora_identity(request), request.cache_salt)
             state = RequestState(chunk_keys(prompt, ns, self.geometry.chunk_tokens, mm=mm,
                                             auth_key=self._auth_key), len(prompt), tokens,
-                                 ns, mm, request, skip_save=_skips_save(request))
+                                 ns, mm, request, skip_save=_skips_save(request, self._bad_skip_save))
             self._requests[request.request_id] = state
         return state
 
@@ -544,31 +545,37 @@ def make_probes(tier_specs: list) -> list:
     return probes
 
 
-_warned_bad_skip_save = False  # a bad kvtier.skip_save value has been warned about (once per process)
 _SHORT = reprlib.Repr()  # a client's value as logged: cut short
 _SHORT.maxstring = _SHORT.maxother = 60
 _SHORT.maxlevel = 2
 
 
-def _skips_save(request: "Request") -> bool:
+class BadValueLog:
+    """Warns about the first bad ``kvtier.skip_save`` value it is shown, then logs the rest at
+    debug only (one per scheduler: a client sending bad values cannot flood the log)."""
+
+    def __init__(self):
+        self.warned = False
+
+    def report(self, request: "Request", value: Any) -> None:
+        """Log one request's bad value (cut to 60 characters)."""
+        rid, shown = getattr(request, "request_id", "?"), _SHORT.repr(value)
+        if self.warned:
+            log.debug("kvtier: request %s: kv_transfer_params %r is %s (ignored)", rid, SKIP_SAVE, shown)
+            return
+        self.warned = True
+        log.warning("kvtier: request %s: kv_transfer_params %r is %s; valid: true or false (ignored: the request "
+                    "is stored; later requests with a bad value are logged at debug only)", rid, SKIP_SAVE, shown)
+
+
+def _skips_save(request: "Request", bad: BadValueLog) -> bool:
     """Whether the request's ``kv_transfer_params`` say ``kvtier.skip_save: true``. A value
-    other than true or false is ignored (the request is stored): the first such request of
-    the process is warned about (its value cut to 60 characters), later ones are logged at
-    debug only, so that a client sending bad values cannot flood the log."""
-    global _warned_bad_skip_save
+    other than true or false is ignored (the request is stored) and shown to ``bad``."""
     params = getattr(request, "kv_transfer_params", None)
     if not isinstance(params, dict) or SKIP_SAVE not in params:
         return False
     value = params[SKIP_SAVE]
     if isinstance(value, bool):
         return value
-    shown = _SHORT.repr(value)
-    if _warned_bad_skip_save:
-        log.debug("kvtier: request %s: kv_transfer_params %r is %s (ignored)",
-                  getattr(request, "request_id", "?"), SKIP_SAVE, shown)
-        return False
-    _warned_bad_skip_save = True
-    log.warning("kvtier: request %s: kv_transfer_params %r is %s; valid: true or false (ignored: the request "
-                "is stored; later requests with a bad value are logged at debug only)",
-                getattr(request, "request_id", "?"), SKIP_SAVE, shown)
+    bad.report(request, value)
     return False
