@@ -399,6 +399,8 @@ class KVTierScheduler:
         """Add a pending load and the saves of chunks completed by this step."""
         if state.load is not None:
             meta.loads.extend(self._take_load(req_id, state, background=False))
+        if state.skip_save:  # nothing of it is stored: its later chunks need no keys either
+            return
         # chunks whose KV this step completes, generated tokens included (a later turn of a
         # conversation re-reads them as its prompt); a token not yet known is never keyed
         chunk = self.geometry.chunk_tokens
@@ -407,8 +409,6 @@ class KVTierScheduler:
             prev = state.keys[-1] if state.keys else ROOT
             state.keys += chunk_keys(state.token_ids[: full * chunk], state.namespace, chunk,
                                      start=len(state.keys), prev=prev, mm=state.mm, auth_key=self._auth_key)
-        if state.skip_save:
-            return
         bpc = self.geometry.blocks_per_chunk
         paged = [g for g in self.groups if g.kind != STATE]  # state groups: saved from vLLM's offers
         for c in range(state.saved_chunks, full):
