@@ -442,8 +442,7 @@ def pool_blocks(shape, pool_tokens: int, block: int, tokens: int) -> int:
 def _documents(num_docs: int, tokens: int, vocab: int = 32000) -> tuple[list[list[int]], list[int], list[list[int]]]:
     """Deterministic random documents, a warm-up prompt and documents for the engine-hit probe,
     of token ids inside ``vocab`` (the same ids as before for any vocabulary of 31,000 or more)."""
-    high = min(31000, vocab)
-    low = min(100, high // 4)
+    low, high = _token_range(vocab)
     rng = np.random.default_rng(20261007)
     docs = [rng.integers(low, high, tokens).tolist() for _ in range(num_docs)]
     warmup = rng.integers(low, high, 600).tolist()[:tokens]  # never longer than a document (max_model_len)
@@ -454,10 +453,16 @@ def _documents(num_docs: int, tokens: int, vocab: int = 32000) -> tuple[list[lis
 def _probe_documents(n: int, tokens: int, vocab: int) -> list[list[int]]:
     """``n`` more fresh documents (their own seed: none equals a document of the passes) of
     ``tokens`` token ids below ``vocab``, for ``--first-pairs``."""
-    high = min(31000, vocab)
-    low = min(100, high // 4)
+    low, high = _token_range(vocab)
     rng = np.random.default_rng(20261205)
     return [rng.integers(low, high, tokens).tolist() for _ in range(n)]
+
+
+def _token_range(vocab: int) -> tuple[int, int]:
+    """[low, high) of the documents' random token ids inside ``vocab`` (the same ids for any
+    vocabulary of 31,000 or more)."""
+    high = min(31000, vocab)
+    return min(100, high // 4), high
 
 
 def _kvtier(tiers: list[dict], chunk_tokens: int | None) -> dict:

@@ -91,12 +91,16 @@ class Workload:
         return self.doc_tokens * self.bytes_per_token
 
 
+DISK_DIR, SHARED_DIR = "disk", "shared"  # ``_kvtier``'s tier directories under a setting's directory
+TIER_DIRS = (DISK_DIR, SHARED_DIR)
+
+
 def _kvtier(work: Path, load: Workload, extra: dict | None = None) -> dict:
     """kvtier with RAM (one group), disk (two groups) and a shared fs tier (everything)."""
     group = int(load.docs_per_group * load.doc_bytes * 1.25) + (8 << 20)
     tiers = [{"type": "ram", "capacity": group},
-             {"type": "disk", "path": str(work / "disk"), "capacity": 2 * group},
-             {"type": "fs", "path": str(work / "shared"), "capacity": 64 * group}]
+             {"type": "disk", "path": str(work / DISK_DIR), "capacity": 2 * group},
+             {"type": "fs", "path": str(work / SHARED_DIR), "capacity": 64 * group}]
     return {**CONNECTOR, "kv_connector_extra_config": {"tiers": tiers, **(extra or {})}}
 
 
@@ -299,9 +303,6 @@ def _spec(model: str, load: Workload, levels: list[int], seed: int = SEED) -> di
     pool_tokens = max(levels) * max_len + 4 * 128  # every client's request resident at once
     return {"model": model, "max_model_len": max_len, "pool_blocks": -(-pool_tokens // 128),
             "warmup": tokens(600), "levels": spec_levels}
-
-
-TIER_DIRS = ("disk", "shared")  # what ``_kvtier`` writes under a setting's directory
 
 
 def _clear_tiers(work: Path) -> None:

@@ -1072,17 +1072,16 @@ class _Connection:
     def _next_request(self, answered: float | None) -> dict | None:
         """The client's next request (None at the stream's end). Right after a reply
         (``answered``), polled for while ``request_poller`` says requests come back to back,
-        which learns from the gap between the reply and the request's first byte (at most
+        which learns from the gap between the reply and the request (at most
         ``request_poll_s`` of spinning per request)."""
-        if answered is not None and self.request_poller.budget > 0:
-            if not self.request_poller.poll(self.sock):
-                waiter = select.poll()  # not select.select: a descriptor may be past FD_SETSIZE
-                waiter.register(self.sock, select.POLLIN)
-                waiter.poll()  # also ends at the stream's end or a shutdown (POLLHUP)
+        if answered is not None:
+            self.request_poller.poll(self.sock)  # nothing when it is off (a pausing client, or a budget of 0)
+        msg = P.recv(self.sock)
+        if answered is not None:
             # a gap counts at most twice the budget: one pause (a client's other work between two
             # loops) must not outweigh the back-to-back requests around it for the next dozen
             self.request_poller.observe(min(time.monotonic() - answered, 2 * self.request_poller.budget))
-        return P.recv(self.sock)
+        return msg
 
     def _handshake(self) -> bool:
         """One small hello frame within the hello deadline; True when the client is accepted."""

@@ -21,6 +21,7 @@ from kvtier.server import ServerStore
 from kvtier.server import protocol as P
 from kvtier.server.server import CacheServer, ServeConfig, _Connection
 from tests.server.test_direct_write import _key, _payload
+from tests.test_store import wait_for
 
 PAGE = 65536
 ARENA_8M = [{"type": "ram", "capacity": "8MiB", "page_size": "64KiB", "policy": "lru"}]
@@ -40,15 +41,6 @@ def _connect(server: CacheServer) -> socket.socket:
     P.send(s, {"op": "hello", "version": P.VERSION, "token": None})
     assert P.recv(s)["ok"]
     return s
-
-
-def _wait(cond, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 # ------------------------------------------------------------------ config: one line, never a spin of seconds
@@ -106,7 +98,7 @@ def test_the_gap_after_an_error_reply_is_measured_from_that_reply(tmp_path, monk
         assert P.recv(s)["ok"] is False
         P.send(s, {"op": "stats"})
         assert P.recv(s)["ok"]
-        assert _wait(lambda: len(seen) >= 5)
+        assert wait_for(lambda: len(seen) >= 5)
         # reads: first (after hello), after error 1, after stats, after error 2, after stats
         assert seen[0] is None
         assert seen[1] is not None  # the error was a reply: the next request is polled for
@@ -120,8 +112,8 @@ def test_the_gap_after_an_error_reply_is_measured_from_that_reply(tmp_path, monk
 
 
 def test_close_ends_connections_blocked_in_the_request_wait_and_a_stalled_partial_frame(tmp_path):
-    """Sound: a connection whose client paused (its thread blocked in ``select.poll``, past the
-    poll) and one that sent half a frame header and stalled (its thread in ``recv``) both end at
+    """Sound: a connection whose client paused (its thread blocked in ``recv``, past the poll)
+    and one that sent half a frame header and stalled (its thread in ``recv`` too) both end at
     the server's close; the stalled one costs no CPU meanwhile."""
     server = _inprocess(tmp_path, request_poll_s=0.01)
     try:
@@ -139,7 +131,7 @@ def test_close_ends_connections_blocked_in_the_request_wait_and_a_stalled_partia
         assert used < 0.2, f"{used:.3f} s of CPU in 0.5 s with every client silent"
         assert len(server._conns) == 2
         server.close()
-        assert _wait(lambda: not server._conns)
+        assert wait_for(lambda: not server._conns)
         for s in (paused, stalled):
             assert s.recv(16) == b""
             s.close()
@@ -148,7 +140,7 @@ def test_close_ends_connections_blocked_in_the_request_wait_and_a_stalled_partia
 
 
 def test_the_request_wait_takes_a_descriptor_past_fd_setsize_and_ends_at_shutdown():
-    """Sound: the wait is ``select.poll`` (a descriptor past 1024 is fine), and ``shutdown``
+    """Sound: the wait takes a descriptor past 1024 (no ``select.select``), and ``shutdown``
     (the server's close) ends it: the next request is None."""
     import fcntl
     from types import SimpleNamespace
