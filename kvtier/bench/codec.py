@@ -205,9 +205,14 @@ def _coders() -> dict:
         codecs.decode_into(codecs.LOSSLESS_ID, memoryview(coded), memoryview(buf), 2)
         return bytes(buf)
 
-    out["lossless (blosc2 shuffle+zstd-1)"] = (lambda b: lossless.encode(memoryview(b), 2), ll_decode)
+    out["lossless (blosc2 bit-shuffle+zstd-1, 256 KiB split)"] = (lambda b: lossless.encode(memoryview(b), 2), ll_decode)
     try:
         import blosc2
+
+        out["blosc2 byte-shuffle+zstd-1 (lossless before)"] = (
+            lambda b: blosc2.compress2(b, typesize=2, codec=blosc2.Codec.ZSTD, filters=[blosc2.Filter.SHUFFLE],
+                                       clevel=1, nthreads=1),
+            lambda c, n: blosc2.decompress2(c, nthreads=1))
 
         out["blosc2 bitshuffle+lz4"] = (
             lambda b: blosc2.compress2(b, typesize=2, codec=blosc2.Codec.LZ4, filters=[blosc2.Filter.BITSHUFFLE],

@@ -15,7 +15,7 @@ store makes room first.
 A coded arena (``codec: lossless``, ``kvtier serve``'s arena only) holds more entries in the
 same pages: every entry is written raw (a reservation of its raw size, filled by one copy, as
 before), and once committed a background coder thread of the tier encodes it (Blosc2
-byte-shuffle + zstd-1 at the KV's element width, ``kvtier.codecs``), moves the coded bytes into the
+bit-shuffle + zstd-1 at the KV's element width, ``kvtier.codecs``), moves the coded bytes into the
 entry's first pages and frees the rest. The entry then records its codec, raw length, stored
 length and the xxh3-64 checksum of its raw bytes. Encoding runs on that thread, never on a
 writer's path or under the store's lock. Readers get raw bytes wherever they do not ask for the
