@@ -62,6 +62,7 @@ from typing import Iterator
 from kvtier.config import Size, ranged, validate
 from kvtier.entry import MAX_HEADER_BYTES, check_key, decode_header, encode_header, verify
 from kvtier.errors import CorruptEntry, TierUnavailable
+from kvtier.fastcopy import copy_pairs
 from kvtier.fileio import (NotRegularFile, ShortRead, create_exclusive_at, dir_mode_for, make_dir_at, open_dir_at,
                            open_regular_at, parse_mode, read_exact, read_upto, resolve_group, unlink_quietly,
                            untrusted_dir, write_all, write_back)
@@ -634,12 +635,15 @@ class DiskTier(Tier):
             os.close(fd)
 
     def _write_direct(self, dfd: int, tmp: str, header: bytes, src: memoryview) -> os.stat_result:
+        """Write header + payload through an aligned bounce buffer with O_DIRECT (the payload
+        copied into it without the GIL, with streaming stores where the extension is built: the
+        page cache, its writeback and the engine's Python threads are left alone); its fstat."""
         total = len(header) + src.nbytes
         bounce = self._bounce.get()
         try:
             buf = bounce.reserve(_round_up(total))
             buf[: len(header)] = header
-            buf[len(header) : total] = src
+            copy_pairs([(buf[len(header) : total], src)])
             buf[total : _round_up(total)] = bytes(_round_up(total) - total)
             fd = create_exclusive_at(dfd, tmp, self._mode, self._gid, flags=_O_DIRECT)
             try:
@@ -686,7 +690,7 @@ class DiskTier(Tier):
             if got < total:
                 raise CorruptEntry("short read")
             self._check(key, meta, buf[: meta.header_bytes], buf[meta.header_bytes : total])
-            dst[: meta.length] = buf[meta.header_bytes : total]
+            copy_pairs([(dst[: meta.length], buf[meta.header_bytes : total])])
         finally:
             self._bounce.put(bounce)
 
