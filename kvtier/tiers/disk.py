@@ -562,17 +562,26 @@ class DiskTier(Tier):
 
     def close(self) -> None:
         """Forget the index (files stay on disk for the next start), free bounce buffers and
-        release the directory's lock."""
+        release the directory's lock.
+
+        The bounce pool keeps its slots: each idle buffer's memory is freed, but the (now empty)
+        ``_Bounce`` goes back into the pool. A direct put or read that runs after ``close`` (or
+        races it) takes a slot and maps a new buffer; with the slots removed it would wait on the
+        empty pool forever."""
         with self._lock:
             self._index.clear()
             self._used = 0
             self._release_lock()
         self._drop_behind.close()
+        idle = []
         while True:
             try:
-                self._bounce.get_nowait().free()
+                idle.append(self._bounce.get_nowait())
             except queue.Empty:
                 break
+        for bounce in idle:
+            bounce.free()
+            self._bounce.put(bounce)
 
     # --- file I/O ------------------------------------------------------------------------------
 
