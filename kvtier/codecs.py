@@ -3,19 +3,20 @@
 ``lossless``: Blosc2's bit-shuffle filter at the element width of the KV dtype (2 bytes for
 bf16/fp16: the sixteen bit planes of a block lined up, so the sign and exponent planes, nearly
 constant, become long runs), then zstd level 1 on the bit planes of each byte of an element as
-a stream of their own (Blosc2's ``ALWAYS_SPLIT``), in blocks of 256 KiB, on one thread. Chosen by measurement on the KV that a
-vLLM CPU engine stores through the connector (``kvtier bench codec --kv engine``, random weights,
-best of 5 on one core, four families): 1.36-1.45 x at 1.0-1.5 GB/s encode and 1.9-2.4 GB/s
-decode. The codec before it, byte-shuffle + zstd-1 (Blosc2's default blocks), reached 1.41-1.45 x
-but encoded at 0.53-0.60 GB/s: on a CPU engine its writers took twice the cores from the prefill
-for 3-7% more ratio. Blosc2 bit-shuffle + LZ4 is faster still (1.2-2.2 / 3.9-5.7 GB/s) but 1.25
-x on the MLA latent and 1.28 x on the hybrid model; bit-shuffle + zstd-1 in Blosc2's default
-blocks 1.32-1.41 x at 0.7-0.9 GB/s. ``lossless`` pays on tiers slower than about 1 GB/s (shared
-tiers across machines), where the ratio is what saves time and capacity; encoding runs on the
-lower-tier writers, off the engine's step, and ``auto`` weighs both speeds. Entries coded with
-other Blosc2 filters, blocks or coders (as this codec wrote before) still decode: a Blosc2 frame
-names its own. The library is optional (``pip install 'kvtier[codec]'``): configuring
-``lossless`` without it is a ConfigError, and reading a coded entry without it is a miss.
+a stream of their own (Blosc2's ``ALWAYS_SPLIT``), in blocks of 256 KiB, on one thread. Chosen
+by measurement on the KV that a vLLM CPU engine stores through the connector (``kvtier bench
+codec --kv engine``, random weights, one core, four families): 1.36-1.45 x at 0.9-1.1 GB/s
+encode and 1.0-1.7 GB/s decode. The codec before it, byte-shuffle + zstd-1 in Blosc2's default
+blocks, reached 1.41-1.45 x but encoded at 0.44-0.52 GB/s: on a CPU engine its writers took
+twice the core time from the prefill for 3-7% more ratio. Blosc2 bit-shuffle + LZ4 is faster
+(1.1-2.0 / 3.0-4.9 GB/s) but 1.25 x on the MLA latent and 1.28 x on the hybrid model;
+bit-shuffle + zstd-1 in the default blocks 1.32-1.41 x at 0.7-0.9 GB/s. ``lossless`` pays on
+tiers slower than about 1 GB/s (shared tiers across machines), where the ratio is what saves
+time and capacity; encoding runs on the lower-tier writers, off the engine's step, and ``auto``
+weighs both speeds. Entries coded with other Blosc2 filters, blocks or coders (as this codec
+wrote before) still decode: a Blosc2 frame names its own. The library is optional (``pip
+install 'kvtier[codec]'``): configuring ``lossless`` without it is a ConfigError, and reading a
+coded entry without it is a miss.
 
 Safety: ``decode_into`` writes into the caller's buffer, whose size is the entry's declared raw
 length (already bounded by the reader's ``max_length`` and equal to shape x itemsize); Blosc2's
@@ -34,9 +35,9 @@ picks ``fp8``.
 S/D < S/B`` (move the coded bytes and decode them, against moving the raw bytes): the document's
 break-even rule applied to the bytes of a load, which is what an engine waits on (a chunk is
 encoded once, on a lower-tier writer off the engine's step, and may be re-read many times). Where
-the rule codes, the link is slower than ``D (1 - 1/r)``, about 5 Gb/s for ``lossless`` on bf16 KV,
-and the encoder (about 1 GB/s a core) keeps up with it. ``B`` is the tier's bandwidth as fitted from its
-own transfers (``LinkFit``: time = latency + bytes / B over its recent reads, decode time
+the rule codes, the link is slower than ``D (1 - 1/r)``, about 3-4 Gb/s for ``lossless`` on bf16
+KV, and the encoder (about 1 GB/s a core) keeps up with it. ``B`` is the tier's bandwidth as
+fitted from its own transfers (``LinkFit``: time = latency + bytes / B over its recent reads, decode time
 excluded; before the first read, over its puts, encode time excluded), so a fixed cost per
 request, paid coded or raw, does not count as slowness. (An earlier form of the rule, ``S/E
 + S/(r B) + S/D < S/B``, charged every re-read with the one encode: with the zstd coder it stores
