@@ -13,12 +13,14 @@ Imports: the standard library only (the ground floor).
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
 from typing import Sequence
 
 # Flags of every open that must not follow a symbolic link planted at the name.
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 class ShortRead(EOFError):
@@ -177,10 +179,14 @@ def open_regular_at(dir_fd: int | None, name: str, flags: int = 0) -> tuple[int,
     Never blocks and never follows a link: the open is ``O_NONBLOCK | O_NOFOLLOW`` (a FIFO or a
     device opens at once and is then refused; on a regular file O_NONBLOCK changes nothing), and
     ``fstat`` must say regular file. NotRegularFile when it is not (a symlink included);
-    FileNotFoundError when absent; other OSError for faults. ``flags`` are added (O_DIRECT).
+    FileNotFoundError when absent; other OSError for faults. ``flags`` are added; O_DIRECT among
+    them is set only once the file is known to be regular (``fcntl``), since opening a FIFO or a
+    device with it fails with EINVAL before the file could be told apart (OSError EINVAL when
+    the file system refuses it on a regular file).
     """
+    direct = flags & _O_DIRECT
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW | flags, dir_fd=dir_fd)
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW | (flags & ~direct), dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):  # symlink; directory; socket
             raise NotRegularFile(exc.errno, f"{name} is not a regular file") from exc
@@ -193,6 +199,12 @@ def open_regular_at(dir_fd: int | None, name: str, flags: int = 0) -> tuple[int,
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise NotRegularFile(errno.EINVAL, f"{name} is not a regular file")
+    if direct:
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | direct)
+        except OSError:
+            os.close(fd)
+            raise
     return fd, st
 
 

@@ -62,10 +62,10 @@ FS_CODEC_SETTINGS = {"kvtier-ram+fs": "none", "kvtier-ram+fs-lossless": "lossles
 # the engine over a `kvtier serve` process whose shared RAM arena is as large as kvtier-ram's tier
 # (the connector keeps no tiers of its own): reads from the shared arena, batched direct writes
 SERVE_SETTING = "kvtier-serve"
-# kvtier-ram+disk with the disk tier's o_direct: its writes bypass the page cache (no kernel copy
-# into it, no writeback competing with the engine), through an aligned buffer
-DIRECT_SETTING = "kvtier-ram+disk-direct"
-OPTIONAL_SETTINGS = ("example-connector", "lmcache-mp", SERVE_SETTING, DIRECT_SETTING, *FS_CODEC_SETTINGS)
+# kvtier-ram+disk with the disk tier's o_direct off: its files written into and read through the
+# page cache (the disk tier's default bypasses it)
+BUFFERED_SETTING = "kvtier-ram+disk-buffered"
+OPTIONAL_SETTINGS = ("example-connector", "lmcache-mp", SERVE_SETTING, BUFFERED_SETTING, *FS_CODEC_SETTINGS)
 # RAM over a Redis tier across a link of R Gb/s (a real redis-server behind the project's delay
 # proxy, one link per setting) with a tier codec: what a re-read from a shared tier over the
 # network costs, per codec, beside recomputing (vLLM alone's first pass). E.g. kvtier-ram+redis-1g,
@@ -498,9 +498,11 @@ def _settings(names: list[str], fractions: list[float], working_set: int, work: 
         elif name == "kvtier-ram":  # large enough for the working set; doubles as the curve's top point
             tiers = [{"type": "ram", "capacity": int(big * working_set)}]
             settings.append(Setting(name, _kvtier(tiers, chunk_tokens), capacity_fraction=big))
-        elif name in ("kvtier-ram+disk", DIRECT_SETTING):
-            direct = name == DIRECT_SETTING
-            lower = {"type": "disk", "path": str(work / f"disk{'-direct' if direct else ''}{own}"), "o_direct": direct}
+        elif name == "kvtier-ram+disk":  # the disk tier's defaults (o_direct where the file system takes it)
+            tiers = _ram_over({"type": "disk", "path": str(work / f"disk{own}")}, working_set)
+            settings.append(Setting(name, _kvtier(tiers, chunk_tokens)))
+        elif name == BUFFERED_SETTING:
+            lower = {"type": "disk", "path": str(work / f"disk-buffered{own}"), "o_direct": False}
             settings.append(Setting(name, _kvtier(_ram_over(lower, working_set), chunk_tokens)))
         elif name in FS_CODEC_SETTINGS:  # the RAM tier as kvtier-ram+disk's: re-reads come from fs
             codec = FS_CODEC_SETTINGS[name]

@@ -517,12 +517,13 @@ def test_idle_settings_are_the_same_tiers_with_their_writers_under_sched_idle(tm
             offload._parse_settings(bad)
 
 
-def test_the_direct_setting_is_ram_over_a_disk_tier_with_o_direct_in_its_own_directory(tmp_path):
-    """``kvtier-ram+disk-direct`` (and its -idle/-async forms): kvtier-ram+disk's tiers with the
-    disk tier's ``o_direct`` on, each in a directory of its own; the plain setting keeps it off."""
+def test_the_buffered_setting_is_ram_over_a_disk_tier_without_o_direct_in_its_own_directory(tmp_path):
+    """``kvtier-ram+disk-buffered`` (and its -idle/-async forms): kvtier-ram+disk's tiers with the
+    disk tier's ``o_direct`` off, each in a directory of its own; the plain setting keeps the
+    tier's default (on)."""
     from kvtier.integrations.vllm.config import ConnectorConfig
 
-    names = ["kvtier-ram+disk", "kvtier-ram+disk-direct", "kvtier-ram+disk-direct-idle-async"]
+    names = ["kvtier-ram+disk", "kvtier-ram+disk-buffered", "kvtier-ram+disk-buffered-idle-async"]
     assert offload._parse_settings(",".join(names)) == names
     settings = {s.name: s for s in offload._settings(names, [], 10 << 20, tmp_path, None)}
     paths = set()
@@ -530,7 +531,7 @@ def test_the_direct_setting_is_ram_over_a_disk_tier_with_o_direct_in_its_own_dir
         extra = settings[name].kv_transfer_config["kv_connector_extra_config"]
         config = ConnectorConfig.from_extra_config(extra)
         disk = config.store.tiers[1]
-        assert disk.type == "disk" and disk.config.o_direct == ("direct" in name), name
+        assert disk.type == "disk" and disk.config.o_direct == ("buffered" not in name), name
         paths.add(disk.config.path)
     assert len(paths) == len(names)
 

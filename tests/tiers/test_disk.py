@@ -150,14 +150,15 @@ def test_write_fault_is_a_counted_false_put(tmp_path, monkeypatch, code):
     assert leftovers == []
 
 
-def test_read_fault_is_a_counted_miss_that_keeps_the_file(tmp_path, monkeypatch):
-    tier = make(tmp_path)
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "odirect"])
+def test_read_fault_is_a_counted_miss_that_keeps_the_file(tmp_path, monkeypatch, o_direct):
+    tier = make(tmp_path, o_direct=o_direct)
     tier.put(key(1), payload(1000))
 
     def failing_read(fd, bufs):
         raise OSError(errno.EIO, "I/O error")
 
-    monkeypatch.setattr(disk_mod, "read_exact", failing_read)
+    monkeypatch.setattr(disk_mod, "read_upto" if tier.direct_io else "read_exact", failing_read)
     assert tier.get(key(1)) is None
     assert tier.stats.errors == 1 and tier.stats.corrupt == 0
     monkeypatch.undo()

@@ -109,8 +109,11 @@ def test_fs_symlink_at_an_entry_name_is_never_followed(tmp_path):
 
 
 @needs_root
-def test_disk_entry_swapped_for_a_fifo_is_a_miss_and_does_not_hold_other_keys(tmp_path):
-    tier = disk(tmp_path / "d")
+@pytest.mark.parametrize("o_direct", [False, True], ids=["buffered", "odirect"])
+def test_disk_entry_swapped_for_a_fifo_is_a_miss_and_does_not_hold_other_keys(tmp_path, o_direct):
+    """Opening a FIFO with O_DIRECT fails (EINVAL) before it can be told apart from a regular
+    file: the tier opens without it and sets it once the file is known to be regular."""
+    tier = disk(tmp_path / "d", o_direct=o_direct)
     k, other = key(0x10), key(0x11)
     assert tier.put(k, b"a" * 5000) and tier.put(other, b"b" * 10)
     path = tier._file(k)
