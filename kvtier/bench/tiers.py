@@ -182,7 +182,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated targets (default {','.join(TARGETS)})")
     parser.add_argument("--repeat", type=int, default=3,
                         help="passes per measurement; the best is reported (default 3)")
-    parser.add_argument("--o-direct", action="store_true", help="open disk tier files with O_DIRECT")
+    parser.add_argument("--o-direct", action=argparse.BooleanOptionalAction, default=True,
+                        help="disk tier files with O_DIRECT (the tier's default; --no-o-direct: through the page cache)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
