@@ -218,6 +218,18 @@ def _finishes(fn, timeout: float = 10.0):
     return not thread.is_alive(), result
 
 
+def _after_open(monkeypatch, action) -> None:
+    """Fault injection: ``action(tier)`` runs right after a read opened its entry's file."""
+    real = DiskTier._open_indexed
+
+    def open_then_act(self, key, room):
+        opened = real(self, key, room)
+        action(self)
+        return opened
+
+    monkeypatch.setattr(DiskTier, "_open_indexed", open_then_act)
+
+
 def test_a_direct_put_after_close_does_not_wait_forever_for_a_bounce_buffer(tmp_path):
     """``close`` freed the bounce buffers by taking them out of the pool: a direct put that ran
     after it (a writer thread that had not stopped yet) waited on the empty pool forever."""
@@ -235,14 +247,7 @@ def test_a_direct_read_racing_close_does_not_wait_forever(tmp_path, monkeypatch)
     tier = _direct(tmp_path / "d")
     data = np.random.default_rng(4).integers(0, 256, 70_001, dtype=np.uint8)
     assert tier.put(_key(1), data)
-    real = DiskTier._open_indexed
-
-    def open_then_close(self, key, room):
-        opened = real(self, key, room)
-        self.close()
-        return opened
-
-    monkeypatch.setattr(DiskTier, "_open_indexed", open_then_close)
+    _after_open(monkeypatch, DiskTier.close)
     out = np.zeros_like(data)
     done, result = _finishes(lambda: tier.get_into(_key(1), out))
     assert done, "a direct read racing close hung on the emptied bounce pool"
@@ -258,14 +263,7 @@ def test_a_read_that_opened_direct_when_a_writer_fell_back_keeps_the_entry(tmp_p
     tier = _direct(tmp_path / "d")
     data = np.random.default_rng(6).integers(0, 256, 70_001, dtype=np.uint8)
     assert tier.put(_key(1), data)
-    real = DiskTier._open_indexed
-
-    def open_then_fall_back(self, key, room):
-        opened = real(self, key, room)
-        self._direct = False  # what _write_file does on a concurrent writer's EINVAL
-        return opened
-
-    monkeypatch.setattr(DiskTier, "_open_indexed", open_then_fall_back)
+    _after_open(monkeypatch, lambda self: setattr(self, "_direct", False))  # a writer's EINVAL fallback
     out = np.zeros_like(data)
     got = tier.get_into(_key(1), out)
     assert got is None or (got == data.nbytes and np.array_equal(out, data))
