@@ -435,10 +435,17 @@ class DiskTier(Tier):
         opened = self._open_indexed(key, dst.nbytes)
         if opened is None:
             return None
-        fd, meta = opened
+        fd, meta, direct = opened
         try:
-            if self._direct:
-                self._read_direct(fd, key, meta, dst)
+            if direct:
+                try:
+                    self._read_direct(fd, key, meta, dst)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self._refuse_direct("read", exc)  # then this read, buffered
+                    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+                    self._read_buffered(fd, key, meta, dst)
             else:
                 self._read_buffered(fd, key, meta, dst)
         except CorruptEntry as exc:
@@ -453,12 +460,14 @@ class DiskTier(Tier):
         self.stats.add(hits=1, bytes_read=meta.length)
         return meta.length
 
-    def _open_indexed(self, key: Key, room: int) -> tuple[int, _Meta] | None:
-        """(descriptor, index record) of ``key``'s file, opened outside the tier lock and
-        without blocking; None (counted) on a miss, a too-small buffer (``room`` bytes), a fault,
-        or a name that is not a regular file (a corrupt miss: dropped). When a put replaced the
-        file between the record and the open, the new record is taken (a few tries)."""
-        for _attempt in range(4):
+    def _open_indexed(self, key: Key, room: int) -> tuple[int, _Meta, bool] | None:
+        """(descriptor, index record, whether it is open with O_DIRECT) of ``key``'s file, opened
+        outside the tier lock and without blocking; None (counted) on a miss, a too-small buffer
+        (``room`` bytes), a fault, or a name that is not a regular file (a corrupt miss: dropped).
+        When a put replaced the file between the record and the open, the new record is taken (a
+        few tries). O_DIRECT refused on the file (EINVAL) turns the tier buffered (one info line)
+        and the file is opened again without it."""
+        for _attempt in range(5):
             with self._lock:
                 meta = self._index.get(key)
             if meta is None:
@@ -467,9 +476,10 @@ class DiskTier(Tier):
             if room < meta.length:
                 self.stats.add(errors=1)
                 return None
+            direct = self._direct
             try:
                 with self._entry_dir(self._sub(key)) as dfd:  # an indexed key is a valid key
-                    fd, st = open_regular_at(dfd, bytes(key).hex(), _O_DIRECT if self._direct else 0)
+                    fd, st = open_regular_at(dfd, bytes(key).hex(), _O_DIRECT if direct else 0)
             except FileNotFoundError:  # removed behind our back (or by a delete just now)
                 with self._lock:
                     self._forget_locked(key, meta)
@@ -479,15 +489,18 @@ class DiskTier(Tier):
                 self._drop_corrupt(key, meta, str(exc) or "not a regular file")
                 return None
             except OSError as exc:
+                if direct and exc.errno == errno.EINVAL:
+                    self._refuse_direct("open", exc)
+                    continue
                 self.stats.add(errors=1)
                 log.warning("disk tier %s: cannot open %s: %s", self.name, key.hex(), exc.strerror)
                 return None
             if (st.st_ino, st.st_dev) == (meta.ino, meta.dev):
-                return fd, meta
+                return fd, meta, direct
             with self._lock:
                 replaced = self._index.get(key) is not meta
             if not replaced:
-                return fd, meta  # swapped behind the index: the header and checksum decide
+                return fd, meta, direct  # swapped behind the index: the header and checksum decide
             os.close(fd)
         self.stats.add(misses=1)
         return None
@@ -640,9 +653,7 @@ class DiskTier(Tier):
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
-                log.info("disk tier %s: O_DIRECT write refused (%s); using buffered I/O",
-                         self.name, exc.strerror)
-                self._direct = False
+                self._refuse_direct("write", exc)
                 unlink_quietly(tmp, dfd)
         fd = create_exclusive_at(dfd, tmp, self._mode, self._gid)
         try:
@@ -651,6 +662,15 @@ class DiskTier(Tier):
             return os.fstat(fd)
         finally:
             os.close(fd)
+
+    def _refuse_direct(self, what: str, exc: OSError) -> None:
+        """O_DIRECT was refused (EINVAL) after the start-up probe took it: the tier goes on
+        buffered (one info line, from the first thread to see it)."""
+        with self._lock:
+            was, self._direct = self._direct, False
+        if was:
+            log.info("disk tier %s: O_DIRECT %s refused in %s (%s); using buffered I/O",
+                     self.name, what, self.path, exc.strerror)
 
     def _write_direct(self, dfd: int, tmp: str, header: bytes, src: memoryview) -> os.stat_result:
         """Write header + payload through an aligned bounce buffer with O_DIRECT (the payload
