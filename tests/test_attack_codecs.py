@@ -174,7 +174,12 @@ def test_a_small_first_chunk_leaves_the_probe_to_a_larger_one(tmp_path):
         assert not tier._auto._probed and tier.stats.as_dict().get("errors", 0) == 0
         assert tier.put(_key("large"), _model_like_chunks(1, codecs.PROBE_MIN_BYTES)[0], "bfloat16")
         state = tier.codec_state()
-        assert tier._auto._probed and state["read_bps"] is not None
+        # the probe ran and seeded the read fit with its four reads (two sizes); what the fit says
+        # of a page-cache tier may be "no bandwidth limit" (read_bps None): 64 KiB and 4 KiB read
+        # within each other's timing noise
+        assert tier._auto._probed and tier._auto._reads._n >= 4
+        assert state["read_bps"] is not None or state["size_independent"]
+        assert tier.stats.as_dict().get("errors", 0) == 0
         assert state["raw_puts"] + state["coded_puts"] == 2  # the probe's own puts are not chunks
         assert set(tier.keys()) == {_key("small"), _key("large")}
 
