@@ -16,22 +16,12 @@ import pytest
 
 import kvtier.fileio as fileio
 from kvtier.tiers.disk import DiskTier
+from tests.tiers.test_disk import key, make, payload
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 SIZES = [0, 1, 4095, 4096, 4097, 8192 - 200, 65_537]
 
 
-def make(path, **kw) -> DiskTier:
-    kw.setdefault("capacity", 64 * 1024 * 1024)
-    return DiskTier(DiskTier.Config(path=str(path), **kw), name="disk")
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(4, "little") * 8
-
-
-def payload(n: int, seed: int = 0) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
 def direct(path, **kw) -> DiskTier:
