@@ -201,11 +201,20 @@ def open_regular_at(dir_fd: int | None, name: str, flags: int = 0) -> tuple[int,
         raise NotRegularFile(errno.EINVAL, f"{name} is not a regular file")
     if direct:
         try:
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | direct)
+            set_direct(fd, True)
         except OSError:
             os.close(fd)
             raise
     return fd, st
+
+
+def set_direct(fd: int, on: bool) -> None:
+    """Set or clear O_DIRECT on an open descriptor (``fcntl``); nothing where the platform has
+    no O_DIRECT. OSError (EINVAL) when the file system refuses it."""
+    if not _O_DIRECT:
+        return
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT if on else flags & ~_O_DIRECT)
 
 
 def create_exclusive_at(dir_fd: int | None, name: str, mode: int, gid: int = -1, flags: int = 0) -> int:
