@@ -420,6 +420,72 @@ def test_top_entry_evicted_before_its_lower_write_ran_still_reaches_the_lower_ti
         store.close()
 
 
+def _top_with_a_dirty_victim():
+    """A store over a gated lower tier whose top (4 pages, LRU) holds two entries already
+    written below (0, 1, used last) and two whose lower copies wait (10 in flight at the gate,
+    11 queued behind it): the LRU victims are the waiting ones."""
+    lower = GatedRam(64 * PAGE)
+    store = store_over([ram(4), lower], write_queue_depth=64)
+    lower.gate.set()
+    for i in (0, 1):
+        assert store.put(key(i), payload(i))
+    assert store.flush()
+    lower.gate.clear()
+    lower.entered.clear()
+    assert store.put(key(10), payload(10))
+    assert lower.entered.wait(10)  # 10's copy holds its pages at the gate
+    assert store.put(key(11), payload(11))  # 11's copy is queued behind it
+    assert store.get(key(0)) == payload(0) and store.get(key(1)) == payload(1)  # 10, 11 are LRU now
+    return store, lower
+
+
+def test_evicting_an_entry_whose_lower_copy_waits_pins_its_pages_instead_of_copying_them():
+    """The first pass of an engine over a RAM tier and a slower one: an eviction of a top entry
+    whose write-through copy has not read it yet keeps its arena pages pinned for that copy (no
+    copy on the evicting thread, which is the engine's), evicts a clean entry for the room, and
+    the arena gets the pages back once the copy is done."""
+    from kvtier.store.writeback import Orphan
+
+    store, lower = _top_with_a_dirty_victim()
+    top = store.tiers[0]
+    try:
+        assert store.put(key(12), payload(12))
+        orphan = store._ledger.orphan(key(11))
+        assert isinstance(orphan, Orphan)
+        assert np.shares_memory(orphan.hold()[0], top._arena)  # the arena's own pages, not a copy
+        orphan.drop()
+        assert store.in_top_tier([key(0), key(1), key(12)]) == [False, True, True]  # a clean entry made the room
+        assert store.get(key(1)) == payload(1) and store.get(key(12)) == payload(12)
+        lower.gate.set()
+        assert store.flush()
+        for i in (0, 1, 10, 11, 12):
+            assert lower.get(key(i)) == payload(i), i
+        assert store._ledger.idle()
+        assert top.free_bytes() + top.used_bytes() == top.capacity_bytes  # every pinned page came back
+    finally:
+        lower.gate.set()
+        store.close()
+
+
+def test_a_delete_releases_the_pinned_pages_of_an_evicted_entry_and_its_copy_is_skipped():
+    store, lower = _top_with_a_dirty_victim()
+    top = store.tiers[0]
+    try:
+        assert store.put(key(12), payload(12))
+        assert store._ledger.orphan(key(11)) is not None
+        store.delete(key(11))
+        assert store._ledger.orphan(key(11)) is None
+        lower.gate.set()
+        assert store.flush()
+        assert lower.get(key(11)) is None and store.get(key(11)) is None
+        assert lower.get(key(10)) == payload(10)
+        assert store._ledger.idle()
+        assert top.free_bytes() + top.used_bytes() == top.capacity_bytes
+    finally:
+        lower.gate.set()
+        store.close()
+
+
 def test_prefetch_promotes_in_the_background(make_store):
     store = make_store(ram_pages=4, write_through=False)
     chain = [key(i) for i in range(6)]

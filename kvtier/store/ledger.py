@@ -8,9 +8,10 @@ What it tracks, per key:
   generation it was registered under; ``deleted_since`` tells the code carrying it out that a
   delete came after (skip it, or undo what its put wrote). A tombstone goes with the last
   pending copy of its key, so tombstones never pile up.
-- *queued* write-through copies that have yet to read the top level, and *orphans*: the bytes
-  of a top entry evicted before those copies read it (they go with the last such copy, or with
-  a delete).
+- *queued* write-through copies that have yet to read the top level, and *orphans*: what the
+  store keeps of a top entry evicted before those copies read it (its pinned pages: an opaque
+  object here). An orphan goes with the last such copy, or with a delete: the call that lets go
+  of it returns it, and the store releases it.
 - *in-flight* write-through copies: they hold their bytes and have not landed; an eviction must
   not demote the key as well.
 - *removals*: a tier delete of ``(level, key)`` decided under the lock and carried out outside
@@ -56,7 +57,7 @@ class CopyLedger:
         self._tombs: dict[Key, int] = {}  # key -> delete generation, kept while copies are pending
         self._queued: dict[Key, int] = {}  # key -> write-through copies still to read the top level
         self._in_flight: dict[Key, int] = {}  # key -> write-through copies holding bytes, not landed
-        self._orphans: dict[Key, bytes] = {}  # bytes of top entries evicted before their copies read them
+        self._orphans: dict[Key, object] = {}  # top entries evicted before their copies read them
         self._removals: dict[tuple[int, Key], int] = {}  # (level, key) -> tier deletes under way
         self._deleting: dict[Key, int] = {}  # key -> deletes whose tier I/O is under way
         self._stores: set[tuple[int, Key]] = set()  # (level, key) puts under way
@@ -81,11 +82,12 @@ class CopyLedger:
         _inc(self._queued, key)
         return self.begin_copy(key)
 
-    def read_top(self, key: Key) -> None:
-        """A write-through copy of ``key`` has read (or given up on) the top level; the orphan
-        bytes go with the last one."""
+    def read_top(self, key: Key) -> object | None:
+        """A write-through copy of ``key`` has read (or given up on) the top level. The orphan
+        goes with the last one: returned (the caller releases it), else None."""
         if not _dec(self._queued, key):
-            self._orphans.pop(key, None)
+            return self._orphans.pop(key, None)
+        return None
 
     def deleted_since(self, key: Key, gen: int) -> bool:
         """Whether ``key`` was deleted after a copy registered under generation ``gen``."""
@@ -111,26 +113,34 @@ class CopyLedger:
         """That copy landed, failed or was cancelled."""
         _dec(self._in_flight, key)
 
-    def orphan(self, key: Key) -> bytes | None:
-        """The kept bytes of a top entry evicted before its write-through copies read it."""
+    def orphan(self, key: Key) -> object | None:
+        """What is kept of a top entry evicted before its write-through copies read it."""
         return self._orphans.get(key)
 
-    def keep_orphan(self, key: Key, data: bytes) -> None:
-        """Keep an evicted top entry's bytes for its queued write-through copies (only while
-        one is queued: nothing else would release them)."""
-        if key in self._queued:
-            self._orphans[key] = data
+    def orphans(self) -> list:
+        """Every orphan kept now, the oldest first."""
+        return list(self._orphans.values())
+
+    def keep_orphan(self, key: Key, orphan: object) -> bool:
+        """Keep ``orphan`` (an evicted top entry) for the write-through copies of ``key`` still
+        queued; False (not kept: the caller releases it) when none is queued, since nothing else
+        would let go of it, or when one is kept already."""
+        if key not in self._queued or key in self._orphans:
+            return False
+        self._orphans[key] = orphan
+        return True
 
     # ----------------------------------------------------------------------------- deletes, removals
 
-    def begin_delete(self, key: Key) -> None:
-        """A delete of ``key`` was decided: pending copies see it and yield, its orphan bytes
-        go, and until ``end_delete`` it counts as being deleted."""
+    def begin_delete(self, key: Key) -> object | None:
+        """A delete of ``key`` was decided: pending copies see it and yield, and until
+        ``end_delete`` it counts as being deleted. Its orphan goes: returned (the caller
+        releases it), else None."""
         self._delete_seq += 1
         if key in self._pending:
             self._tombs[key] = self._tombs.get(key, 0) + 1
-        self._orphans.pop(key, None)
         _inc(self._deleting, key)
+        return self._orphans.pop(key, None)
 
     def end_delete(self, key: Key) -> None:
         """That delete's tier I/O is over."""

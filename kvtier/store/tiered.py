@@ -36,7 +36,10 @@ Its contract:
   top-tier hit pins its pages under the lock (``borrow``) and runs ``consume`` after it; a write
   reserves pages under it, runs ``fill`` after it and publishes under it again (a delete that
   came meanwhile wins: the pages are freed). A write-through copy pins the entry's pages under
-  the lock and reads them after it. Promotions copy into the arena under the lock.
+  the lock and reads them after it; an eviction of an entry whose write-through copies have not
+  read it yet keeps its pages pinned for them (``Orphan``: no copy on the evicting thread),
+  freed by the arena once the last copy is done. Promotions copy into the arena under the
+  lock.
 - No other tier method of any tier runs under it: reads, puts, deletes, sizes, usage,
   listings of lower tiers (and of a top tier without an arena) run after the lock is released,
   on decisions taken under it. ``stats`` takes the lock for the index's figures only; a
@@ -73,7 +76,7 @@ from kvtier.store.config import StoreConfig
 from kvtier.store.events import EventLog, StoreEvent
 from kvtier.store.index import Counters, Eviction, LevelIndex, Room, StoreIndex
 from kvtier.store.ledger import CopyLedger
-from kvtier.store.writeback import Copy, Lane, Prefetcher, WriteBack
+from kvtier.store.writeback import Copy, Lane, Orphan, Prefetcher, WriteBack, release_orphan
 from kvtier.tiers.base import Tier
 from kvtier.tiers.ram import ArenaTier
 
@@ -571,8 +574,8 @@ class TieredStore(KVStore):
                 try:
                     deleted = self._ledger.deleted_since(copy.key, copy.gen)
                     source = None if deleted else self._pin_top(copy.key, pinned)
-                finally:  # a failed pin must not keep the key's orphan bytes forever
-                    self._ledger.read_top(copy.key)
+                finally:  # a failed pin must not keep the key's orphan pages forever
+                    release_orphan(self._ledger.read_top(copy.key))
                 if deleted:
                     self._counters.cancelled_writes += 1
                     return
@@ -588,12 +591,14 @@ class TieredStore(KVStore):
                     self._ledger.end_in_flight(copy.key)
 
     def _pin_top(self, key: Key, pinned: ExitStack) -> "np.ndarray | Sequence | None":
-        """A top-tier entry's bytes for a copy down (lock held): its orphan bytes, or its arena
-        pages pinned in ``pinned`` (valid until it closes, whatever happens to the key); None
-        when the top tier no longer holds it."""
+        """A top-tier entry's bytes for a copy down (lock held): its arena pages pinned in
+        ``pinned`` (valid until it closes, whatever happens to the key), the entry's own or, once
+        it was evicted, its orphan's; None when the top tier no longer holds it."""
         orphan = self._ledger.orphan(key)
         if orphan is not None:
-            return np.frombuffer(orphan, dtype=np.uint8)
+            views = orphan.hold()
+            pinned.callback(self._drop_orphan, orphan)
+            return views
         top = self._levels[0]
         if top.arena is None or not self._index.holds(0, key):
             return None
@@ -674,11 +679,8 @@ class TieredStore(KVStore):
         return ok and not undo
 
     def _snapshot_top(self, key: Key) -> np.ndarray | None:
-        """A contiguous copy of a top-tier entry in this thread's scratch (lock held: a memcpy
-        out of the arena), or None."""
-        orphan = self._ledger.orphan(key)
-        if orphan is not None:
-            return np.frombuffer(orphan, dtype=np.uint8)
+        """A copy of a top-tier entry of its own (lock held: one memcpy out of the arena), or
+        None."""
         top = self._levels[0]
         size = self._index.size_of(0, key)
         if size is None or top.arena is None:
@@ -686,8 +688,21 @@ class TieredStore(KVStore):
         segments = top.arena.views(key, count=False)
         if segments is None:
             return None
-        buf = self._scratch.get(size, "snap")
+        buf = np.empty(size, dtype=np.uint8)
         return buf[: gather_into(segments, buf)]
+
+    def _keep_orphan(self, key: Key) -> None:
+        """Pin an evicted top entry's pages for its write-through copies still queued (lock
+        held): nothing is copied, and the arena frees the pages once the last copy read them."""
+        pin = ExitStack()
+        views = pin.enter_context(self._levels[0].arena.borrow(key, count=False))
+        if views is None or not self._ledger.keep_orphan(key, Orphan(pin, views)):
+            pin.close()
+
+    def _drop_orphan(self, orphan: Orphan) -> None:
+        """A copy is done reading ``orphan``'s pages (lock not held)."""
+        with self._lock:
+            orphan.drop()
 
     # ----------------------------------------------------------------------------- tier I/O (lock not held)
 
@@ -735,22 +750,33 @@ class TieredStore(KVStore):
             if step is Room.FITS:
                 return True
             if step is Room.NEVER:
-                return False
+                return self._unpin_orphans(nbytes, need)
             self._evict_top(step)
 
+    def _unpin_orphans(self, nbytes: int, need: int) -> bool:
+        """Room for an entry of ``nbytes`` (``need`` in the arena) once nothing is left to evict
+        (lock held): copy orphans' pinned pages out, the oldest first, until the arena can free
+        enough; whether the entry fits then. Only when the lower writers fall that far behind
+        does an eviction cost a copy."""
+        arena = self._levels[0].arena
+        for orphan in self._ledger.orphans():
+            if orphan.detach() and self._index.plan_room(0, nbytes, need, arena.free_bytes) is Room.FITS:
+                return True
+        return False
+
     def _evict_top(self, ev: Eviction) -> None:
-        """Evict an entry of the top tier's arena (lock held: memcpys and page frees only):
-        keep its bytes for write-through copies still queued, or queue them for demotion."""
+        """Evict an entry of the top tier's arena (lock held: page operations and memcpys
+        only): keep its pages pinned for write-through copies still queued, or queue a copy of
+        its bytes for demotion."""
         key, top, ledger = ev.key, self._levels[0], self._ledger
-        if ledger.is_queued(key) and ledger.orphan(key) is None:
-            snap = self._snapshot_top(key)  # lower writes still pending: keep the bytes for them
-            if snap is not None:
-                ledger.keep_orphan(key, snap.tobytes())
+        if ledger.is_queued(key):
+            if ledger.orphan(key) is None:  # lower writes still pending: their pages stay theirs
+                self._keep_orphan(key)
         elif ev.demote_to is not None and ledger.demotable(key):
             snap = self._snapshot_top(key)
             if snap is not None:
                 gen = ledger.begin_copy(key)
-                self._writeback.queue_demotion(ev.demote_to, key, self._index.parent_of(0, key), snap.tobytes(), gen)
+                self._writeback.queue_demotion(ev.demote_to, key, self._index.parent_of(0, key), snap, gen)
         top.arena.delete(key)
         top.tier.stats.add(evictions=1)
         self._counters.evictions += 1
@@ -835,7 +861,7 @@ class TieredStore(KVStore):
         key = check_key(key)
         removals = []
         with self._lock:
-            self._ledger.begin_delete(key)
+            release_orphan(self._ledger.begin_delete(key))
             for i, level in enumerate(self._levels):
                 if level.managed and not self._index.holds(i, key):
                     continue

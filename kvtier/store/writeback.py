@@ -3,14 +3,14 @@ level, and a bounded prefetch worker. Threads and queues only: what each copy ma
 ``CopyLedger``'s (``ledger.py``) and the store's to decide.
 
 Copies to lower levels are *write-through* copies of a new top-level entry (queued without
-bytes when the top level is an arena: the writer snapshots it when it runs; with their bytes
-otherwise) and *demotions* of an evicted entry (queued with their bytes). A full queue drops
+bytes when the top level is an arena: the writer reads its pages when it runs, or, when the
+entry was evicted first, its ``Orphan``'s pinned pages; with their bytes otherwise) and *demotions* of an evicted entry (queued with their bytes). A full queue drops
 the copy and counts it: the caller never waits. Every queued copy is registered in the ledger
 (its delete generation travels with it) and released there when it is done or dropped.
 
 Thread-safety: the queueing methods are called with the store's lock held (the ledger is
 guarded by it); ``flush``, ``stop`` and the worker threads take it themselves, and only around
-ledger calls. Imports: ``kvtier.keys``, ``kvtier.tiers.base`` (TierStats),
+ledger calls. Imports: ``kvtier.buffers``, ``kvtier.keys``, ``kvtier.tiers.base`` (TierStats),
 ``kvtier.store.index`` (Counters), ``kvtier.store.ledger``.
 """
 
@@ -23,8 +23,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from contextlib import ExitStack
+from typing import Any, Callable, Sequence
 
+import numpy as np
+
+from kvtier.buffers import gather_into
 from kvtier.keys import Key
 from kvtier.store.index import Counters
 from kvtier.store.ledger import CopyLedger
@@ -35,16 +39,61 @@ log = logging.getLogger(__name__)
 _STOP = object()
 
 
+class Orphan:
+    """The arena pages of a top entry evicted while write-through copies of it were still queued,
+    kept pinned (not copied) until the ledger lets go of them and no copy reads them any more.
+    Every method runs under the store lock."""
+
+    __slots__ = ("_pin", "_views", "_refs")
+
+    def __init__(self, pin: ExitStack, views: Any):
+        self._pin, self._views, self._refs = pin, views, 1  # the ledger's reference
+
+    def hold(self) -> Any:
+        """The pinned pages, for a copy that reads them until it calls ``drop``."""
+        self._refs += 1
+        return self._views
+
+    def drop(self) -> None:
+        """Let go of one reference (the ledger's or a copy's); the last unpins the pages."""
+        self._refs -= 1
+        if self._refs == 0:
+            self._pin.close()
+
+    def detach(self) -> bool:
+        """Copy the pages into a buffer of the orphan's own and unpin them, so the arena can
+        free them (when the top tier needs the room and has nothing left to evict); False
+        when a copy reads them now, or they are not pinned any more, or they do not read
+        back (a coded entry that does not decode: a copy would fail the same way)."""
+        if self._refs > 1:
+            return False
+        try:
+            segments = list(self._views)  # a coded arena's entry decodes here
+            own = np.empty(sum(int(seg.nbytes) for seg in segments), dtype=np.uint8)
+            gather_into(segments, own)
+        except Exception:
+            return False
+        self._views = [own]
+        self._pin.close()
+        return True
+
+
+def release_orphan(orphan: object | None) -> None:
+    """Drop the reference the ledger held to ``orphan`` (None: nothing was let go of)."""
+    if orphan is not None:
+        orphan.drop()
+
+
 @dataclass(frozen=True)
 class Copy:
-    """One copy of ``key`` for a lower level: ``data`` is the entry's bytes (a demotion, or a
-    write-through copy from a top level without an arena) or None (a write-through copy, read
-    from the top level when it runs); ``gen`` is the key's delete generation when the copy was
-    registered in the ledger."""
+    """One copy of ``key`` for a lower level: ``data`` is the entry's bytes in a buffer of its
+    own (a demotion, or a write-through copy from a top level without an arena) or None (a
+    write-through copy, read from the top level when it runs); ``gen`` is the key's delete
+    generation when the copy was registered in the ledger."""
 
     key: Key
     parent: Key | None
-    data: bytes | None
+    data: "bytes | np.ndarray | None"
     gen: int
 
 
@@ -125,11 +174,11 @@ class WriteBack:
             return True
         except queue.Full:
             if data is None:
-                self._ledger.read_top(key)
+                release_orphan(self._ledger.read_top(key))
             self._drop(i, key)
             return False
 
-    def queue_demotion(self, i: int, key: Key, parent: Key | None, data: bytes, gen: int) -> bool:
+    def queue_demotion(self, i: int, key: Key, parent: Key | None, data: "bytes | np.ndarray", gen: int) -> bool:
         """Queue an evicted entry's bytes for level ``i`` (counted as a demotion). The copy was
         registered (``CopyLedger.begin_copy``) when the eviction was decided, under ``gen``;
         False (counted as a drop, the registration released) when the queue is full."""
@@ -218,7 +267,7 @@ class WriteBack:
             if item is not _STOP:
                 with self._lock:
                     if item.data is None:
-                        self._ledger.read_top(item.key)
+                        release_orphan(self._ledger.read_top(item.key))
                     self._ledger.end_copy(item.key)
                     self._counters.write_drops += 1
                 self._lanes[i].stats.add(dropped=1)

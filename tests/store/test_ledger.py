@@ -94,21 +94,22 @@ def test_a_delete_counts_once_per_key_and_tombstones_go_with_the_last_copy():
 
 def test_orphan_bytes_live_only_while_a_write_through_copy_is_queued():
     ledger = CopyLedger()
-    ledger.keep_orphan(K, b"x")  # nothing queued: nothing would release them
+    assert ledger.keep_orphan(K, b"x") is False  # nothing queued: nothing would release them
     assert ledger.orphan(K) is None
     ledger.begin_write_through(K)
     ledger.begin_write_through(K)
-    ledger.keep_orphan(K, b"x")
-    ledger.read_top(K)
+    assert ledger.keep_orphan(K, b"x") is True
+    assert ledger.keep_orphan(K, b"z") is False  # one kept already: the caller releases its own
+    assert ledger.read_top(K) is None
     assert ledger.orphan(K) == b"x"  # one copy still to read them
-    ledger.read_top(K)
+    assert ledger.read_top(K) == b"x"  # the last copy hands them back to be released
     assert ledger.orphan(K) is None
     ledger.begin_write_through(K)
     ledger.keep_orphan(K, b"y")
-    ledger.begin_delete(K)  # a delete drops them: the queued copy must not bring the key back
+    assert ledger.begin_delete(K) == b"y"  # a delete drops them: the queued copy must not bring the key back
     assert ledger.orphan(K) is None
     ledger.end_delete(K)
-    ledger.read_top(K)
+    assert ledger.read_top(K) is None
     ledger.end_copy(K)
     ledger.end_copy(K)
     ledger.end_copy(K)
