@@ -236,8 +236,9 @@ def test_load_staging_holds_the_step_not_a_full_group():
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs a thread affinity of two CPUs or more")
 def test_copy_threads_only_where_the_building_thread_may_run_on_several_cores():
-    """A CPU engine binds its thread to one core and the copy threads would inherit it: then
-    there are none (taking turns on one core splits nothing); with two cores or more there are."""
+    """A CPU engine may bind its thread to one core (vLLM's CPU worker with libiomp or libgomp
+    preloaded) and the copy threads would inherit it: then there are none (taking turns on one
+    core splits nothing); with two cores or more there are."""
     def build(cpus):
         os.sched_setaffinity(0, cpus)  # this (pool) thread only
         return PageLayout(_cpu_layout(), 12, blocks_per_chunk=2, engine="host")

@@ -103,7 +103,8 @@ class PageLayout:
         # Host copies of a large chunk are split over a few threads (copy_pairs releases the GIL while
         # copying): one thread does not reach the memory bandwidth of the machine. Only over the
         # cores this thread may run on: the copy threads inherit its affinity, and a CPU engine
-        # binds its thread to one core (threads sharing it would only take turns).
+        # may bind its thread to one core (vLLM's CPU worker does where libiomp or libgomp is
+        # preloaded; threads sharing that core would only take turns).
         threads = copy_threads if copy_threads is not None else min(4, _usable_cpus())
         self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvtier-copy") if threads > 1 else None
         self._threads = threads
