@@ -696,7 +696,8 @@ class TieredStore(KVStore):
         held): nothing is copied, and the arena frees the pages once the last copy read them."""
         pin = ExitStack()
         views = pin.enter_context(self._levels[0].arena.borrow(key, count=False))
-        if views is None or not self._ledger.keep_orphan(key, Orphan(pin, views)):
+        orphan = Orphan(pin, views, self._index.size_of(0, key) or 0)
+        if views is None or not self._ledger.keep_orphan(key, orphan):
             pin.close()
 
     def _drop_orphan(self, orphan: Orphan) -> None:
@@ -745,33 +746,53 @@ class TieredStore(KVStore):
         need = arena.footprint(nbytes)
         if need > arena.arena_bytes:  # never fits, whatever goes (a coded arena's raw budget is 16 x its pages)
             return False
+        orphaned = False  # this room-making evicted an entry whose pages stay pinned (an orphan)
         while True:
             step = self._index.plan_room(0, nbytes, need, arena.free_bytes)
             if step is Room.FITS:
                 return True
             if step is Room.NEVER:
                 return self._unpin_orphans(nbytes, need)
-            self._evict_top(step)
+            # An entry whose copies wait gives no room when evicted; the next victim gives it.
+            # When that one would stay pinned too, one copy out makes the room: evicting on
+            # would empty a top tier whose entries all wait for their copies, for one entry.
+            if orphaned and self._pins_on_eviction(step.key) and self._unpin_orphans(nbytes, need):
+                return True
+            orphaned |= self._evict_top(step)
+
+    def _pins_on_eviction(self, key: Key) -> bool:
+        """Whether evicting top entry ``key`` now keeps its pages pinned as an orphan (lock held)."""
+        return self._ledger.is_queued(key) and self._ledger.orphan(key) is None
 
     def _unpin_orphans(self, nbytes: int, need: int) -> bool:
-        """Room for an entry of ``nbytes`` (``need`` in the arena) once nothing is left to evict
-        (lock held): copy orphans' pinned pages out, the oldest first, until the arena can free
-        enough; whether the entry fits then. Only when the lower writers fall that far behind
-        does an eviction cost a copy."""
+        """Room for an entry of ``nbytes`` (``need`` in the arena) from the orphans' pinned pages
+        (lock held): copy orphans out, the oldest first, until the arena can free enough;
+        whether the entry fits then. Each orphan is copied at most once (a detached one is
+        skipped), and none is copied when copying every detachable one out could not make the
+        room (the payload budget is short, or their pages and the free ones are fewer than
+        ``need``): a write that fails anyway costs no copy. Only when the lower writers fall
+        behind does an eviction cost a copy."""
         arena = self._levels[0].arena
-        for orphan in self._ledger.orphans():
+        orphans = [orphan for orphan in self._ledger.orphans() if orphan.detachable]
+        if not orphans or self._index.room(0) < nbytes:
+            return False
+        if arena.free_bytes() + sum(arena.footprint(orphan.nbytes) for orphan in orphans) < need:
+            return False
+        for orphan in orphans:
             if orphan.detach() and self._index.plan_room(0, nbytes, need, arena.free_bytes) is Room.FITS:
                 return True
         return False
 
-    def _evict_top(self, ev: Eviction) -> None:
+    def _evict_top(self, ev: Eviction) -> bool:
         """Evict an entry of the top tier's arena (lock held: page operations and memcpys
         only): keep its pages pinned for write-through copies still queued, or queue a copy of
-        its bytes for demotion."""
+        its bytes for demotion. Whether its pages stay pinned (an orphan was kept)."""
         key, top, ledger = ev.key, self._levels[0], self._ledger
+        orphaned = False
         if ledger.is_queued(key):
             if ledger.orphan(key) is None:  # lower writes still pending: their pages stay theirs
                 self._keep_orphan(key)
+                orphaned = ledger.orphan(key) is not None
         elif ev.demote_to is not None and ledger.demotable(key):
             snap = self._snapshot_top(key)
             if snap is not None:
@@ -781,6 +802,7 @@ class TieredStore(KVStore):
         top.tier.stats.add(evictions=1)
         self._counters.evictions += 1
         self._index.forget(0, key)
+        return orphaned
 
     def _plan_room(self, i: int, nbytes: int) -> tuple[list[_Removal], bool]:
         """Decide the evictions from managed tier ``i`` (not an arena) that make ``nbytes`` fit

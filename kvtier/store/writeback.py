@@ -44,10 +44,22 @@ class Orphan:
     kept pinned (not copied) until the ledger lets go of them and no copy reads them any more.
     Every method runs under the store lock."""
 
-    __slots__ = ("_pin", "_views", "_refs")
+    __slots__ = ("_pin", "_views", "_refs", "_pinned", "_readable", "nbytes")
 
-    def __init__(self, pin: ExitStack, views: Any):
+    def __init__(self, pin: ExitStack, views: Any, nbytes: int = 0):
+        """``nbytes``: the entry's raw length (what a ``detach`` copies; its pages, rounded up,
+        are the most a detach can give back to the arena)."""
         self._pin, self._views, self._refs = pin, views, 1  # the ledger's reference
+        self._pinned = True  # until the last reference goes or a detach copies the pages out
+        self._readable = True  # until a detach found that they do not read back
+        self.nbytes = nbytes
+
+    @property
+    def detachable(self) -> bool:
+        """Whether ``detach`` would copy the pages out now: they are still pinned (not detached
+        before: a detached orphan is never copied again), no copy reads them, and no detach
+        found them unreadable before (a coded entry is decoded, and counted corrupt, once)."""
+        return self._pinned and self._readable and self._refs == 1
 
     def hold(self) -> Any:
         """The pinned pages, for a copy that reads them until it calls ``drop``."""
@@ -58,22 +70,26 @@ class Orphan:
         """Let go of one reference (the ledger's or a copy's); the last unpins the pages."""
         self._refs -= 1
         if self._refs == 0:
+            self._pinned = False
             self._pin.close()
 
     def detach(self) -> bool:
         """Copy the pages into a buffer of the orphan's own and unpin them, so the arena can
-        free them (when the top tier needs the room and has nothing left to evict); False
+        free them (when the top tier needs the room: ``TieredStore._make_room_top``); False
         when a copy reads them now, or they are not pinned any more, or they do not read
-        back (a coded entry that does not decode: a copy would fail the same way)."""
-        if self._refs > 1:
+        back (a coded entry that does not decode: a copy would fail the same way). Copies at
+        most once: a detached orphan answers False, its own buffer stays as it is."""
+        if not self.detachable:
             return False
         try:
             segments = list(self._views)  # a coded arena's entry decodes here
             own = np.empty(sum(int(seg.nbytes) for seg in segments), dtype=np.uint8)
             gather_into(segments, own)
         except Exception:
+            self._readable = False
             return False
         self._views = [own]
+        self._pinned = False
         self._pin.close()
         return True
 
