@@ -4,8 +4,8 @@ the store lock, and a victim whose write-through copy is still queued (lower-tie
 what ``writer_idle`` makes happen while the cores compute) was once copied twice on the step
 thread (into scratch, then ``.tobytes()`` as an orphan). Now its pages stay pinned for that copy
 (``kvtier.store.writeback.Orphan``) and a clean entry makes the room: the step copies nothing
-but its own pages. Only when nothing clean is left to evict does an orphan get copied out
-(once), so that the write still fits."""
+but its own pages. Only when the next victim would stay pinned too, or none is left, does an
+orphan get copied out (once), so that the write still fits."""
 
 from __future__ import annotations
 
