@@ -4,8 +4,9 @@ level, and a bounded prefetch worker. Threads and queues only: what each copy ma
 
 Copies to lower levels are *write-through* copies of a new top-level entry (queued without
 bytes when the top level is an arena: the writer reads its pages when it runs, or, when the
-entry was evicted first, its ``Orphan``'s pinned pages; with their bytes otherwise) and *demotions* of an evicted entry (queued with their bytes). A full queue drops
-the copy and counts it: the caller never waits. Every queued copy is registered in the ledger
+entry was evicted first, its ``Orphan``'s pinned pages; with their bytes otherwise) and
+*demotions* of an evicted entry (queued with a copy of their bytes). A full queue drops the copy
+and counts it: the caller never waits. Every queued copy is registered in the ledger
 (its delete generation travels with it) and released there when it is done or dropped.
 
 Thread-safety: the queueing methods are called with the store's lock held (the ledger is
