@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -65,6 +66,36 @@ class GateRam(RamTier):
         if self.fail:
             raise OSError("injected write fault")
         return super().put(key, data, dtype, shape)
+
+
+@contextmanager
+def zero_held_at_the_gate(pages: int):
+    """A store of a ``pages``-page top (LRU) over a ``GateRam`` whose put of key 0 waits at its
+    gate: yields (store, lower) once 0 is put and its copy holds 0's pages at the gate; on the
+    way out every gate opens and the store closes."""
+    lower = GateRam().gate(key(0))
+    store = store_over([ram(pages), lower], write_queue_depth=64)
+    try:
+        assert store.put(key(0), payload(0))
+        assert lower.entered[key(0)].wait(WAIT)
+        yield store, lower
+    finally:
+        lower.open_all()
+        store.close()
+
+
+def assert_landed(store: TieredStore, lower: GateRam, n: int) -> None:
+    """Once the store settles, the lower tier holds keys 0..n-1 with the bytes put."""
+    assert_all_landed(store, [lower], range(n))
+
+
+def assert_all_landed(store: TieredStore, lowers: list, numbers) -> None:
+    """Once the store settles, every one of ``lowers`` holds the keys of ``numbers`` with the
+    bytes put."""
+    settle(store, *lowers)
+    for lower in lowers:
+        for i in numbers:
+            assert lower.get(key(i)) == payload(i), (lower.name, i)
 
 
 def pages_balance(top: RamTier) -> bool:
@@ -138,11 +169,7 @@ def test_a_detached_orphan_is_not_copied_again(monkeypatch):
     its (already private) bytes again on the engine's thread, under the store lock, and
     counted that as room made. An orphan is copied out once."""
     copies = count_detach_copies(monkeypatch)
-    lower = GateRam().gate(key(0))
-    store = store_over([ram(2), lower], write_queue_depth=64)
-    try:
-        assert store.put(key(0), payload(0))
-        assert lower.entered[key(0)].wait(WAIT)  # 0's copy holds its pages at the gate
+    with zero_held_at_the_gate(2) as (store, lower):  # 0's copy holds its pages at the gate
         assert store.put(key(1), payload(1))  # 1's copy is queued behind it
         assert store.put(key(2), payload(2))  # evicts 0 and 1; no victim left: 1 is copied out
         assert copies == [PAGE]
@@ -151,12 +178,7 @@ def test_a_detached_orphan_is_not_copied_again(monkeypatch):
         assert store.put(key(3), payload(3))  # evicts 2 (pinned); only 2 is copied out now
         assert copies == [PAGE, PAGE], f"{len(copies)} copies for 2 orphans: a detached one was copied again"
         assert first.detach() is False  # once
-        settle(store, lower)
-        for i in range(4):
-            assert lower.get(key(i)) == payload(i), i
-    finally:
-        lower.open_all()
-        store.close()
+        assert_landed(store, lower, 4)
 
 
 def test_no_orphan_is_copied_out_for_a_write_that_cannot_fit_anyway(monkeypatch):
@@ -165,24 +187,14 @@ def test_no_orphan_is_copied_out_for_a_write_that_cannot_fit_anyway(monkeypatch)
     copied (and unpinned) before the write failed anyway: copies on the engine's thread for
     nothing. None is copied when the copies could not make the room."""
     copies = count_detach_copies(monkeypatch)
-    lower = GateRam().gate(key(0))
-    store = store_over([ram(3), lower], write_queue_depth=64)
-    top = store.tiers[0]
-    try:
-        assert store.put(key(0), payload(0))
-        assert lower.entered[key(0)].wait(WAIT)  # 0's pages stay pinned by its writer
+    with zero_held_at_the_gate(3) as (store, lower):  # 0's pages stay pinned by its writer
         assert store.put(key(1), payload(1))
         assert store.put(key(2), payload(2))
         assert store.put(key(9), payload(9, 3 * PAGE)) is False  # 0's page is not for the taking
         assert copies == [], f"copied {len(copies)} orphans out for a write that failed anyway"
         for i in (1, 2):
-            assert in_arena(store._ledger.orphan(key(i)), top), i
-        settle(store, lower)
-        for i in range(3):
-            assert lower.get(key(i)) == payload(i), i
-    finally:
-        lower.open_all()
-        store.close()
+            assert in_arena(store._ledger.orphan(key(i)), store.tiers[0]), i
+        assert_landed(store, lower, 3)
 
 
 def test_one_write_does_not_empty_a_top_tier_whose_entries_all_wait_for_their_copies(monkeypatch):
@@ -194,11 +206,7 @@ def test_one_write_does_not_empty_a_top_tier_whose_entries_all_wait_for_their_co
     memcpy; now, once one pinned victim gave nothing, a second one makes an orphan be copied
     out instead of being evicted."""
     copies = count_detach_copies(monkeypatch)
-    lower = GateRam().gate(key(0))
-    store = store_over([ram(4), lower], write_queue_depth=64)
-    try:
-        assert store.put(key(0), payload(0))
-        assert lower.entered[key(0)].wait(WAIT)
+    with zero_held_at_the_gate(4) as (store, lower):
         for i in (1, 2, 3):
             assert store.put(key(i), payload(i))  # queued behind 0: the whole top waits
         assert store.put(key(4), payload(4))
@@ -207,12 +215,7 @@ def test_one_write_does_not_empty_a_top_tier_whose_entries_all_wait_for_their_co
         for i in (5, 6, 7):  # the writer still behind: each write costs one entry, not the tier
             assert store.put(key(i), payload(i))
         assert sum(store.in_top_tier([key(i) for i in range(8)])) == 3
-        settle(store, lower)
-        for i in range(8):
-            assert lower.get(key(i)) == payload(i), i
-    finally:
-        lower.open_all()
-        store.close()
+        assert_landed(store, lower, 8)
 
 
 # ------------------------------------------------------------------------------------ attacks that held
@@ -234,11 +237,8 @@ def test_a_detach_is_refused_while_a_writer_reads_the_orphan_and_its_bytes_stay_
         assert orphan._refs == 2  # the ledger's and a's writer's
         assert store.put(key(3), payload(3, 2 * PAGE)) is False  # room only from under a's writer
         assert in_arena(orphan, top)
-        settle(store, a, b)
-        for lower in (a, b):
-            assert lower.received[key(1)] == payload(1), lower.name
-            for i in (0, 1, 2, 100):
-                assert lower.get(key(i)) == payload(i), (lower.name, i)
+        assert_all_landed(store, [a, b], (0, 1, 2, 100))
+        assert a.received[key(1)] == payload(1) and b.received[key(1)] == payload(1)
     finally:
         a.open_all()
         b.open_all()
@@ -283,11 +283,8 @@ def test_two_lower_tiers_read_one_orphan_and_it_is_unpinned_after_the_second():
         assert a.get(key(1)) == payload(1)
         assert store._ledger.orphan(key(1)) is orphan
         assert in_arena(orphan, top)  # still pinned for b
-        settle(store, a, b)
+        assert_all_landed(store, [a, b], (0, 1, 2, 100))
         assert orphan._refs == 0
-        for lower in (a, b):
-            for i in (0, 1, 2, 100):
-                assert lower.get(key(i)) == payload(i), (lower.name, i)
     finally:
         a.open_all()
         b.open_all()
