@@ -691,14 +691,16 @@ class TieredStore(KVStore):
         buf = np.empty(size, dtype=np.uint8)
         return buf[: gather_into(segments, buf)]
 
-    def _keep_orphan(self, key: Key) -> None:
+    def _keep_orphan(self, key: Key) -> bool:
         """Pin an evicted top entry's pages for its write-through copies still queued (lock
-        held): nothing is copied, and the arena frees the pages once the last copy read them."""
+        held): nothing is copied, and the arena frees the pages once the last copy read them.
+        Whether they were kept (False: the arena no longer had the entry)."""
         pin = ExitStack()
         views = pin.enter_context(self._levels[0].arena.borrow(key, count=False))
-        orphan = Orphan(pin, views, self._index.size_of(0, key) or 0)
-        if views is None or not self._ledger.keep_orphan(key, orphan):
-            pin.close()
+        if views is not None and self._ledger.keep_orphan(key, Orphan(pin, views, self._index.size_of(0, key) or 0)):
+            return True
+        pin.close()
+        return False
 
     def _drop_orphan(self, orphan: Orphan) -> None:
         """A copy is done reading ``orphan``'s pages (lock not held)."""
@@ -789,11 +791,9 @@ class TieredStore(KVStore):
         its bytes for demotion. Whether its pages stay pinned (an orphan was kept)."""
         key, top, ledger = ev.key, self._levels[0], self._ledger
         orphaned = False
-        if ledger.is_queued(key):
-            if ledger.orphan(key) is None:  # lower writes still pending: their pages stay theirs
-                self._keep_orphan(key)
-                orphaned = ledger.orphan(key) is not None
-        elif ev.demote_to is not None and ledger.demotable(key):
+        if self._pins_on_eviction(key):  # lower writes still pending: their pages stay theirs
+            orphaned = self._keep_orphan(key)
+        elif ev.demote_to is not None and ledger.demotable(key):  # never while one is queued
             snap = self._snapshot_top(key)
             if snap is not None:
                 gen = ledger.begin_copy(key)

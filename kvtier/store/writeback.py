@@ -47,7 +47,7 @@ class Orphan:
 
     __slots__ = ("_pin", "_views", "_refs", "_pinned", "_readable", "nbytes")
 
-    def __init__(self, pin: ExitStack, views: Any, nbytes: int = 0):
+    def __init__(self, pin: ExitStack, views: Any, nbytes: int):
         """``nbytes``: the entry's raw length (what a ``detach`` copies; its pages, rounded up,
         are the most a detach can give back to the arena)."""
         self._pin, self._views, self._refs = pin, views, 1  # the ledger's reference
