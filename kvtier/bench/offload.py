@@ -59,13 +59,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 # RAM over a shared-directory tier with each tier codec: what coding the lower tier costs a first
 # pass and gives a re-read from it (fs: the NFS/Lustre case, here on local disk)
 FS_CODEC_SETTINGS = {"kvtier-ram+fs": "none", "kvtier-ram+fs-lossless": "lossless", "kvtier-ram+fs-fp8": "fp8"}
+# the same with the fs tier's o_direct: its files written past this node's page cache
+FS_DIRECT_SETTINGS = {"kvtier-ram+fs-direct": "none", "kvtier-ram+fs-lossless-direct": "lossless"}
 # the engine over a `kvtier serve` process whose shared RAM arena is as large as kvtier-ram's tier
 # (the connector keeps no tiers of its own): reads from the shared arena, batched direct writes
 SERVE_SETTING = "kvtier-serve"
 # kvtier-ram+disk with the disk tier's o_direct off: its files written into and read through the
 # page cache (the disk tier's default bypasses it)
 BUFFERED_SETTING = "kvtier-ram+disk-buffered"
-OPTIONAL_SETTINGS = ("example-connector", "lmcache-mp", SERVE_SETTING, BUFFERED_SETTING, *FS_CODEC_SETTINGS)
+OPTIONAL_SETTINGS = ("example-connector", "lmcache-mp", SERVE_SETTING, BUFFERED_SETTING, *FS_CODEC_SETTINGS,
+                     *FS_DIRECT_SETTINGS)
 # RAM over a Redis tier across a link of R Gb/s (a real redis-server behind the project's delay
 # proxy, one link per setting) with a tier codec: what a re-read from a shared tier over the
 # network costs, per codec, beside recomputing (vLLM alone's first pass). E.g. kvtier-ram+redis-1g,
@@ -504,9 +507,11 @@ def _settings(names: list[str], fractions: list[float], working_set: int, work: 
         elif name == BUFFERED_SETTING:
             lower = {"type": "disk", "path": str(work / f"disk-buffered{own}"), "o_direct": False}
             settings.append(Setting(name, _kvtier(_ram_over(lower, working_set), chunk_tokens)))
-        elif name in FS_CODEC_SETTINGS:  # the RAM tier as kvtier-ram+disk's: re-reads come from fs
-            codec = FS_CODEC_SETTINGS[name]
-            lower = {"type": "fs", "path": str(work / f"fs-{codec}{own}"), "codec": codec}
+        elif name in FS_CODEC_SETTINGS or name in FS_DIRECT_SETTINGS:  # RAM as kvtier-ram+disk's; re-reads from fs
+            direct = name in FS_DIRECT_SETTINGS
+            codec = (FS_DIRECT_SETTINGS if direct else FS_CODEC_SETTINGS)[name]
+            lower = {"type": "fs", "path": str(work / f"fs-{codec}{'-direct' if direct else ''}{own}"), "codec": codec,
+                     "o_direct": direct}
             settings.append(Setting(name, _kvtier(_ram_over(lower, working_set), chunk_tokens)))
         elif name in (links or {}):  # as kvtier-ram+fs, over a Redis tier across the setting's link
             shared = SHARED_SETTING.fullmatch(name)

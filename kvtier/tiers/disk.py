@@ -52,9 +52,7 @@ import errno
 import fcntl
 import io
 import logging
-import mmap
 import os
-import queue
 import re
 import stat
 import threading
@@ -71,6 +69,8 @@ from kvtier.fileio import (NotRegularFile, ShortRead, create_exclusive_at, dir_m
                            open_regular_at, parse_mode, read_exact, read_upto, resolve_group, set_direct,
                            unlink_quietly, untrusted_dir, write_all, write_back)
 from kvtier.keys import Key
+from kvtier.tiers.direct import O_DIRECT, BouncePool, round_up, write_new
+from kvtier.tiers.direct import probe as direct_probe
 from kvtier.tiers.base import RankShare, SchedulerView, Tier, check_file_modes
 
 log = logging.getLogger(__name__)
@@ -81,11 +81,9 @@ _TMP_SUFFIX = ".tmp"
 _OWN_TMP = re.compile(r"^(?:[0-9a-f]{64}\.[0-9a-f]{12}|\.(?:probe|direct)-[0-9a-f]{32})\.tmp$")
 _FANOUT_DIR = re.compile(r"^[0-9a-f]{2}$")
 LOCK_NAME = ".kvtier.lock"
-_ALIGN = 4096  # O_DIRECT offset/length/buffer alignment that every Linux filesystem accepts
 # drop_cache: written files whose pages are dropped later (their writeback done by then)
 DROP_BEHIND_BYTES = 64 << 20
 DROP_BEHIND_FILES = 64
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
@@ -173,14 +171,12 @@ class DiskTier(Tier):
         self._index: dict[Key, _Meta] = {}
         self._used = 0
         self._write_slots = threading.BoundedSemaphore(config.max_writes_in_flight)
-        self._bounce: queue.SimpleQueue[_Bounce] = queue.SimpleQueue()
+        self._bounce = BouncePool(config.max_writes_in_flight)
         self._drop_behind = _DropBehind(DROP_BEHIND_BYTES, DROP_BEHIND_FILES, self.stats)
-        for _ in range(config.max_writes_in_flight):
-            self._bounce.put(_Bounce())
         self._prepare_directory()
         self._lock_file: io.FileIO | None = self._take_lock()
         try:
-            self._direct = bool(config.o_direct and _O_DIRECT and self._probe_direct())
+            self._direct = bool(config.o_direct and O_DIRECT and self._probe_direct())
             self.scan_report = self._scan()
         except BaseException:
             self._release_lock()
@@ -305,18 +301,13 @@ class DiskTier(Tier):
             lock.close()  # closing the only descriptor releases the flock
 
     def _probe_direct(self) -> bool:
-        probe = f".direct-{uuid.uuid4().hex}{_TMP_SUFFIX}"
+        """Whether the directory's file system takes O_DIRECT (one info line when it does not)."""
         with self._entry_dir("") as root:
-            try:
-                fd = create_exclusive_at(root, probe, self._mode, self._gid, flags=_O_DIRECT)
-            except OSError as exc:
-                log.info("disk tier %s: O_DIRECT unsupported in %s (%s); using buffered I/O",
-                         self.name, self.path, exc.strerror)
-                unlink_quietly(probe, root)
-                return False
-            os.close(fd)
-            unlink_quietly(probe, root)
-        return True
+            refused = direct_probe(root, self._mode, self._gid)
+        if refused is not None:
+            log.info("disk tier %s: O_DIRECT unsupported in %s (%s); using buffered I/O",
+                     self.name, self.path, refused.strerror)
+        return refused is None
 
     def _scan(self) -> dict[str, int]:
         """Rebuild the index from the files' headers; remove temp and unparsable files."""
@@ -480,7 +471,7 @@ class DiskTier(Tier):
             direct = self._direct
             try:
                 with self._entry_dir(self._sub(key)) as dfd:  # an indexed key is a valid key
-                    fd, st = open_regular_at(dfd, bytes(key).hex(), _O_DIRECT if direct else 0)
+                    fd, st = open_regular_at(dfd, bytes(key).hex(), O_DIRECT if direct else 0)
             except FileNotFoundError:  # removed behind our back (or by a delete just now)
                 with self._lock:
                     self._forget_locked(key, meta)
@@ -587,24 +578,14 @@ class DiskTier(Tier):
         """Forget the index (files stay on disk for the next start), free bounce buffers and
         release the directory's lock.
 
-        The bounce pool keeps its slots: each idle buffer's memory is freed, but the (now empty)
-        ``_Bounce`` goes back into the pool. A direct put or read that runs after ``close`` (or
-        races it) takes a slot and maps a new buffer; with the slots removed it would wait on the
-        empty pool forever."""
+        The bounce pool keeps its slots (``BouncePool.release_memory``): a direct put or read
+        that runs after ``close`` (or races it) maps its buffer again."""
         with self._lock:
             self._index.clear()
             self._used = 0
             self._release_lock()
         self._drop_behind.close()
-        idle = []
-        while True:
-            try:
-                idle.append(self._bounce.get_nowait())
-            except queue.Empty:
-                break
-        for bounce in idle:
-            bounce.free()
-            self._bounce.put(bounce)
+        self._bounce.release_memory()
 
     # --- file I/O ------------------------------------------------------------------------------
 
@@ -674,26 +655,16 @@ class DiskTier(Tier):
                      self.name, what, self.path, exc.strerror)
 
     def _write_direct(self, dfd: int, tmp: str, header: bytes, src: memoryview) -> os.stat_result:
-        """Write header + payload through an aligned bounce buffer with O_DIRECT (the payload
-        copied into it without the GIL, with streaming stores where the extension is built: the
-        page cache, its writeback and the engine's Python threads are left alone); its fstat."""
-        total = len(header) + src.nbytes
-        bounce = self._bounce.get()
+        """Write header + payload through an aligned bounce buffer with O_DIRECT
+        (``kvtier.tiers.direct``: the page cache, its writeback and the engine's Python threads
+        are left alone); its fstat."""
+        with self._bounce.take() as buf:
+            fd = write_new(dfd, tmp, self._mode, self._gid, header, src, buf)
         try:
-            buf = bounce.reserve(_round_up(total))
-            buf[: len(header)] = header
-            copy_pairs([(buf[len(header) : total], src)])
-            buf[total : _round_up(total)] = bytes(_round_up(total) - total)
-            fd = create_exclusive_at(dfd, tmp, self._mode, self._gid, flags=_O_DIRECT)
-            try:
-                write_all(fd, [buf[: _round_up(total)]])
-                os.ftruncate(fd, total)
-                self._settle(fd, total, cached=False)
-                return os.fstat(fd)
-            finally:
-                os.close(fd)
+            self._settle(fd, len(header) + src.nbytes, cached=False)
+            return os.fstat(fd)
         finally:
-            self._bounce.put(bounce)
+            os.close(fd)
 
     def _settle(self, fd: int, size: int, cached: bool = True) -> None:
         """Make the new file (``size`` bytes) durable if asked (``fsync``, then its pages
@@ -723,16 +694,13 @@ class DiskTier(Tier):
         total = meta.header_bytes + meta.length
         if os.fstat(fd).st_size != total:
             raise CorruptEntry("file size does not match its header")
-        bounce = self._bounce.get()
-        try:
-            buf = bounce.reserve(_round_up(total))
-            got = read_upto(fd, [buf[: _round_up(total)]])
+        with self._bounce.take() as bounce:
+            buf = bounce.reserve(round_up(total))
+            got = read_upto(fd, [buf[: round_up(total)]])
             if got < total:
                 raise CorruptEntry("short read")
             self._check(key, meta, buf[: meta.header_bytes], buf[meta.header_bytes : total])
             copy_pairs([(dst[: meta.length], buf[meta.header_bytes : total])])
-        finally:
-            self._bounce.put(bounce)
 
     def _check(self, key: Key, meta: _Meta, head, body) -> None:
         header = decode_header(head, auth=self.auth)
@@ -820,27 +788,6 @@ class _DropBehind:
             self._stats.add(errors=1)
 
 
-class _Bounce:
-    """A page-aligned buffer for O_DIRECT (anonymous mmap), grown on demand, reused."""
-
-    def __init__(self):
-        self._map: mmap.mmap | None = None
-
-    def reserve(self, nbytes: int) -> memoryview:
-        if self._map is None or len(self._map) < nbytes:
-            self.free()
-            self._map = mmap.mmap(-1, max(nbytes, _ALIGN))
-        return memoryview(self._map)
-
-    def free(self) -> None:
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # a view is still alive somewhere; the GC frees it later
-                pass
-            self._map = None
-
-
 def _read_meta(dfd: int, name: str, key: Key, max_length: int) -> _Meta | None:
     """Index record from the header of file ``name`` in ``dfd``, or None when it is not a
     regular file, or the header or the file size is wrong, or the header announces more than
@@ -882,10 +829,6 @@ def _key_from_name(name: str) -> Key | None:
         return bytes.fromhex(name)
     except ValueError:
         return None
-
-
-def _round_up(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
 
 
 __all__ = ["DiskTier", "DiskConfig"]

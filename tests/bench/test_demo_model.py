@@ -427,14 +427,20 @@ def test_demo_variant_hybrid_json_on_a_real_engine(tmp_path, capsys):
 def test_fs_codec_settings_put_ram_over_an_fs_tier_with_each_codec(tmp_path):
     from kvtier.integrations.vllm.config import ConnectorConfig
 
-    names = list(offload.FS_CODEC_SETTINGS)
+    codecs = {**offload.FS_CODEC_SETTINGS, **offload.FS_DIRECT_SETTINGS}
+    names = list(codecs)
     settings = offload._settings(names, [], 10 << 20, tmp_path, None)
     assert [s.name for s in settings] == names
+    paths = set()
     for setting in settings:
         extra = setting.kv_transfer_config["kv_connector_extra_config"]
         ram, fs = extra["tiers"]
-        assert ram["type"] == "ram" and fs["type"] == "fs" and fs["codec"] == offload.FS_CODEC_SETTINGS[setting.name]
-        assert ConnectorConfig.from_extra_config(extra).store.tiers[1].config.codec == fs["codec"]  # a valid config
+        assert ram["type"] == "ram" and fs["type"] == "fs" and fs["codec"] == codecs[setting.name]
+        assert fs["o_direct"] == setting.name.endswith("-direct")
+        tier = ConnectorConfig.from_extra_config(extra).store.tiers[1].config  # a valid config
+        assert (tier.codec, tier.o_direct) == (fs["codec"], fs["o_direct"])
+        paths.add(fs["path"])
+    assert len(paths) == len(names)  # no two settings share a directory
     with pytest.raises(ConfigError, match="kvtier-ram\\+fs-lossless"):  # the valid choices, in one line
         offload._parse_settings("vllm,kvtier-ram+fs-zip")
 

@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+import kvtier.tiers.direct as direct_mod
 import kvtier.tiers.disk as disk_mod
 from kvtier.errors import TierUnavailable
 from kvtier.tiers.disk import DiskTier
@@ -139,7 +140,8 @@ def test_write_fault_is_a_counted_false_put(tmp_path, monkeypatch, code):
     def failing_write(fd, bufs):  # a fake only to inject the fault
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(disk_mod, "write_all", failing_write)
+    monkeypatch.setattr(disk_mod, "write_all", failing_write)  # buffered writes
+    monkeypatch.setattr(direct_mod, "write_all", failing_write)  # O_DIRECT writes
     assert tier.put(key(1), payload(2000, 2)) is False
     assert tier.put(key(2), payload(2000, 2)) is False
     assert tier.stats.errors == 2
@@ -203,7 +205,8 @@ def test_o_direct_copies_its_bounce_buffer_without_the_gil(tmp_path, monkeypatch
         calls.append((sum(memoryview(src).nbytes for _, src in pairs), release_gil))
         real(pairs, release_gil)
 
-    monkeypatch.setattr(disk_mod, "copy_pairs", recording)
+    monkeypatch.setattr(direct_mod, "copy_pairs", recording)  # the write's staging copy
+    monkeypatch.setattr(disk_mod, "copy_pairs", recording)  # the read's copy out
     data = np.random.default_rng(5).integers(0, 256, (3 << 20) + 17, dtype=np.uint8)
     assert tier.put(key(1), data)
     out = np.zeros_like(data)

@@ -302,11 +302,11 @@ def _bounces(tier: DiskTier) -> list:
     got = []
     while True:
         try:
-            got.append(tier._bounce.get_nowait())
+            got.append(tier._bounce._free.get_nowait())
         except Exception:  # noqa: BLE001 - queue.Empty
             break
     for b in got:
-        tier._bounce.put(b)
+        tier._bounce._free.put(b)
     return got
 
 
