@@ -601,7 +601,12 @@ class DiskTier(Tier):
         """Descriptor of the real fan-out directory ``sub`` in ``root`` (created with ``mode``
         when ``create``); _SkippedDir for a symlink or a non-directory."""
         try:
-            return make_dir_at(root, sub, self._dir_mode, self._gid) if create else open_dir_at(root, sub)
+            try:  # opened first: a mkdir that fails with EEXIST is a system call on every put
+                return open_dir_at(root, sub)
+            except FileNotFoundError:
+                if not create:
+                    raise
+            return make_dir_at(root, sub, self._dir_mode, self._gid)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 raise _SkippedDir("is a symbolic link or not a directory") from exc
