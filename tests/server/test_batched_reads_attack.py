@@ -24,6 +24,7 @@ from kvtier.server import ServerStore
 from kvtier.server import protocol as P
 from tests.integration.test_async_saves import GEOMETRY, NUM_BLOCKS, _kv_caches, _pages, _same, _saves
 from tests.server.test_direct_write import _ask, _key, _payload, _raw, _reserve, _server_stats, _wait
+from tests.server.test_hardening import _wait_stopped
 
 MiB = 1 << 20
 ARENA_8M = [{"type": "ram", "capacity": "8MiB", "page_size": "64KiB", "policy": "lru"}]
@@ -187,6 +188,7 @@ def test_a_batch_past_the_client_deadline_is_all_misses_and_the_server_frees_its
         assert c.put_many([(_key(i), bytes([i]) * 4096) for i in range(3)]) == [True] * 3
         os.killpg(server.proc.pid, 19)  # SIGSTOP: the reply comes late
         try:
+            _wait_stopped(server.proc.pid)  # a stop is delivered asynchronously: a loaded machine may still answer first
             assert c.read_many([_key(i) for i in range(3)], lambda i, s: pytest.fail("consumed")) == [None] * 3
         finally:
             os.killpg(server.proc.pid, 18)  # SIGCONT
