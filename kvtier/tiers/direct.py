@@ -17,6 +17,7 @@ Imports: ``kvtier.fastcopy`` and ``kvtier.fileio``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import queue
@@ -114,15 +115,18 @@ def write_new(dir_fd: int, name: str, mode: int, gid: int, header: bytes, payloa
 
 def probe(dir_fd: int, mode: int, gid: int) -> OSError | None:
     """Whether the file system under ``dir_fd`` takes O_DIRECT: None if a new file opens with it
-    and takes an aligned write, else the OSError that refused it (the probe file is removed)."""
+    and takes an aligned write, else the OSError that refused it (EINVAL, EOPNOTSUPP; the probe
+    file is removed). Another fault (a full disk, EIO) is not a refusal: None, and the tier's
+    own writes meet and count it."""
     if not O_DIRECT:
-        return OSError(0, "O_DIRECT is not available on this system")
+        return OSError(errno.EOPNOTSUPP, "O_DIRECT is not available on this system")
     name = f".direct-{uuid.uuid4().hex}.tmp"
     buf = AlignedBuffer()
     try:
         os.close(write_new(dir_fd, name, mode, gid, b"", memoryview(bytes(ALIGN)), buf))
     except OSError as exc:
-        return exc
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            return exc
     finally:
         buf.free()
         unlink_quietly(name, dir_fd)
