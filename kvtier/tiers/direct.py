@@ -8,8 +8,9 @@ kernel's ``copy_folio_from_iter_atomic`` under the engine's memory traffic), and
 it fills competes with the engine for memory. The staging copy uses ``kvtier.fastcopy``
 (streaming stores where the extension is built), so it does not evict the engine's caches.
 
-A file system that refuses ``O_DIRECT`` answers EINVAL, at open or at the write: ``probe`` says
-so at a tier's start, and a tier that meets it later goes buffered (its callers decide).
+A file system that refuses ``O_DIRECT`` answers EINVAL (or EOPNOTSUPP), at open or at the write:
+``probe`` says so at a tier's start, and a tier that meets it later (``refused``) goes buffered
+(its callers decide).
 
 Imports: ``kvtier.fastcopy`` and ``kvtier.fileio``.
 """
@@ -28,6 +29,12 @@ from kvtier.fileio import create_exclusive_at, unlink_quietly, write_all
 
 ALIGN = 4096  # O_DIRECT offset/length/buffer alignment that every Linux file system accepts
 O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def refused(exc: OSError) -> bool:
+    """Whether ``exc`` says the file system does not take O_DIRECT here (EINVAL, EOPNOTSUPP),
+    as opposed to a fault (a full disk, EIO) that buffered I/O would meet too."""
+    return exc.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
 
 
 def round_up(n: int) -> int:
@@ -125,7 +132,7 @@ def probe(dir_fd: int, mode: int, gid: int) -> OSError | None:
     try:
         os.close(write_new(dir_fd, name, mode, gid, b"", memoryview(bytes(ALIGN)), buf))
     except OSError as exc:
-        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        if refused(exc):
             return exc
     finally:
         buf.free()
@@ -133,4 +140,4 @@ def probe(dir_fd: int, mode: int, gid: int) -> OSError | None:
     return None
 
 
-__all__ = ["ALIGN", "AlignedBuffer", "BouncePool", "O_DIRECT", "probe", "round_up", "write_new"]
+__all__ = ["ALIGN", "AlignedBuffer", "BouncePool", "O_DIRECT", "probe", "refused", "round_up", "write_new"]

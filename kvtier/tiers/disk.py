@@ -71,6 +71,7 @@ from kvtier.fileio import (NotRegularFile, ShortRead, create_exclusive_at, dir_m
 from kvtier.keys import Key
 from kvtier.tiers.direct import O_DIRECT, BouncePool, round_up, write_new
 from kvtier.tiers.direct import probe as direct_probe
+from kvtier.tiers.direct import refused as direct_refused
 from kvtier.tiers.base import RankShare, SchedulerView, Tier, check_file_modes
 
 log = logging.getLogger(__name__)
@@ -433,7 +434,7 @@ class DiskTier(Tier):
                 try:
                     self._read_direct(fd, key, meta, dst)
                 except OSError as exc:
-                    if exc.errno != errno.EINVAL:
+                    if not direct_refused(exc):
                         raise
                     self._refuse_direct("read", exc)  # then this read, buffered
                     set_direct(fd, False)
@@ -481,7 +482,7 @@ class DiskTier(Tier):
                 self._drop_corrupt(key, meta, str(exc) or "not a regular file")
                 return None
             except OSError as exc:
-                if direct and exc.errno == errno.EINVAL:
+                if direct and direct_refused(exc):
                     self._refuse_direct("open", exc)
                     continue
                 self.stats.add(errors=1)
@@ -638,7 +639,7 @@ class DiskTier(Tier):
             try:
                 return self._write_direct(dfd, tmp, header, src)
             except OSError as exc:
-                if exc.errno != errno.EINVAL:
+                if not direct_refused(exc):
                     raise
                 self._refuse_direct("write", exc)
                 unlink_quietly(tmp, dfd)

@@ -75,6 +75,7 @@ from kvtier.tiers import fs_scan
 from kvtier.tiers.base import Key, Tier, check_file_modes
 from kvtier.tiers.direct import BouncePool, write_new
 from kvtier.tiers.direct import probe as direct_probe
+from kvtier.tiers.direct import refused as direct_refused
 
 log = logging.getLogger(__name__)
 
@@ -490,7 +491,7 @@ class FsTier(Tier):
             with self._bounce.take() as buf:
                 return write_new(dfd, tmp, self._mode, self._gid, header, view, buf)
         except OSError as exc:
-            if exc.errno != errno.EINVAL:
+            if not direct_refused(exc):
                 raise
             why = exc.strerror
         with self._usage_lock:

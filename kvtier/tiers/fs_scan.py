@@ -35,6 +35,8 @@ RECORD = struct.Struct("<32sqdQQ")  # key, size, mtime, inode, device: 64 bytes
 TMP = ".tmp"
 FANOUT = re.compile(r"^[0-9a-f]{2}$")
 ENTRY = re.compile(r"^[0-9a-f]{64}$")
+# an O_DIRECT start-up probe's file in the root (``kvtier.tiers.direct.probe``), left by a crash
+PROBE = re.compile(r"^\.direct-[0-9a-f]{32}\.tmp$")
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _SUBDIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 
@@ -98,8 +100,14 @@ def walk(root_path: str, others_write: bool, stale_tmp_s: float | None,
     root = os.open(root_path, DIR_FLAGS)
     walked = 0
     try:
-        with os.scandir(root) as it:
-            subs = sorted(e.name for e in it if FANOUT.match(e.name))
+        subs = []
+        with os.scandir(root) as it:  # streamed: the root's other names cost no memory
+            for name in (e.name for e in it):
+                if FANOUT.match(name):
+                    subs.append(name)
+                elif stale_tmp_s is not None and PROBE.match(name):
+                    _maybe_drop_tmp(root, name, now, stale_tmp_s)
+        subs.sort()
         for sub in subs:
             if stop():
                 return
