@@ -78,6 +78,10 @@ SHARED_SETTING = re.compile(r"kvtier-ram\+redis-(\d+(?:\.\d+)?)g(?:-(none|lossle
 ASYNC_SUFFIX = "-async"
 # any kvtier setting with -idle (before -async): the same tiers, their writers under SCHED_IDLE
 IDLE_SUFFIX = "-idle"
+# any kvtier setting with -nowait (before -idle and -async): the same tiers, their lower-tier writers
+# not waiting for the engine's steps (writer_step_wait_s 0; on a CPU engine the connector's default
+# holds their copies while a step runs)
+NOWAIT_SUFFIX = "-nowait"
 NICE_WRITERS = 19  # a -nice setting's writer_nice: its lower-tier writers (and their encoders) yield the cores
 SHARED_DELAY_S = 0.0005  # the proxy's delay per request: a round trip inside a data centre
 PASSES = ("first", "again", "reverse")
@@ -119,8 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vLLM's own KV pool in tokens, smaller than the working set (default 21504)")
     parser.add_argument("--settings", default=",".join(MAIN_SETTINGS),
                         help=f"comma list of {', '.join(MAIN_SETTINGS + OPTIONAL_SETTINGS)}, "
-                             "kvtier-ram+redis-<R>g[-codec][-nice], and any kvtier-* setting with -idle (the same tiers, "
-                             "their lower-tier writers under SCHED_IDLE: store option writer_idle) and/or -async (the "
+                             "kvtier-ram+redis-<R>g[-codec][-nice], and any kvtier-* setting with -nowait (the same "
+                             "tiers, their lower-tier writers not waiting for the engine's steps: writer_step_wait_s 0), "
+                             "-idle (their writers under SCHED_IDLE: store option writer_idle) and/or -async (the "
                              "same tiers, transfer_mode async), in that order (default: the first three)")
     parser.add_argument("--capacity-fractions", default=",".join(map(str, DEFAULT_FRACTIONS)),
                         help="RAM-tier sizes for the capacity curve, as fractions of the working set; '' to skip")
@@ -229,16 +234,17 @@ def _parse_settings(text: str) -> list[str]:
         if name not in valid and not shared and _base_name(name) not in kvtier:
             raise ConfigError(f"unknown setting {name!r}; valid: {', '.join(valid)}, "
                               "kvtier-ram+redis-<R>g[-none|-lossless|-auto|-fp8][-nice|-idle] (a Redis tier across an "
-                              "R Gb/s link; -nice: its writers at nice 19), and any kvtier-* setting with -idle (its "
-                              "writers under SCHED_IDLE) and/or -async (the connector's transfer_mode async), in that order")
+                              "R Gb/s link; -nice: its writers at nice 19), and any kvtier-* setting with -nowait (its writers "
+                              "not waiting for the engine's steps), -idle (its writers under SCHED_IDLE) and/or -async "
+                              "(the connector's transfer_mode async), in that order")
     if len(set(names)) != len(names):
         raise ConfigError(f"--settings names a setting twice: {text!r}")
     return names
 
 
 def _base_name(name: str) -> str:
-    """The setting ``name`` names without its ``-async`` and ``-idle`` suffixes."""
-    for suffix in (ASYNC_SUFFIX, IDLE_SUFFIX):
+    """The setting ``name`` names without its ``-async``, ``-idle`` and ``-nowait`` suffixes."""
+    for suffix in (ASYNC_SUFFIX, IDLE_SUFFIX, NOWAIT_SUFFIX):
         name = name[: -len(suffix)] if name.endswith(suffix) else name
     return name
 
@@ -495,7 +501,7 @@ def _settings(names: list[str], fractions: list[float], working_set: int, work: 
         count, asked = len(settings), name
         if not SHARED_SETTING.fullmatch(name):  # a Redis setting keeps its name: it names its link
             name = _base_name(name)
-        own = asked[len(name):]  # "-idle", "-async", both or "": the setting's own directories
+        own = asked[len(name):]  # its suffixes ("-nowait", "-idle", "-async") or "": the setting's own directories
         if name == "vllm":
             settings.append(Setting(name, None, engine_hit_docs=3))
         elif name == "kvtier-ram":  # large enough for the working set; doubles as the curve's top point
@@ -535,7 +541,8 @@ def _settings(names: list[str], fractions: list[float], working_set: int, work: 
             settings.append(Setting(name, config, serve_arena_bytes=int(big * working_set), serve_dir=where))
         is_async = asked.endswith(ASYNC_SUFFIX)
         is_idle = asked.removesuffix(ASYNC_SUFFIX).endswith(IDLE_SUFFIX)
-        if (is_async or is_idle) and len(settings) > count and settings[-1].kv_transfer_config:
+        is_nowait = asked.removesuffix(ASYNC_SUFFIX).removesuffix(IDLE_SUFFIX).endswith(NOWAIT_SUFFIX)
+        if (is_async or is_idle or is_nowait) and len(settings) > count and settings[-1].kv_transfer_config:
             setting = settings[-1]
             setting.name = asked
             extra = setting.kv_transfer_config["kv_connector_extra_config"]
@@ -543,6 +550,8 @@ def _settings(names: list[str], fractions: list[float], working_set: int, work: 
                 extra["transfer_mode"] = "async"
             if is_idle:
                 extra["writer_idle"] = True
+            if is_nowait:
+                extra["writer_step_wait_s"] = 0
     for fraction in fractions:
         if fraction == big and "kvtier-ram" in names:
             continue

@@ -97,6 +97,10 @@ class KVStore(ABC):
     def enable_events(self, maxlen: int = 100_000) -> None:
         """Start recording events for ``take_events`` (stores that always record: nothing)."""
 
+    def engine_step(self, running: bool) -> None:
+        """The engine's step (its forward pass) starts (True) or ends (False), for stores whose
+        background writers yield to it (``StoreConfig.writer_step_wait_s``). By default: nothing."""
+
     @property
     def reads_in_batches(self) -> bool:
         """Whether ``read_many`` costs less than a ``read`` per key (one round trip for the

@@ -46,7 +46,15 @@ class StoreConfig:
     keeps it until a core is idle: next to a process that keeps every core busy, the engine's
     threads can wait that long (over a second was measured against one busy-looping process), so
     use it where the cores have idle time (a GPU server; a CPU engine between steps). Not with
-    ``writer_nice`` (set one). ``auth_key_file`` /
+    ``writer_nice`` (set one). ``writer_step_wait_s``: how long a lower-tier writer may hold a
+    copy while the engine's step runs (``TieredStore.engine_step``, called by the vLLM
+    connector around each forward pass): it waits for the step's end, but only while its queue
+    is under half full and for at most this long, so nothing is dropped for it and a busy engine
+    cannot starve the tier; copies then go between steps and after requests instead of taking
+    a core from a forward pass that runs on the same cores. 0: never wait. None (the default):
+    the vLLM connector sets 1.0 where the engine computes on the host CPU (vLLM's CPU platform)
+    and 0 elsewhere (a GPU's forward pass leaves the host's cores to the writers); a store used
+    on its own never waits. ``auth_key_file`` /
     ``auth_key_env``: where the trust domain's secret is (a file only its owner/group can read,
     or an environment variable; at most one): every entry is then tagged and checked (keyed
     BLAKE3, HMAC-SHA256 where blake3 is missing; an untagged or wrongly tagged entry is a
@@ -64,6 +72,7 @@ class StoreConfig:
     max_entry_bytes: Size = ranged(Size(1024**3), ge=1)
     writer_nice: int = ranged(0, ge=0, le=19)
     writer_idle: bool = False  # the lower tiers' writers under SCHED_IDLE (Linux)
+    writer_step_wait_s: float | None = ranged(None, ge=0, le=60)  # hold copies while an engine step runs
     # the trust domain's secret (kvtier.entry.load_auth_secret): tags every entry, keys the chunk keys
     auth_key_file: str | None = None
     auth_key_env: str | None = None

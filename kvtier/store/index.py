@@ -61,6 +61,8 @@ class Counters:
     corrupt: int = 0  # entries whose stored length exceeds what the store or tier accepts
     cancelled_writes: int = 0  # lower-tier copies skipped or undone because the key was deleted
     prefetch_drops: int = 0  # prefetch requests dropped because the prefetch queue was full
+    step_waits: int = 0  # lower-tier copies held while the engine's step ran (writer_step_wait_s)
+    step_wait_seconds: float = 0.0  # their waits, in all
 
 
 @dataclass

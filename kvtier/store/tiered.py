@@ -76,7 +76,7 @@ from kvtier.store.config import StoreConfig
 from kvtier.store.events import EventLog, StoreEvent
 from kvtier.store.index import Counters, Eviction, LevelIndex, Room, StoreIndex
 from kvtier.store.ledger import CopyLedger
-from kvtier.store.writeback import Copy, Lane, Orphan, Prefetcher, WriteBack, release_orphan
+from kvtier.store.writeback import Copy, Lane, Orphan, Prefetcher, StepGate, WriteBack, release_orphan
 from kvtier.tiers.base import Tier
 from kvtier.tiers.ram import ArenaTier
 
@@ -132,9 +132,11 @@ class TieredStore(KVStore):
         for i in range(len(self._levels)):
             self._learn(i)
         lanes = [None] + [Lane(level.tier.name, level.tier.stats) for level in self._levels[1:]]
+        self._step_gate = StepGate()
         self._writeback = WriteBack(lanes, self.config.write_queue_depth, self._lock, self._ledger, self._counters,
                                     self._copy_down, nice=self.config.writer_nice,
-                                    idle=self.config.writer_idle)
+                                    idle=self.config.writer_idle, gate=self._step_gate,
+                                    step_wait_s=self.config.writer_step_wait_s or 0.0)
         self._prefetcher = Prefetcher(self.config.write_queue_depth, self._prefetch)
 
     # ----------------------------------------------------------------------------- construction
@@ -912,6 +914,11 @@ class TieredStore(KVStore):
         """Wait until queued lower-tier writes are done; False on timeout."""
         return self._writeback.flush(timeout)
 
+    def engine_step(self, running: bool) -> None:
+        """The engine's step (its forward pass) starts (True) or ends (False): with
+        ``writer_step_wait_s`` the lower tiers' writers hold their copies while one runs."""
+        self._step_gate.step(running)
+
     def stats(self) -> dict:
         """Store counters and, per tier, capacity, usage, queue depth, the tier's own counters and
         its codec (``codec``: the setting and, for ``auto``, the choice and its inputs).
@@ -946,6 +953,7 @@ class TieredStore(KVStore):
                 return
             self._closed = True
         deadline = time.monotonic() + timeout
+        self._step_gate.step(False)  # no step runs any more: nothing waits for one
         self.flush(timeout=timeout)
         self._prefetcher.stop(deadline)
         self._writeback.stop(deadline)

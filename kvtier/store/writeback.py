@@ -23,7 +23,7 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from contextlib import ExitStack
 from typing import Any, Callable, Sequence
 
@@ -38,6 +38,7 @@ from kvtier.tiers.base import TierStats
 log = logging.getLogger(__name__)
 
 _STOP = object()
+_STEP_POLL_S = 0.02  # how often a writer held for a step looks at its queue again
 
 
 class Orphan:
@@ -106,12 +107,14 @@ class Copy:
     """One copy of ``key`` for a lower level: ``data`` is the entry's bytes in a buffer of its
     own (a demotion, or a write-through copy from a top level without an arena) or None (a
     write-through copy, read from the top level when it runs); ``gen`` is the key's delete
-    generation when the copy was registered in the ledger."""
+    generation when the copy was registered in the ledger; ``queued``: when it was queued
+    (monotonic seconds)."""
 
     key: Key
     parent: Key | None
     data: "bytes | np.ndarray | None"
     gen: int
+    queued: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -154,15 +157,44 @@ def run_when_idle() -> bool:
     return True
 
 
+class StepGate:
+    """Whether the engine's step (its forward pass) is running, for writers that wait for its
+    end: set by the engine's thread (``step``), read by the writers. Thread-safe; no lock."""
+
+    def __init__(self):
+        self._between = threading.Event()
+        self._between.set()  # no step yet
+
+    def step(self, running: bool) -> None:
+        """A step starts (True) or ends (False)."""
+        if running:
+            self._between.clear()
+        else:
+            self._between.set()
+
+    def running(self) -> bool:
+        """Whether a step is running now."""
+        return not self._between.is_set()
+
+    def wait_between(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for no step to be running; whether none is."""
+        return self._between.wait(timeout)
+
+
 class WriteBack:
     """Queues and writer threads for levels 1.. of a store."""
 
     def __init__(self, lanes: Sequence[Lane | None], depth: int, lock: threading.RLock, ledger: CopyLedger,
-                 counters: Counters, apply: ApplyCopy, nice: int = 0, idle: bool = False):
+                 counters: Counters, apply: ApplyCopy, nice: int = 0, idle: bool = False,
+                 gate: StepGate | None = None, step_wait_s: float = 0.0):
         """``lanes[i]`` describes level ``i`` (``lanes[0]``, the top level, is None); the writer
         threads run ``nice`` steps nicer than the thread that starts them (see ``lower_priority``),
-        or with ``idle`` under ``SCHED_IDLE`` (``run_when_idle``). ``ledger`` and ``counters``
-        are guarded by ``lock``."""
+        or with ``idle`` under ``SCHED_IDLE`` (``run_when_idle``). With ``gate`` and
+        ``step_wait_s`` > 0 a writer holds each copy while the engine's step runs, for at most
+        ``step_wait_s`` and only while its queue is under half full (``_wait_for_step``).
+        ``ledger`` and ``counters`` are guarded by ``lock``."""
+        self._gate = gate if step_wait_s > 0 else None
+        self._step_wait_s = step_wait_s
         self._nice = nice
         self._idle = idle
         self._lock = lock
@@ -237,6 +269,8 @@ class WriteBack:
                 q.task_done()
                 return
             try:
+                if self._gate is not None:
+                    self._wait_for_step(q, item.queued)
                 self._apply(i, item)
             except Exception:  # never let one bad write kill the worker
                 log.exception("kvtier: write to tier %s failed", lane.name)
@@ -245,6 +279,24 @@ class WriteBack:
                 with self._lock:
                     self._ledger.end_copy(item.key)
                 q.task_done()
+
+    def _wait_for_step(self, q: queue.Queue, queued: float) -> None:
+        """Hold the copy in hand (queued at ``queued``) while the engine's step runs: until the
+        step ends, its queue fills to half (a copy never waits at the price of a later one being
+        dropped), or ``step_wait_s`` has passed since it was queued (a step that never ends, or
+        steps back to back, cannot starve the tier, and copies queued together wait together).
+        Counted: how many copies waited, and for how long in all."""
+        if not self._gate.running():
+            return
+        start = time.monotonic()
+        deadline = queued + self._step_wait_s
+        while self._gate.running() and 2 * q.qsize() < q.maxsize:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._gate.wait_between(min(left, _STEP_POLL_S)):
+                break
+        with self._lock:
+            self._counters.step_waits += 1
+            self._counters.step_wait_seconds += time.monotonic() - start
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued copy is done; False on timeout."""

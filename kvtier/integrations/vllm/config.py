@@ -70,6 +70,9 @@ DEFAULT_CONNECTOR_TIERS = ({"type": "ram", "capacity": "4GiB"},)
 TransferMode = Literal["sync", "async"]
 TRANSFER_MODES = get_args(TransferMode)
 WHERE = "kv_connector_extra_config"
+# writer_step_wait_s where the forward pass runs on the host CPU: longer than a prefill step of a
+# few thousand tokens on a small CPU engine, short enough that a stuck step costs little
+STEP_WAIT_ON_CPU_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,15 @@ class ConnectorConfig:
                                   f"{dtype!r} (or leave it out)")
             return self
         return dataclasses.replace(self, store=dataclasses.replace(self.store, element_dtype=dtype))
+
+    def with_step_wait(self, forward_on_host_cpu: bool) -> "ConnectorConfig":
+        """The same config with the store's ``writer_step_wait_s`` resolved where it was left
+        unset: ``STEP_WAIT_ON_CPU_S`` when the engine's forward pass runs on the host's cores
+        (its lower-tier writers would take a core from it), else 0. A value the user gave is kept."""
+        if self.store.writer_step_wait_s is not None:
+            return self
+        wait = STEP_WAIT_ON_CPU_S if forward_on_host_cpu else 0.0
+        return dataclasses.replace(self, store=dataclasses.replace(self.store, writer_step_wait_s=wait))
 
     def lossy_codec_warning(self) -> str | None:
         """One line when a lossy tier codec is configured but cannot code this engine's KV (its

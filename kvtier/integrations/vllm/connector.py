@@ -129,6 +129,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = self.config.with_kv_dtype(  # a tier codec's element width
             getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"),
             getattr(getattr(vllm_config, "model_config", None), "dtype", ""))
+        self.config = self.config.with_step_wait(_forward_on_host_cpu())  # lower-tier writes yield to CPU steps
         warning = check_load_failure_policy(transfer.kv_load_failure_policy, self.config.require_recompute)
         if warning and role == KVConnectorRole.SCHEDULER:  # once per engine
             log.warning("%s", warning)
@@ -326,6 +327,13 @@ def _geometry(config: ConnectorConfig, block_size: int) -> ChunkGeometry:
             f"of the engine's block size ({block_size})"
         )
     return ChunkGeometry(block_size, chunk_tokens)
+
+
+def _forward_on_host_cpu() -> bool:
+    """Whether this engine's forward pass runs on the host's cores (vLLM's CPU platform)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def _namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None", chunk_tokens: int,

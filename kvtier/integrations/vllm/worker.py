@@ -517,7 +517,8 @@ class KVTierWorker:
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
         """Copy this step's inline loads into the engine's pages (before the forward pass) and
-        start its background loads."""
+        start its background loads. The step starts here for the store (``engine_step``)."""
+        self.store.engine_step(True)
         if self._layout is None or not meta.loads:
             return
         joined = self._joined([load for load in meta.loads if load.group in self._layouts])
@@ -791,7 +792,14 @@ class KVTierWorker:
         ``async`` without a background writer: see ``_saves_copy_twice``), or read into staging
         slots now and written into the store by the background writer (``async``; chunks that
         find no free slot are dropped and counted). Either way the engine's pages are no longer
-        needed when this returns."""
+        needed when this returns. The step ends here for the store (``engine_step``)."""
+        try:
+            self._save_step(meta)
+        finally:
+            self.store.engine_step(False)
+
+    def _save_step(self, meta: KVTierMetadata) -> None:
+        """``wait_for_save``'s copies."""
         self._done_step = meta.step
         if not self._layouts or not meta.saves or not self._saves_on:
             return

@@ -1,0 +1,152 @@
+"""Lower-tier writers that yield to the engine's step (``writer_step_wait_s``): a copy queued
+while a step runs is written when the step ends, or after the wait, or at once when its queue is
+half full; nothing is dropped for it; the connector resolves the default from the platform and
+its worker marks every step, also one whose save fails."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import STEP_WAIT_ON_CPU_S, ConnectorConfig
+from kvtier.integrations.vllm.metadata import KVTierMetadata, SaveSpec
+from kvtier.integrations.vllm.worker import KVTierWorker
+from kvtier.keys import WorkerShare
+from kvtier.store import TieredStore
+from tests.integration.test_connector_worker import GEOMETRY, _kv_caches, _keys
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+def store(tmp_path, wait: float | None, depth: int = 64) -> TieredStore:
+    return TieredStore.from_config({
+        "tiers": [{"type": "ram", "capacity": 16 << 20},
+                  {"type": "disk", "path": str(tmp_path / "disk"), "capacity": 64 << 20}],
+        "writer_step_wait_s": wait, "write_queue_depth": depth})
+
+
+def on_disk(s: TieredStore, k: bytes) -> bool:
+    return s.stats()["tiers"][1]["entries"] > 0 and s._levels[1].tier.contains(k)
+
+
+def wait_until(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def test_a_copy_queued_during_a_step_is_written_when_the_step_ends(tmp_path):
+    with store(tmp_path, wait=30.0) as s:
+        s.engine_step(True)
+        assert s.put(key(1), b"a" * 100_000)
+        time.sleep(0.3)
+        assert not on_disk(s, key(1))  # held while the step runs
+        assert s.get(key(1)) == b"a" * 100_000  # the top tier serves it meanwhile
+        s.engine_step(False)
+        assert wait_until(lambda: on_disk(s, key(1)))
+        stats = s.stats()
+        assert stats["step_waits"] == 1 and 0.2 < stats["step_wait_seconds"] < 30
+        assert stats["write_drops"] == 0
+
+
+def test_a_step_that_never_ends_holds_each_copy_at_most_the_wait_from_its_queueing(tmp_path):
+    with store(tmp_path, wait=0.4) as s:
+        s.engine_step(True)
+        t0 = time.monotonic()
+        for i in range(5):
+            assert s.put(key(i), bytes([i]) * 50_000)
+        assert s.flush(timeout=10)
+        took = time.monotonic() - t0
+        assert all(on_disk(s, key(i)) for i in range(5))
+        # copies queued together wait together: about one wait, not one per copy
+        assert 0.3 < took < 1.6, took
+        assert s.stats()["write_drops"] == 0
+
+
+def test_a_queue_half_full_writes_at_once_and_drops_nothing(tmp_path):
+    with store(tmp_path, wait=30.0, depth=4) as s:
+        s.engine_step(True)
+        for i in range(12):  # three times the queue: without the half-full rule these would drop
+            assert s.put(key(i), bytes([i]) * 50_000)
+            time.sleep(0.02)
+        assert s.stats()["write_drops"] == 0
+        # all but what the (half-full) queue and the copy in hand hold, while the step still runs
+        assert wait_until(lambda: sum(on_disk(s, key(i)) for i in range(12)) >= 12 - 4)
+        s.engine_step(False)
+        assert s.flush(timeout=20)
+        assert all(on_disk(s, key(i)) for i in range(12))
+        assert s.stats()["write_drops"] == 0
+
+
+def test_without_a_wait_a_step_holds_nothing(tmp_path):
+    for wait in (None, 0.0):
+        with store(tmp_path / str(wait), wait=wait) as s:
+            s.engine_step(True)
+            assert s.put(key(1), b"z" * 10_000)
+            assert wait_until(lambda: on_disk(s, key(1)), timeout=5)
+            assert s.stats()["step_waits"] == 0
+
+
+def test_close_during_a_step_writes_what_is_queued(tmp_path):
+    s = store(tmp_path, wait=30.0)
+    s.engine_step(True)
+    assert s.put(key(1), b"c" * 10_000)
+    t0 = time.monotonic()
+    s.close(timeout=10)
+    assert time.monotonic() - t0 < 5
+    with store(tmp_path, wait=None) as again:
+        assert again.get(key(1)) == b"c" * 10_000  # from the disk tier, written by the close
+
+
+def test_the_wait_is_a_validated_store_key():
+    with pytest.raises(ConfigError, match="writer_step_wait_s"):
+        ConnectorConfig.from_extra_config({"writer_step_wait_s": -1})
+    with pytest.raises(ConfigError, match="writer_step_wait_s"):
+        ConnectorConfig.from_extra_config({"writer_step_wait_s": 1e9})
+
+
+def test_the_connector_resolves_the_default_from_the_platform_and_keeps_a_given_value():
+    default = ConnectorConfig.from_extra_config({})
+    assert default.store.writer_step_wait_s is None
+    assert default.with_step_wait(True).store.writer_step_wait_s == STEP_WAIT_ON_CPU_S
+    assert default.with_step_wait(False).store.writer_step_wait_s == 0.0
+    given = ConnectorConfig.from_extra_config({"writer_step_wait_s": 0.25})
+    assert given.with_step_wait(True).store.writer_step_wait_s == 0.25
+    off = ConnectorConfig.from_extra_config({"writer_step_wait_s": 0})
+    assert off.with_step_wait(True).store.writer_step_wait_s == 0
+
+
+def test_the_worker_marks_every_step_even_one_whose_save_fails(tmp_path, monkeypatch):
+    config = ConnectorConfig.from_extra_config({
+        "tiers": [{"type": "ram", "capacity": "4MiB"}, {"type": "disk", "path": str(tmp_path / "d")}],
+    }).with_step_wait(True)
+    worker = KVTierWorker(config, GEOMETRY, WorkerShare())
+    try:
+        worker.register_kv_caches(_kv_caches(0))
+        gate = worker.store._step_gate
+        assert not gate.running()
+        worker.start_load_kv(KVTierMetadata())  # a step with nothing to load
+        assert gate.running()
+        keys = _keys(2)
+        saves = [SaveSpec("r", k, keys[c - 1] if c else None, c, [2 * c, 2 * c + 1]) for c, k in enumerate(keys)]
+        worker.wait_for_save(KVTierMetadata(saves=saves))
+        assert not gate.running()
+        assert worker.store.flush(timeout=10) and worker.store.stats()["tiers"][1]["entries"] == 2
+
+        def broken(*args, **kwargs):  # a fake only to inject the fault: a save that raises
+            raise RuntimeError("save failed")
+
+        monkeypatch.setattr(worker, "_save_inline", broken)
+        worker.start_load_kv(KVTierMetadata())
+        with pytest.raises(RuntimeError):
+            worker.wait_for_save(KVTierMetadata(saves=[SaveSpec("r", _keys(3)[2], keys[1], 2, [4, 5])]))
+        assert not gate.running()  # the step is over for the writers all the same
+    finally:
+        worker.close()
