@@ -50,8 +50,9 @@ class StoreConfig:
     copy while the engine's step runs (``TieredStore.engine_step``, called by the vLLM
     connector around each forward pass): it waits for the step's end, but only while its queue
     is under half full and for at most this long, so nothing is dropped for it and a busy engine
-    cannot starve the tier; copies then go between steps and after requests instead of taking
-    a core from a forward pass that runs on the same cores. 0: never wait. None (the default):
+    cannot starve the tier, and never for a demotion or while an evicted entry waits for its
+    copy (until written, no tier would find that key); copies then go between steps and after
+    requests instead of taking a core from a forward pass that runs on the same cores. 0: never wait. None (the default):
     the vLLM connector sets 1.0 where the engine computes on the host CPU (vLLM's CPU platform)
     and 0 elsewhere (a GPU's forward pass leaves the host's cores to the writers); a store used
     on its own never waits. ``auth_key_file`` /

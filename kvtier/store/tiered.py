@@ -136,7 +136,8 @@ class TieredStore(KVStore):
         self._writeback = WriteBack(lanes, self.config.write_queue_depth, self._lock, self._ledger, self._counters,
                                     self._copy_down, nice=self.config.writer_nice,
                                     idle=self.config.writer_idle, gate=self._step_gate,
-                                    step_wait_s=self.config.writer_step_wait_s or 0.0)
+                                    step_wait_s=self.config.writer_step_wait_s or 0.0,
+                                    may_hold=self._may_hold_copy)
         self._prefetcher = Prefetcher(self.config.write_queue_depth, self._prefetch)
 
     # ----------------------------------------------------------------------------- construction
@@ -804,6 +805,8 @@ class TieredStore(KVStore):
         top.tier.stats.add(evictions=1)
         self._counters.evictions += 1
         self._index.forget(0, key)
+        if orphaned:  # a writer holding its copy for the engine's step must write it now
+            self._step_gate.wake()
         return orphaned
 
     def _plan_room(self, i: int, nbytes: int) -> tuple[list[_Removal], bool]:
@@ -914,6 +917,12 @@ class TieredStore(KVStore):
         """Wait until queued lower-tier writes are done; False on timeout."""
         return self._writeback.flush(timeout)
 
+    def _may_hold_copy(self, key: Key) -> bool:
+        """Whether a writer may hold ``key``'s write-through copy for the engine's step: the top
+        level still serves the key and no evicted entry waits for its copy (asked by the writers
+        without the lock: dict reads; the eviction that changes the answer wakes them)."""
+        return self._index.holds(0, key) and not self._ledger.holds_orphans()
+
     def engine_step(self, running: bool) -> None:
         """The engine's step (its forward pass) starts (True) or ends (False): with
         ``writer_step_wait_s`` the lower tiers' writers hold their copies while one runs."""
@@ -953,7 +962,7 @@ class TieredStore(KVStore):
                 return
             self._closed = True
         deadline = time.monotonic() + timeout
-        self._step_gate.step(False)  # no step runs any more: nothing waits for one
+        self._step_gate.close()  # no step runs any more (a later engine_step is ignored): nothing waits for one
         self.flush(timeout=timeout)
         self._prefetcher.stop(deadline)
         self._writeback.stop(deadline)

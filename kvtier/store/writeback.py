@@ -38,7 +38,6 @@ from kvtier.tiers.base import TierStats
 log = logging.getLogger(__name__)
 
 _STOP = object()
-_STEP_POLL_S = 0.02  # how often a writer held for a step looks at its queue again
 
 
 class Orphan:
@@ -159,26 +158,41 @@ def run_when_idle() -> bool:
 
 class StepGate:
     """Whether the engine's step (its forward pass) is running, for writers that wait for its
-    end: set by the engine's thread (``step``), read by the writers. Thread-safe; no lock."""
+    end: set by the engine's thread (``step``), waited on by the writers (``wait``), woken early
+    by the store (``wake``) when something a waiting writer weighs has changed. Thread-safe."""
 
     def __init__(self):
-        self._between = threading.Event()
-        self._between.set()  # no step yet
+        self._cond = threading.Condition(threading.Lock())
+        self._running = False
+        self._closed = False
 
     def step(self, running: bool) -> None:
-        """A step starts (True) or ends (False)."""
-        if running:
-            self._between.clear()
-        else:
-            self._between.set()
+        """A step starts (True) or ends (False); after ``close`` a start is ignored."""
+        with self._cond:
+            self._running = running and not self._closed
+            if not self._running:
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """No step runs from now on (the store is closing): every wait ends."""
+        with self._cond:
+            self._closed, self._running = True, False
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Make waiting writers look at their reasons to stop waiting again."""
+        with self._cond:
+            self._cond.notify_all()
 
     def running(self) -> bool:
         """Whether a step is running now."""
-        return not self._between.is_set()
+        return self._running
 
-    def wait_between(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for no step to be running; whether none is."""
-        return self._between.wait(timeout)
+    def wait(self, done: Callable[[], bool], timeout: float) -> None:
+        """Wait while a step runs and ``done()`` is false, for at most ``timeout`` seconds
+        (``done`` is asked under the gate's own lock: it must not take the store's)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._running or done(), timeout)
 
 
 class WriteBack:
@@ -186,15 +200,18 @@ class WriteBack:
 
     def __init__(self, lanes: Sequence[Lane | None], depth: int, lock: threading.RLock, ledger: CopyLedger,
                  counters: Counters, apply: ApplyCopy, nice: int = 0, idle: bool = False,
-                 gate: StepGate | None = None, step_wait_s: float = 0.0):
+                 gate: StepGate | None = None, step_wait_s: float = 0.0,
+                 may_hold: Callable[[Key], bool] = lambda key: False):
         """``lanes[i]`` describes level ``i`` (``lanes[0]``, the top level, is None); the writer
         threads run ``nice`` steps nicer than the thread that starts them (see ``lower_priority``),
         or with ``idle`` under ``SCHED_IDLE`` (``run_when_idle``). With ``gate`` and
-        ``step_wait_s`` > 0 a writer holds each copy while the engine's step runs, for at most
-        ``step_wait_s`` and only while its queue is under half full (``_wait_for_step``).
-        ``ledger`` and ``counters`` are guarded by ``lock``."""
+        ``step_wait_s`` > 0 a writer holds a write-through copy while the engine's step runs
+        and ``may_hold(key)`` says yes (asked without the store's lock: the top level still
+        serves the key and no evicted entry waits for a copy; ``_wait_for_step``). ``ledger``
+        and ``counters`` are guarded by ``lock``."""
         self._gate = gate if step_wait_s > 0 else None
         self._step_wait_s = step_wait_s
+        self._may_hold = may_hold
         self._nice = nice
         self._idle = idle
         self._lock = lock
@@ -220,6 +237,7 @@ class WriteBack:
         gen = self._ledger.begin_write_through(key) if data is None else self._ledger.begin_copy(key)
         try:
             self._queues[i].put_nowait(Copy(key, parent, data, gen))
+            self._queued(i)
             return True
         except queue.Full:
             if data is None:
@@ -236,6 +254,7 @@ class WriteBack:
         except queue.Full:
             self._drop(i, key)
             return False
+        self._queued(i)
         self._counters.demotions += 1
         return True
 
@@ -270,7 +289,7 @@ class WriteBack:
                 return
             try:
                 if self._gate is not None:
-                    self._wait_for_step(q, item.queued)
+                    self._wait_for_step(q, item)
                 self._apply(i, item)
             except Exception:  # never let one bad write kill the worker
                 log.exception("kvtier: write to tier %s failed", lane.name)
@@ -280,23 +299,34 @@ class WriteBack:
                     self._ledger.end_copy(item.key)
                 q.task_done()
 
-    def _wait_for_step(self, q: queue.Queue, queued: float) -> None:
-        """Hold the copy in hand (queued at ``queued``) while the engine's step runs: until the
-        step ends, its queue fills to half (a copy never waits at the price of a later one being
-        dropped), or ``step_wait_s`` has passed since it was queued (a step that never ends, or
-        steps back to back, cannot starve the tier, and copies queued together wait together).
-        Counted: how many copies waited, and for how long in all."""
-        if not self._gate.running():
+    def _wait_for_step(self, q: queue.Queue, item: Copy) -> None:
+        """Hold ``item`` while the engine's step runs, until the step ends or one of these:
+        its queue is half full (``_queued`` wakes the writer: a copy never waits at the price of
+        a later one being dropped); it is a demotion, or ``may_hold`` says no (the key or one
+        queued behind it was evicted from the top level meanwhile, and the store woke the writer:
+        until that copy is written no tier would find the key); or
+        ``step_wait_s`` has passed since it was queued (a step that never ends, or steps back to
+        back, cannot starve the tier, and copies queued together wait together). Counted when it
+        waited: how many copies, and for how long in all."""
+        def done() -> bool:
+            return 2 * q.qsize() >= q.maxsize or item.data is not None or not self._may_hold(item.key)
+
+        if not self._gate.running() or done():
             return
         start = time.monotonic()
-        deadline = queued + self._step_wait_s
-        while self._gate.running() and 2 * q.qsize() < q.maxsize:
-            left = deadline - time.monotonic()
-            if left <= 0 or self._gate.wait_between(min(left, _STEP_POLL_S)):
-                break
+        left = item.queued + self._step_wait_s - start
+        if left <= 0:
+            return
+        self._gate.wait(done, left)
         with self._lock:
             self._counters.step_waits += 1
             self._counters.step_wait_seconds += time.monotonic() - start
+
+    def _queued(self, i: int) -> None:
+        """After a copy joined level ``i``'s queue: a half-full queue wakes its waiting writer."""
+        q = self._queues[i]
+        if self._gate is not None and 2 * q.qsize() >= q.maxsize:
+            self._gate.wake()
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued copy is done; False on timeout."""
