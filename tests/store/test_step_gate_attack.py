@@ -168,10 +168,10 @@ def test_a_delete_wins_over_a_held_write_through_copy(tmp_path):
         assert again.get(key(1)) is None
 
 
-def test_a_delete_wins_over_a_held_demotion(tmp_path):
+def test_a_delete_wins_over_a_demotion_queued_during_a_step(tmp_path):
     with small_store(tmp_path, wait=30.0, write_through=False) as s:
         s.engine_step(True)
-        for i in range(15):  # some keys are evicted: their demotions (with their bytes) are held
+        for i in range(15):  # some keys are evicted: their demotions (with their bytes) are queued
             assert s.put(key(i), bytes([i]) * 100_000)
         gone = [i for i, top in enumerate(s.in_top_tier([key(i) for i in range(15)])) if not top]
         assert s.stats()["demotions"] >= 1 and gone

@@ -16,6 +16,7 @@ import pytest
 import kvtier.tiers.direct as direct_mod
 import kvtier.tiers.fs as fs_mod
 from kvtier.tiers.fs import FsTier
+from tests.tiers.test_disk_direct_attack import _bounces
 
 
 def key(i: int) -> bytes:
@@ -149,52 +150,7 @@ def test_close_unmaps_the_buffers_and_a_later_put_still_works(tmp_path):
     tier = direct_tier(tmp_path)
     assert tier.put(key(1), b"z" * 300_000)
     tier.close()
-    assert all(buf._map is None for buf in _idle_buffers(tier))
+    idle = _bounces(tier)
+    assert len(idle) == fs_mod._DIRECT_SLOTS and all(buf._map is None for buf in idle)
     assert tier.put(key(2), b"y" * 300_000) and tier.get(key(2)) == b"y" * 300_000
     tier.close()
-
-
-def _idle_buffers(tier: FsTier) -> list:
-    got = []
-    while True:
-        try:
-            got.append(tier._bounce._free.get_nowait())
-        except Exception:  # noqa: BLE001 - queue.Empty
-            break
-    for buf in got:
-        tier._bounce._free.put(buf)
-    assert len(got) == fs_mod._DIRECT_SLOTS
-    return got
-
-
-@pytest.mark.parametrize("code, refused", [(errno.EINVAL, True), (errno.ENOSPC, False), (errno.EIO, False)])
-def test_only_a_refusal_at_the_probe_turns_o_direct_off(tmp_path, monkeypatch, code, refused):
-    """A file system full (or failing) at start has not refused O_DIRECT: the tier keeps it and
-    its own writes meet (and count) the fault; EINVAL is a refusal."""
-    from kvtier.tiers.disk import DiskTier
-
-    real = direct_mod.write_all
-
-    def failing(fd, bufs):  # a fake only to inject the fault, at the probe's write
-        raise OSError(code, os.strerror(code))
-
-    monkeypatch.setattr(direct_mod, "write_all", failing)
-    fs_tier = make(tmp_path / "fs", o_direct=True)
-    disk_tier = DiskTier(DiskTier.Config(path=str(tmp_path / "disk"), capacity=1 << 20), name="disk")
-    monkeypatch.setattr(direct_mod, "write_all", real)
-    try:
-        root = os.open(str(tmp_path), os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            probe = direct_mod.probe(root, 0o600, -1)
-        finally:
-            os.close(root)
-        if probe is not None:
-            pytest.skip("the test directory's file system refuses O_DIRECT")
-        assert fs_tier.direct_io is (not refused) and disk_tier.direct_io is (not refused)
-        assert fs_tier.put(key(1), b"q" * 5000) and fs_tier.get(key(1)) == b"q" * 5000
-        assert disk_tier.put(key(1), b"q" * 5000) and disk_tier.get(key(1)) == b"q" * 5000
-        assert not [n for n in os.listdir(tmp_path / "fs") if n.endswith(".tmp")]
-        assert not [n for n in os.listdir(tmp_path / "disk") if n.endswith(".tmp")]
-    finally:
-        fs_tier.close()
-        disk_tier.close()
