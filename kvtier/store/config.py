@@ -52,10 +52,10 @@ class StoreConfig:
     is under half full and for at most this long, so nothing is dropped for it and a busy engine
     cannot starve the tier, and never for a demotion or while an evicted entry waits for its
     copy (until written, no tier would find that key); copies then go between steps and after
-    requests instead of taking a core from a forward pass that runs on the same cores. 0: never wait. None (the default):
-    the vLLM connector sets 1.0 where the engine computes on the host CPU (vLLM's CPU platform)
-    and 0 elsewhere (a GPU's forward pass leaves the host's cores to the writers); a store used
-    on its own never waits. ``auth_key_file`` /
+    requests instead of taking a core from a forward pass that runs on the same cores. 0: never
+    wait. None (the default): the vLLM connector sets 1.0 where the engine computes on the host
+    CPU (vLLM's CPU platform) and 0 elsewhere (a GPU's forward pass leaves the host's cores to
+    the writers); a store used on its own never waits. ``auth_key_file`` /
     ``auth_key_env``: where the trust domain's secret is (a file only its owner/group can read,
     or an environment variable; at most one): every entry is then tagged and checked (keyed
     BLAKE3, HMAC-SHA256 where blake3 is missing; an untagged or wrongly tagged entry is a
