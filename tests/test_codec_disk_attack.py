@@ -6,6 +6,7 @@ put or read after (or racing) ``close``."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import threading
@@ -263,7 +264,8 @@ def test_a_read_that_opened_direct_when_a_writer_fell_back_keeps_the_entry(tmp_p
     tier = _direct(tmp_path / "d")
     data = np.random.default_rng(6).integers(0, 256, 70_001, dtype=np.uint8)
     assert tier.put(_key(1), data)
-    _after_open(monkeypatch, lambda self: setattr(self, "_direct", False))  # a writer's EINVAL fallback
+    # a writer's EINVAL fallback
+    _after_open(monkeypatch, lambda self: self._direct.refuse("write", OSError(errno.EINVAL, "refused")))
     out = np.zeros_like(data)
     got = tier.get_into(_key(1), out)
     assert got is None or (got == data.nbytes and np.array_equal(out, data))

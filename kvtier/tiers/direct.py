@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import mmap
 import os
 import queue
+import threading
 import uuid
 
 from kvtier.fastcopy import copy_pairs
@@ -140,4 +142,41 @@ def probe(dir_fd: int, mode: int, gid: int) -> OSError | None:
     return None
 
 
-__all__ = ["ALIGN", "AlignedBuffer", "BouncePool", "O_DIRECT", "probe", "refused", "round_up", "write_new"]
+class DirectMode:
+    """Whether a tier does O_DIRECT now: what its start-up probe found (``start``), then off for
+    good from the first refusal after it (``refuse``); each said once, in one info line on the
+    tier's own logger. Thread-safe."""
+
+    def __init__(self, on: bool, log: logging.Logger, tier: str, path: str, fallback: str):
+        """``tier``: how the lines name the tier (e.g. "disk tier d0"); ``fallback``: what it does
+        instead (e.g. "using buffered I/O")."""
+        self._on = on
+        self._lock = threading.Lock()
+        self._log, self._tier, self._path, self._fallback = log, tier, path, fallback
+
+    @classmethod
+    def start(cls, asked: bool, dir_fd: int, mode: int, gid: int, log: logging.Logger, tier: str, path: str,
+              fallback: str) -> "DirectMode":
+        """On when ``asked`` and ``probe`` finds the file system under ``dir_fd`` takes O_DIRECT."""
+        refusal = probe(dir_fd, mode, gid) if asked else None
+        if refusal is not None:
+            log.info("%s: O_DIRECT unsupported in %s (%s); %s", tier, path, refusal.strerror, fallback)
+        return cls(asked and refusal is None, log, tier, path, fallback)
+
+    @property
+    def on(self) -> bool:
+        """Whether O_DIRECT is in use."""
+        return self._on
+
+    def refuse(self, what: str, exc: OSError) -> None:
+        """The file system refused O_DIRECT (``refused(exc)``) at ``what`` ("read", "write", ...;
+        "" to leave it unsaid) after the probe took it: off for good, said by the first caller."""
+        with self._lock:
+            was, self._on = self._on, False
+        if was:
+            self._log.info("%s: O_DIRECT %srefused in %s (%s); %s", self._tier, f"{what} " if what else "",
+                           self._path, exc.strerror, self._fallback)
+
+
+__all__ = ["ALIGN", "AlignedBuffer", "BouncePool", "DirectMode", "O_DIRECT", "probe", "refused", "round_up",
+           "write_new"]

@@ -69,8 +69,7 @@ from kvtier.fileio import (NotRegularFile, ShortRead, create_exclusive_at, dir_m
                            open_regular_at, parse_mode, read_exact, read_upto, resolve_group, set_direct,
                            unlink_quietly, untrusted_dir, write_all, write_back)
 from kvtier.keys import Key
-from kvtier.tiers.direct import O_DIRECT, BouncePool, round_up, write_new
-from kvtier.tiers.direct import probe as direct_probe
+from kvtier.tiers.direct import O_DIRECT, BouncePool, DirectMode, round_up, write_new
 from kvtier.tiers.direct import refused as direct_refused
 from kvtier.tiers.base import RankShare, SchedulerView, Tier, check_file_modes
 
@@ -177,7 +176,9 @@ class DiskTier(Tier):
         self._prepare_directory()
         self._lock_file: io.FileIO | None = self._take_lock()
         try:
-            self._direct = bool(config.o_direct and O_DIRECT and self._probe_direct())
+            with self._entry_dir("") as root:
+                self._direct = DirectMode.start(config.o_direct, root, self._mode, self._gid, log,
+                                                f"disk tier {self.name}", self.path, "using buffered I/O")
             self.scan_report = self._scan()
         except BaseException:
             self._release_lock()
@@ -301,15 +302,6 @@ class DiskTier(Tier):
         if lock is not None:
             lock.close()  # closing the only descriptor releases the flock
 
-    def _probe_direct(self) -> bool:
-        """Whether the directory's file system takes O_DIRECT (one info line when it does not)."""
-        with self._entry_dir("") as root:
-            refused = direct_probe(root, self._mode, self._gid)
-        if refused is not None:
-            log.info("disk tier %s: O_DIRECT unsupported in %s (%s); using buffered I/O",
-                     self.name, self.path, refused.strerror)
-        return refused is None
-
     def _scan(self) -> dict[str, int]:
         """Rebuild the index from the files' headers; remove temp and unparsable files."""
         report = {"entries": 0, "temp_removed": 0, "corrupt_removed": 0}
@@ -388,7 +380,7 @@ class DiskTier(Tier):
     @property
     def direct_io(self) -> bool:
         """Whether O_DIRECT is in use (asked for and supported here)."""
-        return self._direct
+        return self._direct.on
 
     def used_bytes(self) -> int:
         """Payload bytes of the indexed files (headers not counted)."""
@@ -436,7 +428,7 @@ class DiskTier(Tier):
                 except OSError as exc:
                     if not direct_refused(exc):
                         raise
-                    self._refuse_direct("read", exc)  # then this read, buffered
+                    self._direct.refuse("read", exc)  # then this read, buffered
                     set_direct(fd, False)
                     self._read_buffered(fd, key, meta, dst)
             else:
@@ -469,7 +461,7 @@ class DiskTier(Tier):
             if room < meta.length:
                 self.stats.add(errors=1)
                 return None
-            direct = self._direct
+            direct = self._direct.on
             try:
                 with self._entry_dir(self._sub(key)) as dfd:  # an indexed key is a valid key
                     fd, st = open_regular_at(dfd, bytes(key).hex(), O_DIRECT if direct else 0)
@@ -483,7 +475,7 @@ class DiskTier(Tier):
                 return None
             except OSError as exc:
                 if direct and direct_refused(exc):
-                    self._refuse_direct("open", exc)
+                    self._direct.refuse("open", exc)
                     continue
                 self.stats.add(errors=1)
                 log.warning("disk tier %s: cannot open %s: %s", self.name, key.hex(), exc.strerror)
@@ -635,13 +627,13 @@ class DiskTier(Tier):
 
     def _write_file(self, dfd: int, tmp: str, header: bytes, src: memoryview) -> os.stat_result:
         """Write header + payload to the new file ``tmp`` in ``dfd``; its fstat."""
-        if self._direct:
+        if self._direct.on:
             try:
                 return self._write_direct(dfd, tmp, header, src)
             except OSError as exc:
                 if not direct_refused(exc):
                     raise
-                self._refuse_direct("write", exc)
+                self._direct.refuse("write", exc)
                 unlink_quietly(tmp, dfd)
         fd = create_exclusive_at(dfd, tmp, self._mode, self._gid)
         try:
@@ -650,15 +642,6 @@ class DiskTier(Tier):
             return os.fstat(fd)
         finally:
             os.close(fd)
-
-    def _refuse_direct(self, what: str, exc: OSError) -> None:
-        """O_DIRECT was refused (EINVAL) after the start-up probe took it: the tier goes on
-        buffered (one info line, from the first thread to see it)."""
-        with self._lock:
-            was, self._direct = self._direct, False
-        if was:
-            log.info("disk tier %s: O_DIRECT %s refused in %s (%s); using buffered I/O",
-                     self.name, what, self.path, exc.strerror)
 
     def _write_direct(self, dfd: int, tmp: str, header: bytes, src: memoryview) -> os.stat_result:
         """Write header + payload through an aligned bounce buffer with O_DIRECT

@@ -73,8 +73,7 @@ from kvtier.fileio import (NotRegularFile, ShortRead, create_exclusive_at, dir_m
                            open_regular_at, parse_mode, read_exact, resolve_group, unlink_at, write_all)
 from kvtier.tiers import fs_scan
 from kvtier.tiers.base import Key, Tier, check_file_modes
-from kvtier.tiers.direct import BouncePool, write_new
-from kvtier.tiers.direct import probe as direct_probe
+from kvtier.tiers.direct import BouncePool, DirectMode, write_new
 from kvtier.tiers.direct import refused as direct_refused
 
 log = logging.getLogger(__name__)
@@ -193,7 +192,12 @@ class FsTier(Tier):
         self._warned: set[str] = set()
         self._prepare_root()
         self._bounce = BouncePool(_DIRECT_SLOTS)
-        self._direct = bool(config.o_direct and self._probe_direct())
+        root = os.open(self._root, _DIR_FLAGS)
+        try:
+            self._direct = DirectMode.start(config.o_direct, root, self._mode, self._gid, log, f"fs tier {name}",
+                                            self._root, "writing through the page cache")
+        finally:
+            os.close(root)
         self._usage_lock = threading.Lock()  # guards _used/_pending/_last_scan; never held across I/O
         self._scan_lock = threading.Lock()  # one scan at a time in this process
         self._used = 0
@@ -246,22 +250,10 @@ class FsTier(Tier):
         finally:
             os.close(root)
 
-    def _probe_direct(self) -> bool:
-        """Whether the root's file system takes O_DIRECT (one info line when it does not)."""
-        root = os.open(self._root, _DIR_FLAGS)
-        try:
-            refused = direct_probe(root, self._mode, self._gid)
-        finally:
-            os.close(root)
-        if refused is not None:
-            log.info("fs tier %s: O_DIRECT unsupported in %s (%s); writing through the page cache",
-                     self.name, self._root, refused.strerror)
-        return refused is None
-
     @property
     def direct_io(self) -> bool:
         """Whether entry files are written with O_DIRECT (asked for and supported here)."""
-        return self._direct
+        return self._direct.on
 
     def _open_problem(self, st: os.stat_result) -> str | None:
         """Why a directory with status ``st`` is refused, or None: every user may write it, it
@@ -470,7 +462,7 @@ class FsTier(Tier):
     def _write(self, dfd: int, tmp: str, header: bytes, view: memoryview) -> None:
         """Create the temp file ``tmp`` in ``dfd`` holding header + payload (fsync'd if asked);
         OSError for faults (the caller removes the temp)."""
-        fd = self._write_direct(dfd, tmp, header, view) if self._direct else None
+        fd = self._write_direct(dfd, tmp, header, view) if self._direct.on else None
         if fd is None:
             fd = create_exclusive_at(dfd, tmp, self._mode, self._gid)
             try:
@@ -493,12 +485,7 @@ class FsTier(Tier):
         except OSError as exc:
             if not direct_refused(exc):
                 raise
-            why = exc.strerror
-        with self._usage_lock:
-            was, self._direct = self._direct, False
-        if was:
-            log.info("fs tier %s: O_DIRECT refused in %s (%s); writing through the page cache",
-                     self.name, self._root, why)
+            self._direct.refuse("", exc)
         return None
 
     def delete(self, key: Key) -> bool:

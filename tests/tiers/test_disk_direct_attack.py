@@ -163,7 +163,7 @@ def test_a_read_opened_direct_while_a_writer_falls_back_still_hits(tmp_path, mon
 
     def open_then_fall_back(self, k, room):
         opened = real(self, k, room)
-        self._direct = False  # what a writer's fallback does
+        self._direct.refuse("write", OSError(errno.EINVAL, "refused"))  # what a writer's fallback does
         return opened
 
     monkeypatch.setattr(DiskTier, "_open_indexed", open_then_fall_back)
