@@ -7,7 +7,9 @@ spec's default; ``"kv_transfer_params": {...}`` goes with the request); ``{"foll
 conversation: NAME's prompt, the tokens it generated, then the first 64 tokens of DOC;
 ``{"reset_prefix_cache": true}`` empties vLLM's own prefix cache; ``{"rss": NAME}`` records the
 summed RSS of this process tree (the engine runs in this process; vLLM's own processes count
-when it has any).
+when it has any). With ``"trace_steps": true`` the output's ``step_trace`` lists, in order, the
+connector's store's ``engine_step`` calls (``start`` / ``end``) and the model's forward passes
+(``forward``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,24 @@ def tree_rss() -> int:
     return total
 
 
+def trace_steps(llm) -> list[str]:
+    """Record the worker store's ``engine_step`` calls and the model's forward passes, in order,
+    into the list returned (the engine and its worker run in this process)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    trace: list[str] = []
+    store = get_kv_transfer_group().worker.store
+    engine_step = store.engine_step
+
+    def traced(running: bool) -> None:
+        trace.append("start" if running else "end")
+        engine_step(running)
+
+    store.engine_step = traced
+    llm.apply_model(lambda model: model.register_forward_pre_hook(lambda module, args: trace.append("forward")))
+    return trace
+
+
 def main(spec_path: str, out_path: str) -> int:
     from vllm import LLM, SamplingParams
 
@@ -59,6 +79,8 @@ def main(spec_path: str, out_path: str) -> int:
               **{"enable_prefix_caching": True, "disable_log_stats": False, "seed": 0, **spec.get("engine_args", {})})
     docs = spec["docs"]
     out: dict = {"results": {}, "rss": {}}
+    if spec.get("trace_steps"):
+        out["step_trace"] = trace_steps(llm)
     prompts: dict[str, list[int]] = {}
     for step in spec["steps"]:
         extra = {"kv_transfer_params": step["kv_transfer_params"]} if "kv_transfer_params" in step else None

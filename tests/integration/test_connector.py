@@ -239,3 +239,32 @@ def test_a_request_can_ask_that_nothing_of_it_be_stored(tmp_path):
     assert res["again2"]["hit_tokens"] == stored  # a request that skips saving still loads its hit
     assert res["again2"]["token_ids"] == res["stored"]["token_ids"]
     assert log.count("kvtier.skip_save") == 1 and "valid: true or false" in log
+
+
+def test_every_forward_pass_runs_inside_the_step_the_store_is_told_of(tmp_path):
+    """The lower tiers' writers hold their copies while the engine's step runs
+    (``writer_step_wait_s``): the store must be told of the step before the forward pass, also
+    when the step has no synchronous loads (vLLM 0.32 then calls ``start_load_kv`` after the
+    forward). A first pass in several prefill steps, then a re-read that loads: each forward
+    lies between an ``engine_step(True)`` and the next ``engine_step(False)``."""
+    from kvtier.bench.models import make_random_model
+
+    docs = [d[:1200] for d in _docs(2)]
+    tiers = [{"type": "ram", "capacity": "64MiB"}, {"type": "disk", "path": str(tmp_path / "disk"), "capacity": "1GiB"}]
+    steps = [{"send": 0, "tag": "first"}, {"send": 1, "tag": "second", "max_tokens": 4},
+             {"reset_prefix_cache": True}, {"send": 0, "tag": "again"}]
+    spec = {"model": str(make_random_model("small")), "docs": docs, "pool_blocks": 40, "max_model_len": 2560,
+            "kv_transfer_config": _connector(tiers), "steps": steps, "trace_steps": True,
+            "engine_args": {"max_num_batched_tokens": 512, "enforce_eager": True}}
+    rc, out, log = run_scenario(tmp_path, "steps", spec)
+    assert rc == 0, log[-3000:]
+    assert out["results"]["again"]["hit_tokens"] == (len(docs[0]) - 1) // CHUNK * CHUNK
+    trace = out["step_trace"]
+    assert trace.count("forward") >= 3 + 3 + 3 + 1  # three prefill steps a document, three decodes, the re-read
+    running, outside = False, []
+    for i, event in enumerate(trace):
+        if event == "forward" and not running:
+            outside.append(i)
+        running = {"start": True, "end": False}.get(event, running)
+    assert not outside, f"forward passes outside a step at {outside[:5]} of {len(trace)}: {trace[:12]}"
+    assert trace.count("start") == trace.count("end") and trace[-1] == "end"

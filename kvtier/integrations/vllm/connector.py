@@ -246,6 +246,15 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """Learn the engine's per-layer page tensors."""
         self.worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Take this step's metadata. vLLM binds it before the step's forward pass, and calls
+        ``start_load_kv`` before that pass only when the step has synchronous loads (after it
+        otherwise, vLLM 0.32): so the engine's step starts here for the store
+        (``KVStore.engine_step``), and ends in ``wait_for_save``."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, KVTierMetadata):
+            self.worker.begin_step()
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Copy this step's inline loads into the engine's pages before the forward pass, and
         start its background loads."""

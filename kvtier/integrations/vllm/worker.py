@@ -515,10 +515,15 @@ class KVTierWorker:
 
     # ------------------------------------------------------------------------- loads
 
-    def start_load_kv(self, meta: KVTierMetadata) -> None:
-        """Copy this step's inline loads into the engine's pages (before the forward pass) and
-        start its background loads. The step starts here for the store (``engine_step``)."""
+    def begin_step(self) -> None:
+        """The engine's step starts (its metadata is bound, its forward pass is next): the store's
+        lower-tier writers may hold their copies until ``wait_for_save`` ends it
+        (``KVStore.engine_step``)."""
         self.store.engine_step(True)
+
+    def start_load_kv(self, meta: KVTierMetadata) -> None:
+        """Copy this step's inline loads into the engine's pages (before the forward pass when
+        the step has any) and start its background loads."""
         if self._layout is None or not meta.loads:
             return
         joined = self._joined([load for load in meta.loads if load.group in self._layouts])
