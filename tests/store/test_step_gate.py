@@ -132,7 +132,7 @@ def test_the_worker_marks_every_step_even_one_whose_save_fails(tmp_path, monkeyp
         worker.register_kv_caches(_kv_caches(0))
         gate = worker.store._step_gate
         assert not gate.running()
-        worker.start_load_kv(KVTierMetadata())  # a step with nothing to load
+        worker.begin_step()  # the connector binds a step's metadata: its forward pass is next
         assert gate.running()
         keys = _keys(2)
         saves = [SaveSpec("r", k, keys[c - 1] if c else None, c, [2 * c, 2 * c + 1]) for c, k in enumerate(keys)]
@@ -144,7 +144,7 @@ def test_the_worker_marks_every_step_even_one_whose_save_fails(tmp_path, monkeyp
             raise RuntimeError("save failed")
 
         monkeypatch.setattr(worker, "_save_inline", broken)
-        worker.start_load_kv(KVTierMetadata())
+        worker.begin_step()
         with pytest.raises(RuntimeError):
             worker.wait_for_save(KVTierMetadata(saves=[SaveSpec("r", _keys(3)[2], keys[1], 2, [4, 5])]))
         assert not gate.running()  # the step is over for the writers all the same
