@@ -151,12 +151,12 @@ class StoreIndex:
         level = self.levels[i]
         return max(0, level.capacity - level.used - level.reserved) if level.managed else None
 
-    def leading_held(self, keys: Sequence[Key]) -> int:
-        """How many leading ``keys`` some managed level holds."""
+    def leading_held(self, keys: Sequence[Key], also: Callable[[Key], bool] | None = None) -> int:
+        """How many leading ``keys`` some managed level holds (or ``also`` says are present)."""
         managed = [level for level in self.levels if level.managed]
         n = 0
         for key in keys:
-            if not any(level.holds(key) for level in managed):
+            if not any(level.holds(key) for level in managed) and not (also is not None and also(key)):
                 break
             n += 1
         return n

@@ -117,11 +117,10 @@ class CopyLedger:
         """What is kept of a top entry evicted before its write-through copies read it."""
         return self._orphans.get(key)
 
-    def holds_orphans(self) -> bool:
-        """Whether an evicted top entry waits for its copies. The one query a writer may make
-        without the store's lock (a dict's size; a stale answer is corrected by the wake that
-        follows ``keep_orphan``)."""
-        return bool(self._orphans)
+    def has_orphan(self, key: Key) -> bool:
+        """Whether an orphan of ``key`` is kept now. The one query a writer may make without the
+        store's lock (a dict lookup: ``TieredStore._may_hold_copy``)."""
+        return key in self._orphans
 
     def orphans(self) -> list:
         """Every orphan kept now, the oldest first."""

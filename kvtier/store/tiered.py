@@ -11,7 +11,8 @@ decisions out with the tiers. The contract:
   with a bounded queue. A full queue drops that copy and counts it; the caller never waits on
   slow storage.
 - ``read`` serves a chunk from the highest tier that has it. A lower-tier hit is copied back into
-  the top tier (promotion).
+  the top tier (promotion). A top entry evicted while its write-through copies wait (an orphan:
+  its pages stay pinned for them) is still found and read from those pages until they land.
 - When a managed tier is full its policy picks a victim; within a prefix chain the store evicts
   the chain's tail first (a chunk is worth nothing without the chunks before it). An evicted
   chunk is demoted to the next tier when that tier does not hold it yet.
@@ -195,7 +196,7 @@ class TieredStore(KVStore):
         An invalid key (not a chunk key) ends the run like a missing one."""
         keys = _valid_prefix(keys)
         with self._lock:
-            n = self._index.leading_held(keys)
+            n = self._index.leading_held(keys, self._ledger.has_orphan)
         shared = [level for level in self._levels if not level.managed]
         if n < len(keys) and shared:
             n += self._lookup_shared(shared, keys[n:])
@@ -227,6 +228,8 @@ class TieredStore(KVStore):
         key = check_key(key)  # bytes (a bytearray is not hashable)
         with self._lock:
             name = self._index.first_holder(key)
+            if name is None and self._ledger.has_orphan(key):  # evicted, its pages kept for its copy
+                name = self._levels[0].tier.name
         if name is not None:
             return name
         for level in self._levels:
@@ -285,6 +288,7 @@ class TieredStore(KVStore):
                     self._counters.hits += 1
             else:
                 self._index.missed(0, key)
+                segments = self._hold_orphan(key, pinned)
         if segments is not None:
             with pinned:
                 consume(segments)
@@ -303,6 +307,18 @@ class TieredStore(KVStore):
         with self._lock:
             self._counters.misses += 1
         return None
+
+    def _hold_orphan(self, key: Key, pinned: ExitStack) -> Any:
+        """The pages of ``key``'s orphan (a top entry evicted while its write-through copy
+        waits), held until ``pinned`` closes, counted as a hit; None without one (lock held).
+        Until its copy lands in a lower tier the orphan is the only place the key is."""
+        orphan = self._ledger.orphan(key)
+        if orphan is None:
+            return None
+        views = orphan.hold()
+        pinned.callback(self._drop_orphan, orphan)
+        self._counters.hits += 1
+        return views
 
     @contextmanager
     def borrow_top(self, keys: Sequence[Key]) -> Iterator[list[Any]]:
@@ -805,8 +821,6 @@ class TieredStore(KVStore):
         top.tier.stats.add(evictions=1)
         self._counters.evictions += 1
         self._index.forget(0, key)
-        if orphaned:  # a writer holding its copy for the engine's step must write it now
-            self._step_gate.wake()
         return orphaned
 
     def _plan_room(self, i: int, nbytes: int) -> tuple[list[_Removal], bool]:
@@ -919,9 +933,10 @@ class TieredStore(KVStore):
 
     def _may_hold_copy(self, key: Key) -> bool:
         """Whether a writer may hold ``key``'s write-through copy for the engine's step: the top
-        level still serves the key and no evicted entry waits for its copy (asked by the writers
-        without the lock: dict reads; the eviction that changes the answer wakes them)."""
-        return self._index.holds(0, key) and not self._ledger.holds_orphans()
+        level still serves the key, from its index or, once evicted, from the orphan its copy
+        keeps (``read`` and ``lookup`` find orphans too). Asked by the writers without the
+        lock: dict reads."""
+        return self._index.holds(0, key) or self._ledger.has_orphan(key)
 
     def engine_step(self, running: bool) -> None:
         """The engine's step (its forward pass) starts (True) or ends (False): with

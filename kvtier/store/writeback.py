@@ -207,7 +207,7 @@ class WriteBack:
         or with ``idle`` under ``SCHED_IDLE`` (``run_when_idle``). With ``gate`` and
         ``step_wait_s`` > 0 a writer holds a write-through copy while the engine's step runs
         and ``may_hold(key)`` says yes (asked without the store's lock: the top level still
-        serves the key and no evicted entry waits for a copy; ``_wait_for_step``). ``ledger``
+        serves the key, or its orphan does; ``_wait_for_step``). ``ledger``
         and ``counters`` are guarded by ``lock``."""
         self._gate = gate if step_wait_s > 0 else None
         self._step_wait_s = step_wait_s
@@ -302,12 +302,11 @@ class WriteBack:
     def _wait_for_step(self, q: queue.Queue, item: Copy) -> None:
         """Hold ``item`` while the engine's step runs, until the step ends or one of these:
         its queue is half full (``_queued`` wakes the writer: a copy never waits at the price of
-        a later one being dropped); it is a demotion, or ``may_hold`` says no (the key or one
-        queued behind it was evicted from the top level meanwhile, and the store woke the writer:
-        until that copy is written no tier would find the key); or
-        ``step_wait_s`` has passed since it was queued (a step that never ends, or steps back to
-        back, cannot starve the tier, and copies queued together wait together). Counted when it
-        waited: how many copies, and for how long in all."""
+        a later one being dropped); it is a demotion, or ``may_hold`` says no (the top level
+        serves the key no more, not even from an orphan: it was deleted, or its pages were gone
+        at its eviction); or ``step_wait_s`` has passed since it was queued (a step that never
+        ends, or steps back to back, cannot starve the tier, and copies queued together wait
+        together). Counted when it waited: how many copies, and for how long in all."""
         def done() -> bool:
             return 2 * q.qsize() >= q.maxsize or item.data is not None or not self._may_hold(item.key)
 
