@@ -11,7 +11,9 @@ What it tracks, per key:
 - *queued* write-through copies that have yet to read the top level, and *orphans*: what the
   store keeps of a top entry evicted before those copies read it (its pinned pages: an opaque
   object here). An orphan goes with the last such copy, or with a delete: the call that lets go
-  of it returns it, and the store releases it.
+  of it returns it, and the store releases it. The last copy keeps it *landing* while its put
+  runs: reads find the key there until it lands below (``readable_orphan``). A new top entry of
+  the key, or a delete, lets go of both at once.
 - *in-flight* write-through copies: they hold their bytes and have not landed; an eviction must
   not demote the key as well.
 - *removals*: a tier delete of ``(level, key)`` decided under the lock and carried out outside
@@ -28,6 +30,8 @@ The interleavings it settles (each has a test in tests/store/test_ledger.py):
 - delete during a demotion (bytes being read outside the lock): the demotion was registered
   as pending when it was decided, so the delete tombstones it and it is skipped when it runs.
 - re-put after delete: a copy registered after the delete carries the new generation and lands.
+- re-put of an orphaned key: the new entry supersedes the orphan (and a landing one): reads
+  and the copies still queued take the new entry.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class CopyLedger:
         self._queued: dict[Key, int] = {}  # key -> write-through copies still to read the top level
         self._in_flight: dict[Key, int] = {}  # key -> write-through copies holding bytes, not landed
         self._orphans: dict[Key, object] = {}  # top entries evicted before their copies read them
+        self._landing: dict[Key, object] = {}  # orphans read by their last copy, its put not landed
         self._removals: dict[tuple[int, Key], int] = {}  # (level, key) -> tier deletes under way
         self._deleting: dict[Key, int] = {}  # key -> deletes whose tier I/O is under way
         self._stores: set[tuple[int, Key]] = set()  # (level, key) puts under way
@@ -117,10 +122,35 @@ class CopyLedger:
         """What is kept of a top entry evicted before its write-through copies read it."""
         return self._orphans.get(key)
 
+    def readable_orphan(self, key: Key) -> object | None:
+        """The orphan that serves reads of ``key`` now: one kept for its queued copies, else one
+        whose last copy is landing; None."""
+        return self._orphans.get(key) or self._landing.get(key)
+
     def has_orphan(self, key: Key) -> bool:
-        """Whether an orphan of ``key`` is kept now. The one query a writer may make without the
-        store's lock (a dict lookup: ``TieredStore._may_hold_copy``)."""
-        return key in self._orphans
+        """Whether an orphan serves reads of ``key`` now (``readable_orphan``). The one query a
+        writer may make without the store's lock (dict lookups: ``TieredStore._may_hold_copy``)."""
+        return key in self._orphans or key in self._landing
+
+    def land(self, key: Key, orphan: object) -> object | None:
+        """The last copy of ``key`` read ``orphan`` (``read_top`` returned it) and puts it now:
+        it serves reads until ``landed``. Returns a landing orphan it supersedes (the caller
+        releases it), else None."""
+        old = self._landing.get(key)
+        self._landing[key] = orphan
+        return old if old is not orphan else None
+
+    def landed(self, key: Key, orphan: object) -> object | None:
+        """That copy's put is over (landed or not): ``orphan`` goes, returned for the caller
+        to release, unless a new entry or a delete let go of it first (None)."""
+        if self._landing.get(key) is orphan:
+            return self._landing.pop(key)
+        return None
+
+    def supersede(self, key: Key) -> list:
+        """A new top entry of ``key`` was published: its orphans (kept, landing) go, returned
+        for the caller to release; the copies still queued read the new entry."""
+        return [o for o in (self._orphans.pop(key, None), self._landing.pop(key, None)) if o is not None]
 
     def orphans(self) -> list:
         """Every orphan kept now, the oldest first."""
@@ -137,15 +167,15 @@ class CopyLedger:
 
     # ----------------------------------------------------------------------------- deletes, removals
 
-    def begin_delete(self, key: Key) -> object | None:
+    def begin_delete(self, key: Key) -> list:
         """A delete of ``key`` was decided: pending copies see it and yield, and until
-        ``end_delete`` it counts as being deleted. Its orphan goes: returned (the caller
-        releases it), else None."""
+        ``end_delete`` it counts as being deleted. Its orphans (kept, landing) go: returned
+        (the caller releases them)."""
         self._delete_seq += 1
         if key in self._pending:
             self._tombs[key] = self._tombs.get(key, 0) + 1
         _inc(self._deleting, key)
-        return self._orphans.pop(key, None)
+        return self.supersede(key)
 
     def end_delete(self, key: Key) -> None:
         """That delete's tier I/O is over."""
@@ -187,4 +217,4 @@ class CopyLedger:
     def idle(self) -> bool:
         """Whether nothing is pending, kept or under way (for tests and checks)."""
         return not (self._pending or self._tombs or self._queued or self._in_flight or self._orphans
-                    or self._removals or self._deleting or self._stores)
+                    or self._landing or self._removals or self._deleting or self._stores)

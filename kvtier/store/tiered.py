@@ -68,7 +68,7 @@ import numpy as np
 from kvtier.buffers import Scratch, gather_into, scatter
 from kvtier.config import build
 from kvtier.entry import DTYPES, check_key, is_valid_key
-from kvtier.errors import KVTierError, TierUnavailable
+from kvtier.errors import CorruptEntry, KVTierError, TierUnavailable
 from kvtier.keys import Key
 from kvtier.policies.admission import Admission
 from kvtier.policies.base import EvictionPolicy
@@ -77,7 +77,7 @@ from kvtier.store.config import StoreConfig
 from kvtier.store.events import EventLog, StoreEvent
 from kvtier.store.index import Counters, Eviction, LevelIndex, Room, StoreIndex
 from kvtier.store.ledger import CopyLedger
-from kvtier.store.writeback import Copy, Lane, Orphan, Prefetcher, StepGate, WriteBack, release_orphan
+from kvtier.store.writeback import Copy, DetachedBytes, Lane, Orphan, Prefetcher, StepGate, WriteBack, release_orphan
 from kvtier.tiers.base import Tier
 from kvtier.tiers.ram import ArenaTier
 
@@ -121,6 +121,7 @@ class TieredStore(KVStore):
         self._events = EventLog()
         self._counters = Counters()
         self._ledger = CopyLedger()
+        self._detached = DetachedBytes()  # orphans copied out of the top arena, still alive
         self._index = StoreIndex(
             [LevelIndex(tier.name, tier.medium, tier.capacity_bytes, policy) for tier, policy in levels],
             Admission(self.config.admission), self._events)
@@ -290,9 +291,15 @@ class TieredStore(KVStore):
                 self._index.missed(0, key)
                 segments = self._hold_orphan(key, pinned)
         if segments is not None:
-            with pinned:
-                consume(segments)
-            return top.tier.name
+            try:
+                with pinned:
+                    consume(segments)  # a coded arena decodes here
+                return top.tier.name
+            except CorruptEntry:  # pages that do not decode: a counted miss here, the lower tiers asked
+                top.tier.stats.add(corrupt=1)
+                with self._lock:
+                    self._counters.corrupt += 1
+                    self._counters.hits -= 1
         first = 1 if top.arena is not None else 0  # a top tier without views reads like a lower one
         for i in range(first, len(self._levels)):
             got = self._read_level(i, key)
@@ -312,12 +319,13 @@ class TieredStore(KVStore):
         """The pages of ``key``'s orphan (a top entry evicted while its write-through copy
         waits), held until ``pinned`` closes, counted as a hit; None without one (lock held).
         Until its copy lands in a lower tier the orphan is the only place the key is."""
-        orphan = self._ledger.orphan(key)
+        orphan = self._ledger.readable_orphan(key)
         if orphan is None:
             return None
         views = orphan.hold()
         pinned.callback(self._drop_orphan, orphan)
         self._counters.hits += 1
+        self._levels[0].tier.stats.add(hits=1, bytes_read=orphan.nbytes)
         return views
 
     @contextmanager
@@ -516,6 +524,8 @@ class TieredStore(KVStore):
                 if filled and not stored:
                     self._counters.cancelled_writes += 1
                 if stored:
+                    for orphan in self._ledger.supersede(key):  # the new entry serves the key now
+                        release_orphan(orphan)
                     top.arena.commit(key)
                     if top.managed:
                         self._index.insert(0, key, nbytes, parent)
@@ -590,11 +600,12 @@ class TieredStore(KVStore):
         pinned = ExitStack()
         with pinned:
             with self._lock:
+                source = None
                 try:
                     deleted = self._ledger.deleted_since(copy.key, copy.gen)
                     source = None if deleted else self._pin_top(copy.key, pinned)
                 finally:  # a failed pin must not keep the key's orphan pages forever
-                    release_orphan(self._ledger.read_top(copy.key))
+                    landing = self._top_read(copy.key, source is not None)
                 if deleted:
                     self._counters.cancelled_writes += 1
                     return
@@ -608,6 +619,19 @@ class TieredStore(KVStore):
             finally:
                 with self._lock:
                     self._ledger.end_in_flight(copy.key)
+                    if landing is not None:  # the key is below now (or the put failed): its pages go
+                        release_orphan(self._ledger.landed(copy.key, landing))
+
+    def _top_read(self, key: Key, putting: bool) -> Orphan | None:
+        """A write-through copy of ``key`` has read the top level (or given up on it; lock held).
+        When it was the last, the key's orphan goes with it: released, or with ``putting`` kept
+        landing (reads find the key there) until the copy's put is over; returned then."""
+        orphan = self._ledger.read_top(key)
+        if orphan is None or not putting:
+            release_orphan(orphan)
+            return None
+        release_orphan(self._ledger.land(key, orphan))
+        return orphan
 
     def _pin_top(self, key: Key, pinned: ExitStack) -> "np.ndarray | Sequence | None":
         """A top-tier entry's bytes for a copy down (lock held): its arena pages pinned in
@@ -716,7 +740,8 @@ class TieredStore(KVStore):
         Whether they were kept (False: the arena no longer had the entry)."""
         pin = ExitStack()
         views = pin.enter_context(self._levels[0].arena.borrow(key, count=False))
-        if views is not None and self._ledger.keep_orphan(key, Orphan(pin, views, self._index.size_of(0, key) or 0)):
+        orphan = Orphan(pin, views, self._index.size_of(0, key) or 0, self._detached) if views is not None else None
+        if orphan is not None and self._ledger.keep_orphan(key, orphan):
             return True
         pin.close()
         return False
@@ -800,7 +825,10 @@ class TieredStore(KVStore):
         if arena.free_bytes() + sum(arena.footprint(orphan.nbytes) for orphan in orphans) < need:
             return False
         for orphan in orphans:
-            if orphan.detach() and self._index.plan_room(0, nbytes, need, arena.free_bytes) is Room.FITS:
+            if not orphan.detach():
+                continue
+            self._step_gate.wake()  # memory past the top tier's capacity now: held writers go
+            if self._index.plan_room(0, nbytes, need, arena.free_bytes) is Room.FITS:
                 return True
         return False
 
@@ -902,7 +930,9 @@ class TieredStore(KVStore):
         key = check_key(key)
         removals = []
         with self._lock:
-            release_orphan(self._ledger.begin_delete(key))
+            for orphan in self._ledger.begin_delete(key):
+                release_orphan(orphan)
+            self._step_gate.wake()  # a writer holding a copy of it may let go at once
             for i, level in enumerate(self._levels):
                 if level.managed and not self._index.holds(i, key):
                     continue
@@ -934,9 +964,10 @@ class TieredStore(KVStore):
     def _may_hold_copy(self, key: Key) -> bool:
         """Whether a writer may hold ``key``'s write-through copy for the engine's step: the top
         level still serves the key, from its index or, once evicted, from the orphan its copy
-        keeps (``read`` and ``lookup`` find orphans too). Asked by the writers without the
-        lock: dict reads."""
-        return self._index.holds(0, key) or self._ledger.has_orphan(key)
+        keeps (``read`` and ``lookup`` find orphans too), and no orphan was copied out of the
+        arena to make room (memory past the top tier's capacity until the copies land: the
+        copy-out wakes the writers). Asked by the writers without the lock: dict and int reads."""
+        return (self._index.holds(0, key) or self._ledger.has_orphan(key)) and not self._detached.total
 
     def engine_step(self, running: bool) -> None:
         """The engine's step (its forward pass) starts (True) or ends (False): with
@@ -998,8 +1029,12 @@ def _as_key(key: Key) -> Key | None:
 
 
 def _valid_prefix(keys: Sequence[Key]) -> Sequence[Key]:
-    """The leading run of ``keys`` that are chunk keys (all of them, uncopied, when all are)."""
-    for i, key in enumerate(keys):
+    """The leading run of ``keys`` that are chunk keys, as the store holds them (bytes: a
+    bytearray or memoryview is hashed by its bytes); ``keys`` itself when all are bytes keys."""
+    n = 0
+    for key in keys:
         if not is_valid_key(key):
-            return keys[:i]
-    return keys
+            break
+        n += 1
+    run = keys if n == len(keys) else keys[:n]
+    return run if all(type(key) is bytes for key in run) else [check_key(key) for key in run]

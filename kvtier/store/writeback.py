@@ -40,19 +40,32 @@ log = logging.getLogger(__name__)
 _STOP = object()
 
 
+class DetachedBytes:
+    """Bytes of orphans copied out of the top tier's arena (``Orphan.detach``) and not yet let
+    go of: memory the store holds beyond the top tier's capacity. Changed under the store
+    lock; read without it (an int)."""
+
+    __slots__ = ("total",)
+
+    def __init__(self):
+        self.total = 0
+
+
 class Orphan:
     """The arena pages of a top entry evicted while write-through copies of it were still queued,
     kept pinned (not copied) until the ledger lets go of them and no copy reads them any more.
     Every method runs under the store lock."""
 
-    __slots__ = ("_pin", "_views", "_refs", "_pinned", "_readable", "nbytes")
+    __slots__ = ("_pin", "_views", "_refs", "_pinned", "_readable", "_detached", "_own", "nbytes")
 
-    def __init__(self, pin: ExitStack, views: Any, nbytes: int):
+    def __init__(self, pin: ExitStack, views: Any, nbytes: int, detached: DetachedBytes):
         """``nbytes``: the entry's raw length (what a ``detach`` copies; its pages, rounded up,
-        are the most a detach can give back to the arena)."""
+        are the most a detach can give back to the arena); ``detached``: the store's tally of
+        copied-out orphans, which a ``detach`` adds to until the last reference goes."""
         self._pin, self._views, self._refs = pin, views, 1  # the ledger's reference
         self._pinned = True  # until the last reference goes or a detach copies the pages out
         self._readable = True  # until a detach found that they do not read back
+        self._detached, self._own = detached, 0  # bytes of its own copy, counted in ``detached``
         self.nbytes = nbytes
 
     @property
@@ -73,6 +86,8 @@ class Orphan:
         if self._refs == 0:
             self._pinned = False
             self._pin.close()
+            self._detached.total -= self._own
+            self._own, self._views = 0, None
 
     def detach(self) -> bool:
         """Copy the pages into a buffer of the orphan's own and unpin them, so the arena can
@@ -92,6 +107,8 @@ class Orphan:
         self._views = [own]
         self._pinned = False
         self._pin.close()
+        self._own = own.nbytes
+        self._detached.total += self._own
         return True
 
 

@@ -106,7 +106,7 @@ def test_orphan_bytes_live_only_while_a_write_through_copy_is_queued():
     assert ledger.orphan(K) is None
     ledger.begin_write_through(K)
     ledger.keep_orphan(K, b"y")
-    assert ledger.begin_delete(K) == b"y"  # a delete drops them: the queued copy must not bring the key back
+    assert ledger.begin_delete(K) == [b"y"]  # a delete drops them: the queued copy must not bring the key back
     assert ledger.orphan(K) is None
     ledger.end_delete(K)
     assert ledger.read_top(K) is None
@@ -143,3 +143,41 @@ def test_demotable_unless_a_write_through_copy_is_on_its_way():
     ledger.end_in_flight(K)
     ledger.end_copy(K)
     assert ledger.demotable(K) and ledger.idle()
+
+
+def test_a_landing_orphan_serves_reads_until_its_copy_lands():
+    ledger = CopyLedger()
+    ledger.begin_write_through(K)
+    assert ledger.keep_orphan(K, b"x")
+    assert ledger.readable_orphan(K) == b"x" and ledger.has_orphan(K)
+    orphan = ledger.read_top(K)  # the last copy read it: it puts the bytes now
+    assert orphan == b"x" and ledger.orphan(K) is None
+    assert ledger.land(K, orphan) is None
+    assert ledger.readable_orphan(K) == b"x" and ledger.has_orphan(K)  # found while the put runs
+    assert ledger.orphans() == []  # not one to copy out: its copy reads it
+    assert ledger.landed(K, orphan) == b"x"  # landed: the caller releases it
+    assert not ledger.has_orphan(K) and ledger.landed(K, orphan) is None
+    ledger.end_copy(K)
+    assert ledger.idle()
+
+
+def test_a_new_entry_or_a_delete_lets_go_of_kept_and_landing_orphans():
+    ledger = CopyLedger()
+    ledger.begin_write_through(K)
+    ledger.keep_orphan(K, b"old")
+    ledger.land(K, ledger.read_top(K))
+    ledger.begin_write_through(K)  # a re-put: its copy is queued, then it is evicted too
+    ledger.keep_orphan(K, b"new")
+    assert ledger.readable_orphan(K) == b"new"  # the newer entry's bytes win
+    assert sorted(ledger.supersede(K)) == [b"new", b"old"]  # a third entry of K was published
+    assert not ledger.has_orphan(K) and ledger.landed(K, b"old") is None  # its copy finds it gone
+    assert ledger.read_top(K) is None
+    ledger.begin_write_through(K)
+    ledger.keep_orphan(K, b"y")
+    ledger.land(K, ledger.read_top(K))
+    assert ledger.begin_delete(K) == [b"y"]  # a delete drops the landing one too
+    assert not ledger.has_orphan(K) and ledger.landed(K, b"y") is None
+    ledger.end_delete(K)
+    for _ in range(3):
+        ledger.end_copy(K)
+    assert ledger.idle()

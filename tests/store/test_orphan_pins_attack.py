@@ -353,7 +353,9 @@ def test_close_while_a_writer_reads_an_orphan_lets_it_finish_and_unpin(caplog):
         writer = store._writeback._workers[1]
         with caplog.at_level(logging.ERROR):
             store.close(timeout=0.05)
-            assert store._ledger.orphans() == [] and orphan._refs == 1  # the writer's
+            # landing: the ledger keeps it readable while the writer's put runs, the writer holds it
+            assert store._ledger.orphans() == [] and store._ledger.readable_orphan(key(1)) is orphan
+            assert orphan._refs == 2
             lower.open_all()
             writer.join(WAIT)
             assert not writer.is_alive()

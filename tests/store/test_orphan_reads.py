@@ -46,24 +46,69 @@ def test_an_orphan_is_found_located_and_read_while_its_copy_waits(tmp_path):
         assert s.stats()["write_drops"] == 0
 
 
+def lru_store(tmp_path, wait):
+    """RAM (1 MiB, LRU: the victims are predictable) over disk, writers waiting ``wait``."""
+    return TieredStore.from_config({
+        "tiers": [{"type": "ram", "capacity": 1 << 20, "policy": "lru"},
+                  {"type": "disk", "path": str(tmp_path / "disk"), "capacity": 64 << 20}],
+        "writer_step_wait_s": wait})
+
+
+def orphan_beside_clean_victims(s: TieredStore) -> bytes:
+    """Fill the RAM tier with written-down (clean) entries, then, in a step, put ``key(100)``,
+    use the clean ones (100 is the LRU now) and put ``key(101)``: 100 is evicted while its copy
+    is held (an orphan) and the room comes from the next, clean victim. The orphan's key."""
+    for i in range(40):  # as many clean entries as the tier takes
+        if not s.put(key(i), payload(i)):
+            break
+        assert s.flush(timeout=10)
+        if s.stats()["evictions"]:
+            break
+    clean = [i for i in range(40) if s.in_top_tier([key(i)])[0]]
+    s.engine_step(True)
+    assert s.put(key(100), payload(100))
+    for i in clean:
+        assert s.get(key(i)) == payload(i)
+    assert s.put(key(101), payload(101))
+    assert s._ledger.has_orphan(key(100)) and not s.in_top_tier([key(100)])[0]
+    return key(100)
+
+
 def test_a_writer_holds_copies_through_a_step_that_evicts_them(tmp_path):
-    """Puts during a step overflow the RAM tier: the evicted entries' copies are held with the
-    rest (nothing reaches the disk while the step runs), every key is found and read meanwhile,
-    and all land when the step ends, none dropped."""
+    """A put in a step evicts an entry whose copy is held (an orphan): the copy stays held (not
+    on disk while the step runs), the key is found and read meanwhile from its pages, and it
+    lands when the step ends, nothing dropped, no copy out of the arena."""
+    with lru_store(tmp_path, wait=30.0) as s:
+        victim = orphan_beside_clean_victims(s)
+        assert s._detached.total == 0
+        assert wait_until(lambda: s.stats()["tiers"][1]["queue_depth"] <= 1, timeout=5)  # the writer took one, holds it
+        assert not on_disk(s, victim) and not on_disk(s, key(101))
+        assert s.lookup([victim]) == 1 and s.get(victim) == payload(100)
+        s.engine_step(False)
+        assert s.flush(timeout=20)
+        assert on_disk(s, victim) and on_disk(s, key(101))
+        assert s._ledger.idle() and s.stats()["write_drops"] == 0 and s.stats()["step_waits"] >= 1
+
+
+def test_an_orphan_copied_out_of_the_arena_sends_the_writers_at_once(tmp_path):
+    """Puts in a step overflow a RAM tier whose entries all wait for their copies: orphans are
+    copied out of the arena to make room (memory past the tier's capacity), so the writers stop
+    holding and write while the step still runs, until no copied-out orphan is left; every key
+    found and read meanwhile, nothing dropped."""
     with small_store(tmp_path, wait=30.0) as s:
         s.engine_step(True)
+        peak = 0
         for i in range(16):
             assert s.put(key(i), payload(i))
-        assert orphans_of(s) > 0
-        assert wait_until(lambda: s.stats()["tiers"][1]["queue_depth"] < 16, timeout=5)  # the writer took one
-        assert not any(on_disk(s, key(i)) for i in range(16))
+            peak = max(peak, s._detached.total)
+        assert peak > 0
+        assert wait_until(lambda: s._detached.total == 0, timeout=10)  # the step still runs
+        assert sum(on_disk(s, key(i)) for i in range(16)) >= 1
         assert s.lookup([key(i) for i in range(16)]) == 16
         assert all(s.get(key(i)) == payload(i) for i in range(16))
         s.engine_step(False)
         assert s.flush(timeout=20)
-        assert all(on_disk(s, key(i)) for i in range(16))
-        assert orphans_of(s) == 0 and s.stats()["write_drops"] == 0
-        assert s.stats()["step_waits"] >= 1
+        assert s._ledger.idle() and s._detached.total == 0 and s.stats()["write_drops"] == 0
 
 
 def test_a_deleted_orphan_is_gone_at_once_and_never_written(tmp_path):
