@@ -295,11 +295,11 @@ class TieredStore(KVStore):
                 with pinned:
                     consume(segments)  # a coded arena decodes here
                 return top.tier.name
-            except CorruptEntry:  # pages that do not decode: a counted miss here, the lower tiers asked
-                top.tier.stats.add(corrupt=1)
+            except CorruptEntry:  # pages that do not decode (the tier counted it): dropped, the lower tiers asked
                 with self._lock:
                     self._counters.corrupt += 1
                     self._counters.hits -= 1
+                    self._drop_top(key)
         first = 1 if top.arena is not None else 0  # a top tier without views reads like a lower one
         for i in range(first, len(self._levels)):
             got = self._read_level(i, key)
@@ -314,6 +314,15 @@ class TieredStore(KVStore):
         with self._lock:
             self._counters.misses += 1
         return None
+
+    def _drop_top(self, key: Key) -> None:
+        """Forget ``key``'s top entry and its orphans, whose pages do not decode (lock held): a
+        later read goes to the lower tiers, and a promotion may bring good bytes back."""
+        for orphan in self._ledger.supersede(key):
+            release_orphan(orphan)
+        if self._index.holds(0, key):
+            self._index.forget(0, key)
+            self._levels[0].arena.delete(key)
 
     def _hold_orphan(self, key: Key, pinned: ExitStack) -> Any:
         """The pages of ``key``'s orphan (a top entry evicted while its write-through copy
