@@ -698,13 +698,19 @@ class DiskTier(Tier):
         verify(header, body, expected_key=key, auth=self.auth)  # raw only: this tier has no codec
 
     def _drop_corrupt(self, key: Key, meta: _Meta, why: str) -> None:
-        log.warning("disk tier %s: removing corrupt entry %s (%s)", self.name, key.hex(), why)
-        self.stats.add(corrupt=1)
+        """Remove ``key``'s entry, found corrupt under the record ``meta`` (counted, one warning),
+        unless a put replaced it meanwhile: then the file read was the new one under the old
+        record (its inode number reused), a miss, and the good new file stays."""
         with self._lock:
-            # Only if nobody replaced it meanwhile: never remove a good new file.
-            if self._index.get(key) is meta:
+            current = self._index.get(key) is meta
+            if current:
                 self._forget_locked(key, meta)
                 self._unlink_entry(key)
+        if not current:
+            self.stats.add(misses=1)
+            return
+        log.warning("disk tier %s: removing corrupt entry %s (%s)", self.name, key.hex(), why)
+        self.stats.add(corrupt=1)
 
     def _forget_locked(self, key: Key, meta: _Meta) -> None:
         if self._index.get(key) is meta:

@@ -165,8 +165,9 @@ def test_a_wrong_recurrent_state_is_seen_by_the_engine_test(tmp_path):
     """The check above is sensitive to the state: with every state saved from the wrong block
     (fault injection: ``_state_fault.WrongStateConnector``, vLLM's null block) the re-read still
     hits, and its log-probabilities leave the 1e-3 the check allows around vLLM's own prefix-cache
-    hit (by about 8e-3 on this random model, whose gated delta net layers weigh little: its
-    greedy tokens do not change, so tokens alone would not see it)."""
+    hit (by about 8e-3 on this random model, whose gated delta net layers weigh little), or its
+    greedy tokens change: on one machine one document's first log-probabilities moved 3e-5 while
+    its tokens changed, the other's moved 8e-3 with the same tokens, so neither alone sees it."""
     from kvtier.bench.models import make_family_model
 
     model = str(make_family_model("qwen3next-gdn"))
@@ -187,4 +188,6 @@ def test_a_wrong_recurrent_state_is_seen_by_the_engine_test(tmp_path):
     for i in range(2):
         local, kv = res[f"local{i}"], res[f"kv{i}"]
         assert kv["hit_tokens"] == local["local_hit_tokens"] == resume, i
-        assert not logprobs_close(local, kv, 1e-3), i
+        # the check above (the same greedy tokens, log-probabilities within 1e-3) fails: by the
+        # first token's log-probabilities, or (where a document's differ less) by its tokens
+        assert not (kv["token_ids"] == local["token_ids"] and logprobs_close(local, kv, 1e-3)), i
