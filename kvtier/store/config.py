@@ -49,8 +49,10 @@ class StoreConfig:
     ``writer_nice`` (set one). ``writer_step_wait_s``: how long a lower-tier writer may hold a
     copy while the engine's step runs (``TieredStore.engine_step``, called by the vLLM
     connector around each forward pass): it waits for the step's end, but only while its queue
-    is under half full and for at most this long, so nothing is dropped for it and a busy engine
-    cannot starve the tier, and never for a demotion or while an evicted entry waits for its
+    is under half full and for at most this long after the copy was queued (or twice the
+    longest of the last eight steps where that is longer, up to 30 s: a copy queued after one
+    long prefill step must not be written during the next), so nothing is dropped for it and a
+    busy engine cannot starve the tier, and never for a demotion or while an evicted entry waits for its
     copy (until written, no tier would find that key); copies then go between steps and after
     requests instead of taking a core from a forward pass that runs on the same cores. 0: never
     wait. None (the default): the vLLM connector sets 1.0 where the engine computes on the host

@@ -23,6 +23,7 @@ import queue
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from contextlib import ExitStack
 from typing import Any, Callable, Sequence
@@ -173,22 +174,46 @@ def run_when_idle() -> bool:
     return True
 
 
+HOLD_MAX_S = 30.0  # the longest a copy waits behind the engine's steps, whatever their length
+
+
 class StepGate:
     """Whether the engine's step (its forward pass) is running, for writers that wait for its
     end: set by the engine's thread (``step``), waited on by the writers (``wait``), woken early
     by the store (``wake``) when something a waiting writer weighs has changed. Thread-safe."""
 
-    def __init__(self):
+    RECENT = 8  # steps whose durations ``hold_s`` weighs
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        """``clock``: seconds, monotonic (the steps' durations are measured with it)."""
+        self._clock = clock
         self._cond = threading.Condition(threading.Lock())
         self._running = False
         self._closed = False
+        self._started = 0.0  # monotonic time the running step started
+        self._recent: deque[float] = deque(maxlen=self.RECENT)  # the last steps' durations, seconds
 
     def step(self, running: bool) -> None:
-        """A step starts (True) or ends (False); after ``close`` a start is ignored."""
+        """A step starts (True) or ends (False); after ``close`` a start is ignored. The end of
+        a step that started records its duration."""
         with self._cond:
+            now = self._clock()
+            if self._running and not running:
+                self._recent.append(now - self._started)
+            elif running and not self._running:
+                self._started = now
             self._running = running and not self._closed
             if not self._running:
                 self._cond.notify_all()
+
+    def hold_s(self, floor: float) -> float:
+        """How long a writer may hold a copy queued behind the engine's steps: ``floor``, or
+        twice the longest of the last ``RECENT`` steps where that is longer (a prefill step of a
+        KV-heavy model on a CPU engine runs for seconds, and copies queued after one step would
+        otherwise be written during the next), at most ``HOLD_MAX_S``."""
+        with self._cond:
+            longest = max(self._recent, default=0.0)
+        return min(max(floor, 2.0 * longest), max(floor, HOLD_MAX_S))
 
     def close(self) -> None:
         """No step runs from now on (the store is closing): every wait ends."""
@@ -321,7 +346,8 @@ class WriteBack:
         its queue is half full (``_queued`` wakes the writer: a copy never waits at the price of
         a later one being dropped); it is a demotion, or ``may_hold`` says no (the top level
         serves the key no more, not even from an orphan: it was deleted, or its pages were gone
-        at its eviction); or ``step_wait_s`` has passed since it was queued (a step that never
+        at its eviction); or the hold has passed since it was queued (``StepGate.hold_s``:
+        ``step_wait_s``, or twice the longest recent step where that is longer; a step that never
         ends, or steps back to back, cannot starve the tier, and copies queued together wait
         together). Counted when it waited: how many copies, and for how long in all."""
         def done() -> bool:
@@ -330,7 +356,7 @@ class WriteBack:
         if not self._gate.running() or done():
             return
         start = time.monotonic()
-        left = item.queued + self._step_wait_s - start
+        left = item.queued + self._gate.hold_s(self._step_wait_s) - start
         if left <= 0:
             return
         self._gate.wait(done, left)

@@ -70,6 +70,52 @@ def test_a_step_that_never_ends_holds_each_copy_at_most_the_wait_from_its_queuei
         assert s.stats()["write_drops"] == 0
 
 
+def test_after_long_steps_a_copy_is_held_through_the_next_one_as_long(tmp_path):
+    """A prefill step that runs for seconds (a KV-heavy model on a CPU engine): a copy queued
+    after one is held through the next step of the same length, not written during it once the
+    configured wait has passed; the stretched hold still ends (a step that never ends)."""
+    with store(tmp_path, wait=0.2) as s:
+        s.engine_step(True)
+        time.sleep(0.6)  # one long step, nothing queued
+        s.engine_step(False)
+        s.engine_step(True)  # the next, as long
+        assert s.put(key(1), b"b" * 50_000)
+        time.sleep(0.5)  # past the 0.2 s wait, within twice the last step (1.2 s)
+        assert not on_disk(s, key(1))
+        s.engine_step(False)
+        assert wait_until(lambda: on_disk(s, key(1)))
+        s.engine_step(True)  # a step that never ends: the hold (twice the longest step) runs out
+        t0 = time.monotonic()
+        assert s.put(key(2), b"c" * 50_000)
+        assert wait_until(lambda: on_disk(s, key(2)), timeout=5)
+        assert 0.9 < time.monotonic() - t0 < 3.0
+        assert s.stats()["write_drops"] == 0
+
+
+def test_the_hold_is_the_floor_or_twice_the_longest_recent_step_up_to_its_cap():
+    from kvtier.store.writeback import HOLD_MAX_S, StepGate
+
+    clock = [100.0]
+    gate = StepGate(clock=lambda: clock[0])
+    assert gate.hold_s(1.0) == 1.0  # no step yet: the floor
+    for length in (0.1, 3.0, 0.2):
+        gate.step(True)
+        clock[0] += length
+        gate.step(False)
+    assert gate.hold_s(1.0) == 6.0 and gate.hold_s(10.0) == 10.0
+    gate.step(False)  # an end without a start records nothing
+    gate.step(True)
+    gate.step(True)  # nor does a second start move the first
+    clock[0] += 100.0
+    gate.step(False)
+    assert gate.hold_s(1.0) == HOLD_MAX_S and gate.hold_s(45.0) == 45.0  # capped; a larger floor stands
+    for _ in range(StepGate.RECENT):  # the long steps age out
+        gate.step(True)
+        clock[0] += 0.1
+        gate.step(False)
+    assert gate.hold_s(1.0) == 1.0
+
+
 def test_a_queue_half_full_writes_at_once_and_drops_nothing(tmp_path):
     with store(tmp_path, wait=30.0, depth=4) as s:
         s.engine_step(True)
