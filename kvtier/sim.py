@@ -192,6 +192,29 @@ def synthetic(spec: str) -> Trace:
                       "recency:NEW,SPAN,REQUESTS[,SEED] (NEW in (0, 1])")
 
 
+def online_bound(spec: str, capacity: int, requests: int) -> float | None:
+    """The most hits any online policy can expect, as a share of ``requests``, on the synthetic
+    ``zipf`` or ``scan`` trace ``spec`` at ``capacity`` entries; None for the other families.
+
+    Their Zipf requests are drawn independently of each other (the independent reference model),
+    so whatever a policy holds when a request comes, that request hits with at most the
+    probability mass of the ``capacity`` most popular keys (the static policy that holds exactly
+    those, Aho, Denning and Ullman's A0, is the best online one there); a scan's one-off keys
+    never hit. Belady's OPT sees the future and beats this bound, so on these traces no policy
+    that does not know the future gets to OPT. ``requests`` is the trace's length."""
+    kind, _, args = spec.partition(":")
+    parts = args.split(",")
+    if kind == "zipf" and len(parts) in (3, 4):
+        alpha, keys, drawn = float(parts[0]), int(parts[1]), int(parts[2])
+    elif kind == "scan" and len(parts) in (4, 5):
+        alpha, keys, drawn = float(parts[1]), int(parts[0]), int(parts[3]) - int(parts[3]) // 2
+    else:
+        return None
+    weights = [k ** -alpha for k in range(1, keys + 1)]
+    held = math.fsum(weights[:capacity]) / math.fsum(weights)
+    return held * drawn / requests
+
+
 def _pos_int(text: str) -> int:
     value = int(text)
     if value <= 0:

@@ -11,7 +11,7 @@ import pytest
 from kvtier.cli import main
 from kvtier.errors import ConfigError
 from kvtier.policies.registry import DEFAULT_POLICY, POLICIES
-from kvtier.sim import Trace, mixed_trace, read_trace, recency_trace, simulate, synthetic, zipf_trace
+from kvtier.sim import Trace, mixed_trace, online_bound, read_trace, recency_trace, simulate, synthetic, zipf_trace
 
 
 @functools.lru_cache(maxsize=None)
@@ -239,3 +239,37 @@ def test_default_policy_keeps_the_latest_of_a_stream_of_new_keys(new, again, cap
     lru = simulate(trace, "lru", capacity).hit_ratio
     assert lru == simulate(trace, "opt", capacity).hit_ratio == again / (new + again)
     assert simulate(trace, DEFAULT_POLICY, capacity).hit_ratio >= lru - 0.03
+
+
+# Issue 25 asked for the default within 3 points of OPT on every family. On Zipf traces no online
+# policy can be: their requests are independent draws, so the best any policy can expect is the
+# capacity's most popular keys' mass (``online_bound``), and OPT sees the future. Shapes and
+# seeds other than the documented rows.
+@pytest.mark.parametrize("spec, capacity", [
+    ("zipf:0.8,30000,150000,11", 1000), ("zipf:1.0,20000,150000,12", 300), ("zipf:0.6,40000,150000,13", 4000),
+    ("scan:2500,0.9,4000,150000,14", 400),
+])
+def test_on_zipf_traces_no_online_policy_gets_within_3_points_of_opt(spec, capacity):
+    trace = _trace(spec)
+    bound = online_bound(spec, capacity, len(trace))
+    opt = _ratio(spec, "opt", capacity)
+    assert opt - bound > 0.03  # the bound itself is further from OPT than the issue's 3 points
+    noise = 3 * (bound * (1 - bound) / len(trace)) ** 0.5 + 0.002  # the trace is one draw of the model
+    for policy in (DEFAULT_POLICY, "lru", "wtinylfu", "s3fifo"):
+        assert _ratio(spec, policy, capacity) <= bound + noise, policy  # and the bound holds for every policy
+
+
+def test_simulate_reports_the_online_bound_on_zipf_and_scan_traces_only(capsys):
+    assert online_bound("zipf:1.0,4,100", 2, 100) == pytest.approx((1 + 1 / 2) / (1 + 1 / 2 + 1 / 3 + 1 / 4))
+    assert online_bound("zipf:1.0,4,100", 9, 100) == pytest.approx(1.0)  # a cache larger than the keys holds all
+    assert online_bound("scan:4,1.0,10,100", 4, 120) == pytest.approx(50 / 120)  # only the Zipf half can hit
+    assert online_bound("loop:10x3", 5, 30) is None and online_bound("mix:10,0.8,20,100", 5, 100) is None
+    assert main(["simulate", "--synthetic", "zipf:0.9,2000,20000,3", "--capacity", "100,400", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    bounds = {b["capacity"]: b["hit_ratio"] for b in report["online_bound"]}
+    opt = {r["capacity"]: r["hit_ratio"] for r in report["results"] if r["policy"] == "opt"}
+    assert set(bounds) == {100, 400} and all(0 < bounds[c] < opt[c] for c in bounds)
+    assert main(["simulate", "--synthetic", "loop:100x3", "--capacity", "50", "--json"]) == 0
+    assert "online_bound" not in json.loads(capsys.readouterr().out)
+    assert main(["simulate", "--synthetic", "zipf:0.9,2000,20000,3", "--capacity", "100"]) == 0
+    assert "online bound" in capsys.readouterr().out
