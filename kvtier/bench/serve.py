@@ -36,6 +36,16 @@ round on a machine whose speed drifts: rows carry their ``round``, and each targ
 of its per-round ratios, with their min and max. A setting's tier directories are removed, and
 the page cache's dirty pages flushed, before the next setting's engine starts.
 
+``--first-pairs K`` measures what storing costs the first pass inside one engine, where the
+drift between engines and rounds is not in the ratio: for every kvtier setting and concurrency
+level, after the level's two phases, K pairs of parts of ``N`` fresh documents each (N the level's
+clients; each document followed by a fresh short prompt, as in the first pass), one part stored
+as usual and one with ``kv_transfer_params`` ``kvtier.skip_save`` (the connector stores nothing of
+it), the stored part first in even pairs and second in odd ones, each part followed by the
+settle time. Per pair: the stored part's document TTFT p50 and output tok/s over the part not
+stored (``"first_pairs"`` in the JSON: the per-pair ratios and their median, min and max); the
+targets take the median over the pairs (``pair-ttft`` at 1 client, ``pair-tok`` at 4).
+
 Settings (``SETTINGS``): ``vllm`` (no connector), ``kvtier`` (today's synchronous transfers),
 and ``kvtier-async`` (kvtier with ``transfer_mode: async``: hits below the RAM tier load in the
 background); not by default, ``kvtier-async-ram`` (``async_ram_loads``: RAM-tier hits load in the
@@ -142,6 +152,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run every setting R times, each round on fresh documents and in the reverse order "
                              "of the round before; rows carry their round, and each target is the median of its "
                              "per-round ratios (settings compared within a round), with their min and max (default 1)")
+    parser.add_argument("--first-pairs", type=int, default=0, metavar="K",
+                        help="also run K pairs of first-pass parts in each kvtier engine, one part stored and "
+                             "one with kvtier.skip_save, and report stored / not stored per pair: the cost of "
+                             "storing without the drift between engines (default 0: none)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--plot", metavar="FILE", help="write a PNG per metric vs concurrency (FILE-<metric>.png)")
 
@@ -158,12 +172,16 @@ def run(args: argparse.Namespace) -> int:
     rounds = getattr(args, "rounds", 1)
     if rounds < 1:
         raise ConfigError(f"--rounds {rounds}: need at least one round")
+    n_pairs = getattr(args, "first_pairs", 0)
+    if not 0 <= n_pairs <= 100:
+        raise ConfigError(f"--first-pairs must be 0..100, got {n_pairs}")
     levels = [int(c) for c in ("1,2" if args.quick and args.concurrency == "1,2,4,8" else args.concurrency).split(",")]
     doc_tokens = min(args.doc_tokens, 1024) if args.quick else args.doc_tokens
     per_group = 1 if args.quick else args.docs_per_group
     variants = ["small", "kv-heavy"] if args.variant == "both" else [args.variant]
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="kvtier-serve-"))
     rows: list[dict] = []
+    pairs: list[dict] = []  # one per pair: stored / not stored within one engine
     incomplete = None  # a later round that failed: the rounds before it are reported
     try:
         for variant in variants:
@@ -173,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
             warm_gb = 3 * per_group * load.doc_bytes / 1e9
             settle = args.settle_s if args.settle_s is not None else round(2 + 2 * warm_gb, 1)
             for r in range(rounds):
-                spec = dict(_spec(model, load, levels, seed=SEED + r),
+                spec = dict(_spec(model, load, levels, seed=SEED + r, pairs=n_pairs),
                             enforce_eager=bool(getattr(args, "enforce_eager", False)), settle_s=settle)
                 results = {}
                 try:
@@ -181,8 +199,10 @@ def run(args: argparse.Namespace) -> int:
                         setting_dir = work / f"{variant}-{name}"
                         shutil.rmtree(setting_dir, ignore_errors=True)
                         setting_dir.mkdir(parents=True)
-                        try:
-                            results[name] = _run_setting(dict(spec, kv_transfer_config=SETTINGS[name](setting_dir, load)),
+                        transfer = SETTINGS[name](setting_dir, load)
+                        try:  # the pairs need the connector: vLLM alone runs none
+                            results[name] = _run_setting(dict(spec, kv_transfer_config=transfer,
+                                                              first_pairs=n_pairs if transfer else 0),
                                                          setting_dir, args.timeout)
                         finally:
                             _clear_tiers(setting_dir)
@@ -197,6 +217,9 @@ def run(args: argparse.Namespace) -> int:
                         for phase in ("first", "reread"):
                             rows.append({"setting": name, "model": variant if not args.model else model,
                                          "phase": phase, "round": r, **_summary(level[phase])})
+                        pairs += [{"setting": name, "model": variant if not args.model else model, "round": r,
+                                   "concurrency": level["concurrency"], **pair}
+                                  for pair in pair_ratios(level.get("pairs", []))]
                     if not args.json:
                         note(f"{variant}/{name}: done" + (f" (round {r + 1} of {rounds})" if rounds > 1 else ""))
             if incomplete:
@@ -206,11 +229,13 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(work, ignore_errors=True)
     report = {"rows": rows, "workload": {"doc_tokens": doc_tokens, "docs_per_group": per_group,
                                          "short_tokens": Workload.short_tokens, "decode_tokens": args.decode_tokens,
-                                         "concurrency": levels, "rounds": rounds,
+                                         "concurrency": levels, "rounds": rounds, "first_pairs": n_pairs,
                                          "enforce_eager": bool(getattr(args, "enforce_eager", False))},
               "thread_binding": _engine_env()["VLLM_CPU_OMP_THREADS_BIND"], "settle_s": args.settle_s,
               "incomplete": incomplete}
-    report["targets"] = targets(rows)
+    if n_pairs:
+        report["first_pairs"] = {"pairs": pairs, "summary": pair_summary(pairs)}
+    report["targets"] = targets(rows, pairs)
     if args.plot:
         report["plots"] = plot(rows, args.plot)
     if args.json:
@@ -219,6 +244,8 @@ def run(args: argparse.Namespace) -> int:
         from kvtier.bench.targets import print_targets
 
         _print(rows)
+        if n_pairs:
+            _print_pairs(report["first_pairs"]["summary"])
         print_targets(report["targets"])
     return 0
 
@@ -229,33 +256,84 @@ def round_order(names: list[str], r: int) -> list[str]:
     return list(names) if r % 2 == 0 else list(reversed(names))
 
 
-def measurements(rows: list[dict]) -> dict[str, float]:
+def measurements(rows: list[dict], pairs: list[dict] = ()) -> dict[str, float]:
     """The rows as flat measurements for ``kvtier.bench.targets``:
-    ``"{metric}:{model}/{setting}/{phase}@{concurrency}"``."""
+    ``"{metric}:{model}/{setting}/{phase}@{concurrency}"``; the pairs (of one round) as the
+    median of their ratios, ``"pair_{ttft|tok}:{model}/{setting}@{concurrency}"``."""
     out = {}
     for r in rows:
         where = f"{r['model']}/{r['setting']}/{r['phase']}@{r['concurrency']}"
         for metric in ("output_tok_s", "itl_p99_ms", "itl_p99_ram_ms", "itl_p99_disk_ms", "doc_ttft_p50_ms"):
             if r.get(metric) is not None:
                 out[f"{metric}:{where}"] = r[metric]
+    for s in pair_summary(list(pairs)):
+        for metric in ("ttft", "tok"):
+            if s[f"{metric}_median"] is not None:
+                out[f"pair_{metric}:{s['model']}/{s['setting']}@{s['concurrency']}"] = s[f"{metric}_median"]
     return out
 
 
-def targets(rows: list[dict]) -> list[dict]:
+def pair_ratios(records: list[dict]) -> list[dict]:
+    """An engine's pair records (one per part: ``pair``, ``skip_save``, ``doc_ttft_p50_ms``,
+    ``output_tok_s``) as one row per complete pair: the stored part's document TTFT and output
+    tok/s over the part not stored (``ttft_ratio``, ``tok_ratio``; None where a part has no
+    value), and which part ran first."""
+    by_pair: dict[int, dict[bool, dict]] = {}
+    for rec in records:
+        by_pair.setdefault(rec["pair"], {})[bool(rec["skip_save"])] = rec
+    out = []
+    for k in sorted(by_pair):
+        parts = by_pair[k]
+        if set(parts) != {False, True}:
+            continue  # a pair missing a part compares nothing
+        stored, skipped = parts[False], parts[True]
+        out.append({"pair": k, "stored_first": stored["order"] < skipped["order"],
+                    "ttft_ratio": _ratio(stored["doc_ttft_p50_ms"], skipped["doc_ttft_p50_ms"]),
+                    "tok_ratio": _ratio(stored["output_tok_s"], skipped["output_tok_s"]),
+                    "stored_doc_ttft_ms": stored["doc_ttft_p50_ms"], "not_stored_doc_ttft_ms": skipped["doc_ttft_p50_ms"],
+                    "stored_tok_s": stored["output_tok_s"], "not_stored_tok_s": skipped["output_tok_s"],
+                    "hit_tokens": stored.get("hit_tokens", 0) + skipped.get("hit_tokens", 0)})
+    return out
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return round(num / den, 4) if num is not None and den else None
+
+
+def pair_summary(pairs: list[dict]) -> list[dict]:
+    """Per model, setting and concurrency (over every round): the median, min and max of the
+    pairs' ratios and how many pairs there were."""
+    groups: dict[tuple, list[dict]] = {}
+    for p in pairs:
+        groups.setdefault((p["model"], p["setting"], p["concurrency"]), []).append(p)
+    out = []
+    for (model, setting, concurrency), rows in sorted(groups.items()):
+        row = {"model": model, "setting": setting, "concurrency": concurrency, "pairs": len(rows)}
+        for metric in ("ttft", "tok"):
+            values = [r[f"{metric}_ratio"] for r in rows if r[f"{metric}_ratio"] is not None]
+            row |= {f"{metric}_median": round(statistics.median(values), 4) if values else None,
+                    f"{metric}_min": min(values, default=None), f"{metric}_max": max(values, default=None)}
+        out.append(row)
+    return out
+
+
+def targets(rows: list[dict], pairs: list[dict] = ()) -> list[dict]:
     """Issue 10's targets over the run's rows, for every model and kvtier setting measured.
     Rows of several rounds (``round``): each ratio is taken within a round and the target is
     judged on the median over rounds (``kvtier.bench.targets.evaluate_rounds``)."""
     from kvtier.bench import targets as table
 
-    models = sorted({r["model"] for r in rows})
-    kvtier = sorted({r["setting"] for r in rows} - {"vllm"})
+    models = sorted({r["model"] for r in [*rows, *pairs]})
+    kvtier = sorted({r["setting"] for r in [*rows, *pairs]} - {"vllm"})
     each = [{"model": m, "setting": s} for m in models for s in kvtier]
-    params = ({key: each for key in ("itl-disk-vs-ram", "tok-vs-vllm", "first-tok", "first-ttft")}
+    params = ({key: each for key in ("itl-disk-vs-ram", "tok-vs-vllm", "first-tok", "first-ttft", "pair-ttft",
+                                     "pair-tok")}
               | {"async-vs-sync": [{"model": m} for m in models]})
-    rounds = sorted({r.get("round", 0) for r in rows})
+    rounds = sorted({r.get("round", 0) for r in [*rows, *pairs]})
     if len(rounds) <= 1:
-        return table.evaluate("serve", measurements(rows), params)
-    return table.evaluate_rounds("serve", [measurements([r for r in rows if r.get("round", 0) == k])
+        return table.evaluate("serve", measurements(rows, pairs), params)
+    return table.evaluate_rounds("serve", [measurements([r for r in rows if r.get("round", 0) == k],
+                                                        [p for p in pairs if p.get("round", 0) == k])
                                            for k in rounds], params)
 
 
@@ -271,9 +349,11 @@ def _bytes_per_token(model: str) -> int:
     return kv_shape(load_model_config(model)).bytes_per_token
 
 
-def _spec(model: str, load: Workload, levels: list[int], seed: int = SEED) -> dict:
-    """The engine's spec: model, pool, and per level the first pass (per group) and the re-reads,
-    the documents drawn from ``seed``."""
+def _spec(model: str, load: Workload, levels: list[int], seed: int = SEED, pairs: int = 0) -> dict:
+    """The engine's spec: model, pool, and per level the first pass (per group), the re-reads
+    and ``pairs`` pairs of first-pass parts (``"pairs"``: per pair the two parts, each the
+    level's concurrency in fresh documents, each followed by a fresh short prompt), the
+    documents drawn from ``seed``."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -296,13 +376,25 @@ def _spec(model: str, load: Workload, levels: list[int], seed: int = SEED) -> di
     spec_levels = []
     for concurrency in levels:
         groups = {g: [tokens(load.doc_tokens) for _ in range(load.docs_per_group)] for g in GROUPS}
-        spec_levels.append({"concurrency": concurrency, "first": phase(groups, reversed(GROUPS)),
-                            "requests": [r for part in phase(groups, GROUPS) for r in part]})
+        level = {"concurrency": concurrency, "first": phase(groups, reversed(GROUPS)),
+                 "requests": [r for part in phase(groups, GROUPS) for r in part]}
+        if pairs:  # drawn after the level's documents: the same documents with and without pairs
+            level["pairs"] = [[_part(tokens, load, concurrency) for _ in range(2)] for _ in range(pairs)]
+        spec_levels.append(level)
     per_request = load.doc_tokens + load.doc_decode_tokens + 128
     max_len = -(-per_request // 128) * 128
     pool_tokens = max(levels) * max_len + 4 * 128  # every client's request resident at once
     return {"model": model, "max_model_len": max_len, "pool_blocks": -(-pool_tokens // 128),
             "warmup": tokens(600), "levels": spec_levels}
+
+
+def _part(tokens: Callable[[int], list[int]], load: Workload, concurrency: int) -> list[dict]:
+    """One part of a pair: ``concurrency`` fresh documents, each followed by a fresh short prompt."""
+    out = []
+    for _ in range(concurrency):
+        out += [{"kind": "doc-pair", "tokens": tokens(load.doc_tokens), "max_tokens": load.doc_decode_tokens},
+                {"kind": "short-pair", "tokens": tokens(load.short_tokens), "max_tokens": load.decode_tokens}]
+    return out
 
 
 def _clear_tiers(work: Path) -> None:
@@ -344,14 +436,24 @@ def _counters() -> dict[str, float]:
     return totals
 
 
-async def _request(llm, tokens: list[int], max_tokens: int, request_id: str) -> dict:
-    """Stream one request; TTFT and the per-token gaps as they arrive."""
+def _sampling(max_tokens: int, skip_save: bool = False):
+    """Greedy, streamed (``DELTA``), no detokenizing; ``skip_save`` puts ``kvtier.skip_save`` in
+    the request's ``kv_transfer_params`` (vLLM hands ``extra_args["kv_transfer_params"]`` to the
+    connector)."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
-                            output_kind=RequestOutputKind.DELTA)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
+                          output_kind=RequestOutputKind.DELTA,
+                          extra_args={"kv_transfer_params": {"kvtier.skip_save": True}} if skip_save else None)
+
+
+async def _request(llm, tokens: list[int], max_tokens: int, request_id: str, skip_save: bool = False) -> dict:
+    """Stream one request; TTFT and the per-token gaps as they arrive. ``skip_save`` asks the
+    connector to store nothing of it (``kvtier.skip_save`` in its ``kv_transfer_params``)."""
+    from vllm.inputs import TokensPrompt
+
+    params = _sampling(max_tokens, skip_save)
     start = time.perf_counter()
     last, gaps, produced, ttft = start, [], 0, None
     async for out in llm.generate(TokensPrompt(prompt_token_ids=tokens), params, request_id=request_id):
@@ -371,7 +473,8 @@ async def _request(llm, tokens: list[int], max_tokens: int, request_id: str) -> 
             "query_tokens": len(tokens)}
 
 
-async def _run_requests(llm, requests: list[dict], concurrency: int, tag: str) -> tuple[list[dict], float]:
+async def _run_requests(llm, requests: list[dict], concurrency: int, tag: str,
+                        skip_save: bool = False) -> tuple[list[dict], float]:
     """``requests`` pulled by ``concurrency`` clients from one queue: (records, wall seconds)."""
     queue: asyncio.Queue = asyncio.Queue()
     for i, req in enumerate(requests):
@@ -381,7 +484,7 @@ async def _run_requests(llm, requests: list[dict], concurrency: int, tag: str) -
     async def client() -> None:
         while not queue.empty():
             i, req = queue.get_nowait()
-            rec = await _request(llm, req["tokens"], req["max_tokens"], f"{tag}-{i}")
+            rec = await _request(llm, req["tokens"], req["max_tokens"], f"{tag}-{i}", skip_save)
             records.append(dict(rec, kind=req["kind"]))
 
     start = time.perf_counter()
@@ -405,14 +508,38 @@ async def _phase(llm, parts: list[list[dict]], concurrency: int, tag: str) -> di
             "local_hit_tokens": int(after["vllm:prefix_cache_hits"] - before["vllm:prefix_cache_hits"])}
 
 
-async def _level(llm, level: dict, tag: str, settle_s: float) -> dict:
-    """The first pass (group by group), the engine's prefix cache reset, the timed re-reads."""
+async def _level(llm, level: dict, tag: str, settle_s: float, pairs: int = 0) -> dict:
+    """The first pass (group by group), the engine's prefix cache reset, the timed re-reads,
+    then the level's first ``pairs`` pairs (``_pairs``)."""
     concurrency = level["concurrency"]
     first = await _phase(llm, level["first"], concurrency, f"{tag}-first")
     await llm.reset_prefix_cache()
     await asyncio.sleep(settle_s)
     reread = await _phase(llm, [level["requests"]], concurrency, tag)
-    return {"concurrency": concurrency, "first": first, "reread": reread}
+    out = {"concurrency": concurrency, "first": first, "reread": reread}
+    if level.get("pairs") and pairs:
+        out["pairs"] = await _pairs(llm, level["pairs"][:pairs], concurrency, f"{tag}-pair", settle_s)
+    return out
+
+
+async def _pairs(llm, pairs: list[list[list[dict]]], concurrency: int, tag: str, settle_s: float) -> list[dict]:
+    """Each pair's two parts, one stored and one with ``kvtier.skip_save``, the stored one first
+    in even pairs; a part's record: its document TTFT p50, output tok/s (its output tokens over
+    its wall time), hit tokens; ``settle_s`` after each part, so no part's write-through runs into
+    the next one."""
+    out, order = [], 0
+    for k, parts in enumerate(pairs):
+        for skip, part in zip((False, True) if k % 2 == 0 else (True, False), parts):
+            before = _counters()
+            records, wall = await _run_requests(llm, part, concurrency, f"{tag}{k}-{int(skip)}", skip_save=skip)
+            docs = [r["ttft_ms"] for r in records if r["kind"].startswith("doc")]
+            await asyncio.sleep(settle_s)
+            hits = _counters()["vllm:external_prefix_cache_hits"] - before["vllm:external_prefix_cache_hits"]
+            out.append({"pair": k, "skip_save": skip, "order": order, "doc_ttft_p50_ms": _pct(docs, 50),
+                        "output_tok_s": round(sum(r["output_tokens"] for r in records) / wall, 3),
+                        "wall_s": round(wall, 3), "hit_tokens": int(hits)})
+            order += 1
+    return out
 
 
 async def _serve(spec: dict) -> dict:
@@ -430,7 +557,9 @@ async def _serve(spec: dict) -> dict:
     try:
         await _request(llm, spec["warmup"], 4, "warmup")  # one-off costs
         settle = spec.get("settle_s", 2.0)
-        return {"levels": [await _level(llm, level, f"c{level['concurrency']}", settle) for level in spec["levels"]]}
+        pairs = spec.get("first_pairs", 0)
+        return {"levels": [await _level(llm, level, f"c{level['concurrency']}", settle, pairs)
+                           for level in spec["levels"]]}
     finally:
         llm.shutdown()
 
@@ -511,6 +640,14 @@ def _print(rows: list[dict]) -> None:
             "itl_p99_ram_ms", "itl_p99_disk_ms", "output_tok_s", "hit_tokens", "query_tokens", "doc_ttft_p50_ms",
             "doc_ttft_ram_ms", "doc_ttft_disk_ms", "doc_ttft_shared_ms")
     print_table(cols, [[r.get(c) for c in cols] for r in rows])
+
+
+def _print_pairs(summary: list[dict]) -> None:
+    from kvtier.output import print_table
+
+    cols = ("model", "setting", "concurrency", "pairs", "ttft_median", "ttft_min", "ttft_max", "tok_median", "tok_min",
+            "tok_max")
+    print_table(cols, [[r.get(c) for c in cols] for r in summary])
 
 
 def main(argv: list[str]) -> int:

@@ -171,6 +171,12 @@ TARGETS: tuple[IssueTarget, ...] = (
        "output_tok_s:{model}/{setting}/first@4", "output_tok_s:{model}/vllm/first@4", ">=", 0.98, each=()),
     _t(10, "serve", "first-ttft", "{model} {setting} c1 first pass: document TTFT p50 / vLLM's",
        "doc_ttft_p50_ms:{model}/{setting}/first@1", "doc_ttft_p50_ms:{model}/vllm/first@1", "<=", 1.01, each=()),
+    # issue 25: the same first pass, stored / not stored (kvtier.skip_save) in one engine, the
+    # median of the pairs' ratios (``--first-pairs``)
+    _t(25, "serve", "pair-ttft", "{model} {setting} c1 first pass, paired: document TTFT stored / not stored",
+       "pair_ttft:{model}/{setting}@1", None, "<=", 1.02, each=()),
+    _t(25, "serve", "pair-tok", "{model} {setting} c4 first pass, paired: output tok/s stored / not stored",
+       "pair_tok:{model}/{setting}@4", None, ">=", 0.98, each=()),
 )
 
 

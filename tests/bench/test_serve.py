@@ -179,7 +179,8 @@ def test_quick_run_against_vllm(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
     args = parser.parse_args(["--quick", "--json", "--settings", "vllm,kvtier", "--plot", str(tmp_path / "serve.png"),
-                              "--work-dir", str(tmp_path / "work"), "--timeout", "600", "--enforce-eager"])
+                              "--work-dir", str(tmp_path / "work"), "--timeout", "600", "--enforce-eager",
+                              "--first-pairs", "1"])
     assert serve.run(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["workload"]["enforce_eager"] is True
@@ -202,6 +203,13 @@ def test_quick_run_against_vllm(tmp_path, capsys):
     for path in report["plots"]:
         assert os.path.getsize(path) > 1000
     assert len(report["plots"]) == len(serve.METRICS)
+    # one pair per level, in kvtier's engine only: fresh documents (no hits), both parts timed
+    pairs = report["first_pairs"]["pairs"]
+    assert [(p["setting"], p["concurrency"], p["stored_first"]) for p in pairs] == [("kvtier", 1, True),
+                                                                                     ("kvtier", 2, True)]
+    assert all(p["hit_tokens"] == 0 and p["ttft_ratio"] > 0 and p["tok_ratio"] > 0 for p in pairs)
+    assert [t["target"] for t in report["targets"] if t["issue"] == 25] == [
+        "small kvtier c1 first pass, paired: document TTFT stored / not stored"]  # no 4-client level: one target
 
 
 def test_issue_10_targets_are_judged_per_model_and_setting():
@@ -227,3 +235,85 @@ def test_issue_10_targets_are_judged_per_model_and_setting():
     assert got["small kvtier-async c1 first pass: document TTFT p50 / vLLM's"] == (1.03, False)
     assert got["kv-heavy kvtier c1 first pass: document TTFT p50 / vLLM's"] == (1.005, True)
     assert not any(k.startswith("kv-heavy") and "c4" in k for k in got)
+
+
+# --first-pairs: stored / not stored in one engine
+
+
+def _part(pair, skip, order, ttft, tok, hits=0):
+    return {"pair": pair, "skip_save": skip, "order": order, "doc_ttft_p50_ms": ttft, "output_tok_s": tok,
+            "wall_s": 1.0, "hit_tokens": hits}
+
+
+def test_pair_ratios_compare_the_parts_of_each_pair_and_drop_an_incomplete_one():
+    records = [_part(0, False, 0, 110.0, 9.0), _part(0, True, 1, 100.0, 10.0),
+               _part(1, True, 2, 200.0, 5.0), _part(1, False, 3, 190.0, 5.5),
+               _part(2, False, 4, 120.0, None)]  # pair 2 lost its second part
+    got = serve.pair_ratios(records)
+    assert [(p["pair"], p["stored_first"], p["ttft_ratio"], p["tok_ratio"]) for p in got] == [
+        (0, True, 1.1, 0.9), (1, False, 0.95, 1.1)]
+    assert serve.pair_ratios([_part(0, False, 0, 1.0, None), _part(0, True, 1, 0.0, 1.0)])[0]["ttft_ratio"] is None
+
+
+def test_pair_summary_and_targets_take_the_median_of_the_pairs():
+    def pairs(setting, concurrency, ratios):
+        return [{"model": "small", "setting": setting, "concurrency": concurrency, "round": 0, "pair": k,
+                 "ttft_ratio": r, "tok_ratio": 1 / r} for k, r in enumerate(ratios)]
+
+    rows = pairs("kvtier", 1, [1.0, 1.05, 1.01]) + pairs("kvtier", 4, [1.0, 1.05, 1.01]) \
+        + pairs("kvtier-async", 1, [1.03, 1.04, 0.9, 1.5])
+    summary = {(s["setting"], s["concurrency"]): s for s in serve.pair_summary(rows)}
+    assert summary["kvtier", 1]["ttft_median"] == 1.01 and summary["kvtier", 1]["pairs"] == 3
+    assert (summary["kvtier-async", 1]["ttft_min"], summary["kvtier-async", 1]["ttft_max"]) == (0.9, 1.5)
+    assert summary["kvtier-async", 1]["ttft_median"] == 1.035
+    got = {t["target"]: (t["value"], t["met"]) for t in serve.targets([], rows) if t["issue"] == 25}
+    assert got["small kvtier c1 first pass, paired: document TTFT stored / not stored"] == (1.01, True)
+    assert got["small kvtier-async c1 first pass, paired: document TTFT stored / not stored"] == (1.035, False)
+    assert got["small kvtier c4 first pass, paired: output tok/s stored / not stored"] == (
+        pytest.approx(0.9901, abs=1e-4), True)
+    assert not any("kvtier-async c4" in name for name in got)  # no pairs at 4 clients: not run
+
+
+def test_pairs_are_fresh_documents_and_run_only_in_engines_with_the_connector(tmp_path, monkeypatch, capsys):
+    """The spec's pairs are the level's concurrency in fresh documents per part, the same with
+    and without pairs for the level's own documents; vLLM alone's engine is asked for none."""
+    load = serve.Workload(doc_tokens=300, docs_per_group=1)
+    plain, paired = serve._spec("m", load, [1, 4]), serve._spec("m", load, [1, 4], pairs=2)
+    assert plain["levels"][0]["requests"] == paired["levels"][0]["requests"]
+    level = paired["levels"][1]
+    assert len(level["pairs"]) == 2 and all(len(part) == 2 * 4 for pair in level["pairs"] for part in pair)
+    docs = [tuple(r["tokens"]) for pair in level["pairs"] for part in pair for r in part if r["kind"] == "doc-pair"]
+    assert len(set(docs)) == 16 and not set(docs) & {tuple(r["tokens"]) for r in level["requests"]}
+    asked = {}
+
+    def fake_run(spec, work, timeout):
+        asked[work.name] = spec["first_pairs"]
+        result = _fake_result()
+        result["levels"][0]["pairs"] = [_part(0, False, 0, 101.0, 10.0), _part(0, True, 1, 100.0, 10.0)]
+        return result
+
+    parser = _without_engines(monkeypatch, tmp_path, fake_run)
+    args = ["--settings", "vllm,kvtier", "--concurrency", "1", "--json", "--work-dir", str(tmp_path / "w"),
+            "--doc-tokens", "200", "--first-pairs", "3"]
+    assert serve.run(parser.parse_args(args)) == 0
+    assert asked == {"small-vllm": 0, "small-kvtier": 3}
+    report = json.loads(capsys.readouterr().out)
+    assert report["first_pairs"]["summary"][0]["ttft_median"] == 1.01
+    assert [t["met"] for t in report["targets"] if t["issue"] == 25] == [True]
+    from kvtier.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--first-pairs must be 0..100"):
+        serve.run(parser.parse_args(args[:-1] + ["101"]))
+
+
+def test_a_part_not_stored_reaches_the_connector_as_skip_save():
+    pytest.importorskip("vllm")
+    from vllm.v1.request import Request
+
+    from kvtier.integrations.vllm.scheduler import BadValueLog, _skips_save
+
+    def request(skip):
+        return Request("r", [1, 2, 3], serve._sampling(4, skip), None)
+
+    assert _skips_save(request(True), BadValueLog()) is True
+    assert _skips_save(request(False), BadValueLog()) is False
