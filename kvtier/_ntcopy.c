@@ -7,11 +7,12 @@
  * of MiB on large hosts), far above a 16 KiB-4 MiB page. Measured on a 2-core x86 VM: 79
  * scattered 128 KiB pages from cold memory, 6.5 GB/s with np.copyto, 9.9 GB/s streamed.
  *
- * One function, copy_pairs(pairs, release_gil=True): for each (dst, src) pair of C-contiguous
- * buffers of equal byte length, dst[:] = src[:] (bytes, whatever the buffers' item types), with
- * the GIL released unless release_gil is false (an engine thread that must not wait to take it
- * back from another thread). Buffers below STREAM_MIN bytes, and every platform without SSE2,
- * use memcpy. A pair that is not C-contiguous raises BufferError. Contract: either every pair
+ * One function, copy_pairs(pairs, release_gil=True, stream=True): for each (dst, src) pair of
+ * C-contiguous buffers of equal byte length, dst[:] = src[:] (bytes, whatever the buffers' item
+ * types), with the GIL released unless release_gil is false (an engine thread that must not wait
+ * to take it back from another thread). Buffers below STREAM_MIN bytes, every platform without
+ * SSE2, and every call with stream false (a load the engine reads next, small enough to stay in
+ * the cache: kvtier.fastcopy.stays_cached) use memcpy. A pair that is not C-contiguous raises BufferError. Contract: either every pair
  * is checked (writable, contiguous, equal lengths) before any byte is copied, or an exception is
  * raised and nothing was copied. Overlapping pairs are the caller's error (as with memcpy).
  *
@@ -32,10 +33,10 @@
 
 #define STREAM_MIN 4096
 
-static void copy_stream(char *dst, const char *src, size_t n)
+static void copy_stream(char *dst, const char *src, size_t n, int stream)
 {
 #if KVTIER_STREAM
-    if (n >= STREAM_MIN) {
+    if (stream && n >= STREAM_MIN) {
         size_t head = (16 - ((uintptr_t)dst & 15)) & 15; /* bytes until dst is 16-byte aligned */
         memcpy(dst, src, head);
         dst += head;
@@ -58,17 +59,21 @@ static void copy_stream(char *dst, const char *src, size_t n)
         memcpy(dst, src, n);
         return;
     }
+#else
+    (void)stream;
 #endif
     memcpy(dst, src, n);
 }
 
 /* Pair i is views[2i] (dst) and views[2i + 1] (src), checked. */
-static void copy_all(Py_buffer *views, Py_ssize_t n)
+static void copy_all(Py_buffer *views, Py_ssize_t n, int stream)
 {
     for (Py_ssize_t i = 0; i < n; i++)
-        copy_stream((char *)views[2 * i].buf, (const char *)views[2 * i + 1].buf, (size_t)views[2 * i].len);
+        copy_stream((char *)views[2 * i].buf, (const char *)views[2 * i + 1].buf, (size_t)views[2 * i].len,
+                    stream);
 #if KVTIER_STREAM
-    _mm_sfence(); /* streamed lines are visible to other cores before this returns */
+    if (stream)
+        _mm_sfence(); /* streamed lines are visible to other cores before this returns */
 #endif
 }
 
@@ -81,10 +86,10 @@ static void release_all(Py_buffer *views, Py_ssize_t count)
 static PyObject *copy_pairs(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     (void)self;
-    static char *keywords[] = {"pairs", "release_gil", NULL};
+    static char *keywords[] = {"pairs", "release_gil", "stream", NULL};
     PyObject *arg;
-    int release = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|p:copy_pairs", keywords, &arg, &release))
+    int release = 1, stream = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|pp:copy_pairs", keywords, &arg, &release, &stream))
         return NULL;
     PyObject *seq = PySequence_Fast(arg, "copy_pairs: expected a sequence of (dst, src) pairs");
     if (seq == NULL)
@@ -121,10 +126,10 @@ static PyObject *copy_pairs(PyObject *self, PyObject *args, PyObject *kwargs)
     }
     if (release) {
         Py_BEGIN_ALLOW_THREADS
-        copy_all(views, n);
+        copy_all(views, n, stream);
         Py_END_ALLOW_THREADS
     } else {
-        copy_all(views, n);
+        copy_all(views, n, stream);
     }
     result = Py_NewRef(Py_None);
 fail:
@@ -136,9 +141,10 @@ fail:
 
 static PyMethodDef methods[] = {
     {"copy_pairs", (PyCFunction)(void (*)(void))copy_pairs, METH_VARARGS | METH_KEYWORDS,
-     "copy_pairs(pairs, release_gil=True): dst[:] = src[:] for each (dst, src) pair of C-contiguous "
-     "buffers of equal length, large ones with streaming stores, the GIL released unless "
-     "release_gil is false; nothing is copied unless every pair is valid."},
+     "copy_pairs(pairs, release_gil=True, stream=True): dst[:] = src[:] for each (dst, src) pair of "
+     "C-contiguous buffers of equal length, large ones with streaming stores unless stream is false "
+     "(memcpy: the destination stays in the cache), the GIL released unless release_gil is false; "
+     "nothing is copied unless every pair is valid."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -22,9 +22,12 @@ except ImportError:  # no compiler at install time, or a platform it was not bui
 STREAMING = bool(_ntcopy is not None and _ntcopy.STREAMING)
 
 
-def copy_pairs(pairs: Sequence[tuple[np.ndarray, np.ndarray]], release_gil: bool = True) -> None:
+def copy_pairs(pairs: Sequence[tuple[np.ndarray, np.ndarray]], release_gil: bool = True,
+               stream: bool = True) -> None:
     """``dst[:] = src[:]`` for each ``(dst, src)`` tuple of buffers (uint8 arrays) of equal byte
-    length, copied byte for byte (never cast or broadcast).
+    length, copied byte for byte (never cast or broadcast). ``stream=False``: ordinary stores
+    even for large pages, so the destination is left in the cache (a load the engine's forward
+    pass reads next; see ``stays_cached``); numpy's copy always uses them.
 
     Contract, on both paths: nothing is copied unless every pair is valid (a read-only or
     shorter ``dst``, a non-buffer or a non-tuple item raises before a byte moves). The pairs go
@@ -41,9 +44,51 @@ def copy_pairs(pairs: Sequence[tuple[np.ndarray, np.ndarray]], release_gil: bool
         _numpy_copy(pairs)
         return
     try:
-        _ntcopy.copy_pairs(pairs, release_gil)
+        _ntcopy.copy_pairs(pairs, release_gil, stream)
     except BufferError:  # a non-contiguous view (numpy copies any layout), or a refused export
         _numpy_copy(pairs)
+
+
+def stays_cached(nbytes: int, cache_bytes: int | None) -> bool:
+    """Whether a copy of ``nbytes`` that is read again at once (a load into the engine's pages,
+    which the forward pass reads next) should use ordinary stores: when it fits in three quarters
+    of the last-level cache (``cache_bytes``; glibc's ``memcpy`` draws its own line between
+    ordinary and streaming stores there too). Larger copies would only push the engine's working
+    set out, and stream. Unknown cache size: stream (False)."""
+    return cache_bytes is not None and 0 < nbytes <= cache_bytes * 3 // 4
+
+
+def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """The size of the highest cache level that CPU 0 reports (Linux sysfs), None where it is
+    not reported or not readable."""
+    import os
+
+    best = (0, None)
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return None
+    for name in names:
+        if not name.startswith("index"):
+            continue
+        try:
+            with open(os.path.join(root, name, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(root, name, "size")) as f:
+                size = _size(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if size and level > best[0]:
+            best = (level, size)
+    return best[1]
+
+
+def _size(text: str) -> int | None:
+    """sysfs's cache size (``32768K``, ``1M``, ``512``) in bytes; None if it is not one."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if text[-1:].upper() in units:
+        return int(text[:-1]) * units[text[-1].upper()] if text[:-1].isdigit() else None
+    return int(text) if text.isdigit() else None
 
 
 def _as_array(obj, i: int, role: str) -> np.ndarray:

@@ -38,6 +38,34 @@ def test_every_size_and_alignment_copies_exactly_and_nothing_around_it(n, dst_of
     assert not dst_buf[:dst_off].any() and not dst_buf[dst_off + n :].any()  # no byte written outside dst
 
 
+@pytest.mark.parametrize("n", [0, 17, 4095, 4096, 4097, 70000, (128 << 10) + 7])
+@pytest.mark.parametrize("dst_off,src_off", [(0, 0), (1, 0), (7, 13)])
+def test_ordinary_stores_copy_the_same_bytes_and_nothing_around_them(n, dst_off, src_off):
+    src_buf = _random(n + 64, n + 1)
+    dst_buf = np.zeros(n + 64, dtype=np.uint8)
+    src, dst = src_buf[src_off : src_off + n], dst_buf[dst_off : dst_off + n]
+    fastcopy.copy_pairs([(dst, src)], release_gil=False, stream=False)
+    assert np.array_equal(dst, src)
+    assert not dst_buf[:dst_off].any() and not dst_buf[dst_off + n :].any()
+    with pytest.raises(ValueError):  # the same checks before any byte moves
+        fastcopy.copy_pairs([(dst_buf[:8], src_buf[:8]), (np.zeros(3, np.uint8), src_buf[:4])], stream=False)
+
+
+def test_a_load_stays_in_the_cache_only_when_it_fits_in_three_quarters_of_it(tmp_path):
+    assert fastcopy.stays_cached(24 << 20, 32 << 20) and not fastcopy.stays_cached((24 << 20) + 1, 32 << 20)
+    assert not fastcopy.stays_cached(1, None) and not fastcopy.stays_cached(0, 32 << 20)
+    for name, level, size in (("index0", "1", "32K"), ("index2", "2", "1024K"), ("index3", "3", "32768K"),
+                              ("index4", "x", "9G"), ("index5", "4", "lots")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "level").write_text(level + "\n")
+        (tmp_path / name / "size").write_text(size + "\n")
+    (tmp_path / "uevent").write_text("")  # not a cache index: ignored
+    assert fastcopy.last_level_cache_bytes(str(tmp_path)) == 32 << 20  # the bad entries are skipped
+    assert fastcopy.last_level_cache_bytes(str(tmp_path / "missing")) is None
+    (tmp_path / "index3" / "size").write_text("2M")
+    assert fastcopy.last_level_cache_bytes(str(tmp_path)) == 2 << 20
+
+
 def test_many_pairs_in_one_call_and_the_numpy_path_agree(monkeypatch):
     sizes = [128 << 10, 5, 4096, 70000, 0, 1 << 20]
     srcs = [_random(n, i) for i, n in enumerate(sizes)]

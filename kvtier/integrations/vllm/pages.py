@@ -159,15 +159,15 @@ class PageLayout:
             raise ValueError("load_pairs is for the host copy engine")
         return self._page_pairs(block_ids, self._load_arrays(segments, block_ids, first), first, to_entry=False)
 
-    def copy(self, pairs: list, split: bool = True) -> None:
+    def copy(self, pairs: list, split: bool = True, stream: bool = True) -> None:
         """Make ``load_pairs``' copies (of any layouts' pages): split over the copy threads when
         they are large and ``split``, else on this thread without letting go of the GIL (the
         engine's thread: had it released the GIL, it could wait for another thread to hand it
-        back after the copy)."""
+        back after the copy), with streaming stores unless ``stream`` is false (``copy_pairs``)."""
         if split:
             self._copy(pairs)
         else:
-            copy_pairs(pairs, release_gil=False)
+            copy_pairs(pairs, release_gil=False, stream=stream)
 
     # ------------------------------------------------------------------ a step's chunks
 

@@ -79,6 +79,7 @@ import torch
 
 from kvtier.buffers import scatter, split_segments, total_bytes
 from kvtier.errors import CorruptEntry
+from kvtier.fastcopy import last_level_cache_bytes, stays_cached
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.groups import FULL, STATE, GroupSpec, with_packs
 from kvtier.integrations.vllm.metadata import ChunkGeometry, KVTierMetadata, KVTierWorkerMetadata, LoadSpec, SaveSpec
@@ -354,6 +355,8 @@ class KVTierWorker:
         self._announced = False  # the one-time log line of the first background load
         self._saves: BackgroundSaves | None = None  # async mode: store writes off the step
         self._failed_blocks: set[int] = set()
+        self._cache_bytes = last_level_cache_bytes()  # the CPU's last-level cache (None: unknown)
+        self._stream_loads = True  # this step's inline loads stream past the cache (``start_load_kv``)
         self._reports_room = False  # see ``_room_reporting`` (set at ``register_kv_caches``)
         self._done_step = -1  # the last step (``KVTierMetadata.step``) whose saves were made
         self._stats = KVTierConnectorStats()
@@ -532,6 +535,10 @@ class KVTierWorker:
             self._start_backgrounds(joined)
         if inline:
             t0 = time.perf_counter()
+            # a step's loads that fit in the cache are copied with ordinary stores: the forward
+            # pass then reads them from the cache, as it reads vLLM's own recently used pages
+            size = sum(len(loads[0].keys) * self._entry_bytes(loads) for loads in inline)
+            self._stream_loads = not stays_cached(size, self._cache_bytes)
             for loads in inline:
                 self._load(loads)
             self._stats.observe("load_seconds", time.perf_counter() - t0)
@@ -706,7 +713,7 @@ class KVTierWorker:
                         continue
                     tiers[i] = top
                 if pairs:
-                    self._layouts[loads[0].group].copy(pairs, split=False)
+                    self._layouts[loads[0].group].copy(pairs, split=False, stream=self._stream_loads)
         self._delete_foreign(foreign)
         return left
 
