@@ -192,16 +192,18 @@ def synthetic(spec: str) -> Trace:
                       "recency:NEW,SPAN,REQUESTS[,SEED] (NEW in (0, 1])")
 
 
-def online_bound(spec: str, capacity: int, requests: int) -> float | None:
-    """The most hits any online policy can expect, as a share of ``requests``, on the synthetic
-    ``zipf`` or ``scan`` trace ``spec`` at ``capacity`` entries; None for the other families.
+def online_bound(spec: str, trace: Trace, capacity: int) -> float | None:
+    """The most hits any online policy can expect, as a share of the requests, on ``trace``
+    made from the synthetic ``zipf`` or ``scan`` spec ``spec``, at ``capacity`` entries; None
+    for the other families.
 
     Their Zipf requests are drawn independently of each other (the independent reference model),
     so whatever a policy holds when a request comes, that request hits with at most the
-    probability mass of the ``capacity`` most popular keys (the static policy that holds exactly
+    probability mass of the ``capacity`` most probable keys (the static policy that holds exactly
     those, Aho, Denning and Ullman's A0, is the best online one there); a scan's one-off keys
-    never hit. Belady's OPT sees the future and beats this bound, so on these traces no policy
-    that does not know the future gets to OPT. ``requests`` is the trace's length."""
+    never hit. Every policy also misses each key's first request, so the bound is never above the
+    trace's share of later requests. Belady's OPT sees the future and, on a trace long enough to
+    fill the cache many times, beats this bound. A capacity of 0 or less holds nothing (0.0)."""
     kind, _, args = spec.partition(":")
     parts = args.split(",")
     if kind == "zipf" and len(parts) in (3, 4):
@@ -210,9 +212,12 @@ def online_bound(spec: str, capacity: int, requests: int) -> float | None:
         alpha, keys, drawn = float(parts[1]), int(parts[0]), int(parts[3]) - int(parts[3]) // 2
     else:
         return None
-    weights = [k ** -alpha for k in range(1, keys + 1)]
+    if capacity <= 0 or not trace.keys:
+        return 0.0
+    weights = sorted((k ** -alpha for k in range(1, keys + 1)), reverse=True)  # any alpha: the most probable first
     held = math.fsum(weights[:capacity]) / math.fsum(weights)
-    return held * drawn / requests
+    repeats = 1.0 - len(set(trace.keys)) / len(trace)  # the requests that are not a key's first
+    return min(held * drawn / len(trace), repeats)
 
 
 def _pos_int(text: str) -> int:

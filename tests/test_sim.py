@@ -251,7 +251,7 @@ def test_default_policy_keeps_the_latest_of_a_stream_of_new_keys(new, again, cap
 ])
 def test_on_zipf_traces_no_online_policy_gets_within_3_points_of_opt(spec, capacity):
     trace = _trace(spec)
-    bound = online_bound(spec, capacity, len(trace))
+    bound = online_bound(spec, trace, capacity)
     opt = _ratio(spec, "opt", capacity)
     assert opt - bound > 0.03  # the bound itself is further from OPT than the 3 points
     noise = 3 * (bound * (1 - bound) / len(trace)) ** 0.5 + 0.002  # the trace is one draw of the model
@@ -260,10 +260,15 @@ def test_on_zipf_traces_no_online_policy_gets_within_3_points_of_opt(spec, capac
 
 
 def test_simulate_reports_the_online_bound_on_zipf_and_scan_traces_only(capsys):
-    assert online_bound("zipf:1.0,4,100", 2, 100) == pytest.approx((1 + 1 / 2) / (1 + 1 / 2 + 1 / 3 + 1 / 4))
-    assert online_bound("zipf:1.0,4,100", 9, 100) == pytest.approx(1.0)  # a cache larger than the keys holds all
-    assert online_bound("scan:4,1.0,10,100", 4, 120) == pytest.approx(50 / 120)  # only the Zipf half can hit
-    assert online_bound("loop:10x3", 5, 30) is None and online_bound("mix:10,0.8,20,100", 5, 100) is None
+    four = Trace([0, 1, 2, 3] + [0] * 96)  # 4 first requests: at most 96 of 100 can hit
+    assert online_bound("zipf:1.0,4,100", four, 2) == pytest.approx((1 + 1 / 2) / (1 + 1 / 2 + 1 / 3 + 1 / 4))
+    assert online_bound("zipf:1.0,4,100", four, 9) == pytest.approx(0.96)  # holds every key: only first misses
+    assert online_bound("zipf:1.0,4,100", four, 0) == 0.0 and online_bound("zipf:1.0,4,100", four, -5) == 0.0
+    assert online_bound("zipf:-1.0,4,100", four, 1) == pytest.approx(4 / 10)  # a negative alpha: key 4 is likeliest
+    scan = Trace([0, 1, 2, 3] * 15 + list(range(4, 64)))  # 60 Zipf requests, 60 one-off scan keys
+    assert online_bound("scan:4,1.0,10,120", scan, 4) == pytest.approx(0.5 - 4 / 120)  # the first misses bind
+    assert online_bound("scan:4,1.0,10,120", scan, 1) == pytest.approx(0.5 / (1 + 1 / 2 + 1 / 3 + 1 / 4))
+    assert online_bound("loop:10x3", four, 5) is None and online_bound("mix:10,0.8,20,100", four, 5) is None
     assert main(["simulate", "--synthetic", "zipf:0.9,2000,20000,3", "--capacity", "100,400", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     bounds = {b["capacity"]: b["hit_ratio"] for b in report["online_bound"]}

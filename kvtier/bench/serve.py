@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shutil
 import statistics
@@ -297,7 +298,11 @@ def pair_ratios(records: list[dict]) -> list[dict]:
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
-    return round(num / den, 4) if num is not None and den else None
+    """``num / den`` when both are finite and positive (a part with no first token, or a value
+    that is not a number, compares nothing), else None."""
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in (num, den)):
+        return None
+    return round(num / den, 4)
 
 
 def pair_summary(pairs: list[dict]) -> list[dict]:
@@ -310,7 +315,7 @@ def pair_summary(pairs: list[dict]) -> list[dict]:
     for (model, setting, concurrency), rows in sorted(groups.items()):
         row = {"model": model, "setting": setting, "concurrency": concurrency, "pairs": len(rows)}
         for metric in ("ttft", "tok"):
-            values = [r[f"{metric}_ratio"] for r in rows if r[f"{metric}_ratio"] is not None]
+            values = [v for v in (r[f"{metric}_ratio"] for r in rows) if v is not None and math.isfinite(v)]
             row |= {f"{metric}_median": round(statistics.median(values), 4) if values else None,
                     f"{metric}_min": min(values, default=None), f"{metric}_max": max(values, default=None)}
         out.append(row)
@@ -356,10 +361,13 @@ def _spec(model: str, load: Workload, levels: list[int], seed: int = SEED, pairs
     documents drawn from ``seed``."""
     import numpy as np
 
-    rng = np.random.default_rng(seed)
+    rng, pair_rng = np.random.default_rng(seed), np.random.default_rng([seed, 1])
 
     def tokens(n: int) -> list[int]:
         return rng.integers(100, 31000, n).tolist()
+
+    def pair_tokens(n: int) -> list[int]:
+        return pair_rng.integers(100, 31000, n).tolist()
 
     def phase(groups: dict[str, list[list[int]]], order) -> list[list[dict]]:
         """Per group in ``order``: its documents, each followed by a fresh short prompt."""
@@ -378,8 +386,8 @@ def _spec(model: str, load: Workload, levels: list[int], seed: int = SEED, pairs
         groups = {g: [tokens(load.doc_tokens) for _ in range(load.docs_per_group)] for g in GROUPS}
         level = {"concurrency": concurrency, "first": phase(groups, reversed(GROUPS)),
                  "requests": [r for part in phase(groups, GROUPS) for r in part]}
-        if pairs:  # drawn after the level's documents: the same documents with and without pairs
-            level["pairs"] = [[_part(tokens, load, concurrency) for _ in range(2)] for _ in range(pairs)]
+        if pairs:  # from a generator of their own: every level's documents are the same with and without pairs
+            level["pairs"] = [[_part(pair_tokens, load, concurrency) for _ in range(2)] for _ in range(pairs)]
         spec_levels.append(level)
     per_request = load.doc_tokens + load.doc_decode_tokens + 128
     max_len = -(-per_request // 128) * 128
@@ -533,6 +541,7 @@ async def _pairs(llm, pairs: list[list[list[dict]]], concurrency: int, tag: str,
             before = _counters()
             records, wall = await _run_requests(llm, part, concurrency, f"{tag}{k}-{int(skip)}", skip_save=skip)
             docs = [r["ttft_ms"] for r in records if r["kind"].startswith("doc")]
+            docs = docs if all(t > 0 for t in docs) else []  # a document without a first token: no TTFT
             await asyncio.sleep(settle_s)
             hits = _counters()["vllm:external_prefix_cache_hits"] - before["vllm:external_prefix_cache_hits"]
             out.append({"pair": k, "skip_save": skip, "order": order, "doc_ttft_p50_ms": _pct(docs, 50),

@@ -24,7 +24,8 @@ traces: --trace FILE holds one key per line, optionally followed by the entry's 
 'opt' (Belady: evict the key used farthest in the future) is always reported as the bound.
 On zipf and scan traces (their Zipf requests drawn independently) the 'online bound' row is the
 most any policy that does not know the future can expect: the capacity's most popular keys'
-share of the requests. OPT sees the future and lies above it.
+share of the requests, never above the share that is not a key's first request. OPT sees the
+future and lies above it once the trace fills the cache many times.
 With --json, wtinylfu_adaptive also reports window_share: [requests seen, share] per period.
 """
 
@@ -267,7 +268,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     results = sim.run(trace, names, capacities)
     for text in sim.capacity_hints(trace, capacities):
         note(text)
-    bounds = {c: sim.online_bound(args.synthetic, c, len(trace)) for c in capacities} if args.synthetic else {}
+    bounds = {c: sim.online_bound(args.synthetic, trace, c) for c in capacities} if args.synthetic else {}
     bounds = {c: b for c, b in bounds.items() if b is not None}
     if args.json:
         report = {"requests": len(trace), "results": [r.as_dict() for r in results]}
