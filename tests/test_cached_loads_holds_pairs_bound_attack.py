@@ -1,12 +1,13 @@
-"""A hostile review of four recent changes, as tests: the cache-resident loads
+"""A hostile review, as tests, of: the cache-resident loads
 (``kvtier.fastcopy``: ``copy_pairs(stream=...)``, ``stays_cached``, ``last_level_cache_bytes``),
 the writer's stretched hold behind the engine's steps (``StepGate.hold_s``), ``kvtier bench
 serve --first-pairs`` (``pair_ratios``, ``pair_summary``, ``targets``, ``_spec``) and the
 simulator's online bound (``kvtier.sim.online_bound``, ``kvtier simulate``).
 
 A test that passes documents a rule that holds under odd inputs, concurrency or a contract
-attack; a test marked ``xfail(strict=True)`` with a reason starting ``DEFECT:`` shows a real
-defect (it passes once the defect is fixed, and then the mark must go). Real stores on
+attack; the six defects it found (a negative Zipf alpha, first-request misses and a negative
+capacity in the online bound; pairs drawn from the levels' generator, a part with no first token
+and a non-finite ratio in ``--first-pairs``) are fixed and their tests pass. Real stores on
 ``tmp_path``, no engine, no mocks except a smaller cap (``HOLD_MAX_S``) to see it honoured in
 well under a second. The whole file runs in a few seconds.
 """
@@ -27,6 +28,7 @@ from kvtier.errors import ConfigError
 from kvtier.store import TieredStore
 from kvtier.store import writeback
 from kvtier.store.writeback import HOLD_MAX_S, StepGate
+from tests.store.test_step_gate import wait_until as _wait_until
 
 
 # ---------------------------------------------------------------------------------- fastcopy
@@ -186,15 +188,6 @@ def _key(i):
 
 def _on_disk(s, k):
     return s._levels[1].tier.contains(k)
-
-
-def _wait_until(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def test_close_during_a_stretched_hold_ends_it_and_writes_the_copy(tmp_path):
