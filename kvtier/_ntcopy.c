@@ -12,9 +12,9 @@
  * types), with the GIL released unless release_gil is false (an engine thread that must not wait
  * to take it back from another thread). Buffers below STREAM_MIN bytes, every platform without
  * SSE2, and every call with stream false (a load the engine reads next, small enough to stay in
- * the cache: kvtier.fastcopy.stays_cached) use memcpy. A pair that is not C-contiguous raises BufferError. Contract: either every pair
- * is checked (writable, contiguous, equal lengths) before any byte is copied, or an exception is
- * raised and nothing was copied. Overlapping pairs are the caller's error (as with memcpy).
+ * the cache: kvtier.fastcopy.stays_cached) use memcpy. A pair that is not C-contiguous raises
+ * BufferError. Contract: either every pair is checked (writable, contiguous, equal lengths)
+ * before any byte is copied, or an exception is raised and nothing was copied. Overlapping pairs are the caller's error (as with memcpy).
  *
  * Built by setuptools as an optional extension: where it cannot be compiled, kvtier.fastcopy
  * falls back to numpy's copy.

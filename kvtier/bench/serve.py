@@ -291,7 +291,8 @@ def pair_ratios(records: list[dict]) -> list[dict]:
         out.append({"pair": k, "stored_first": stored["order"] < skipped["order"],
                     "ttft_ratio": _ratio(stored["doc_ttft_p50_ms"], skipped["doc_ttft_p50_ms"]),
                     "tok_ratio": _ratio(stored["output_tok_s"], skipped["output_tok_s"]),
-                    "stored_doc_ttft_ms": stored["doc_ttft_p50_ms"], "not_stored_doc_ttft_ms": skipped["doc_ttft_p50_ms"],
+                    "stored_doc_ttft_ms": stored["doc_ttft_p50_ms"],
+                    "not_stored_doc_ttft_ms": skipped["doc_ttft_p50_ms"],
                     "stored_tok_s": stored["output_tok_s"], "not_stored_tok_s": skipped["output_tok_s"],
                     "hit_tokens": stored.get("hit_tokens", 0) + skipped.get("hit_tokens", 0)})
     return out

@@ -52,8 +52,8 @@ class StoreConfig:
     is under half full and for at most this long after the copy was queued (or twice the
     longest of the last eight steps where that is longer, up to 30 s: a copy queued after one
     long prefill step must not be written during the next), so nothing is dropped for it and a
-    busy engine cannot starve the tier, and never for a demotion or while an evicted entry waits for its
-    copy (until written, no tier would find that key); copies then go between steps and after
+    busy engine cannot starve the tier, and never for a demotion or while an evicted entry waits
+    for its copy (until written, no tier would find that key); copies then go between steps and after
     requests instead of taking a core from a forward pass that runs on the same cores. 0: never
     wait. None (the default): the vLLM connector sets 1.0 where the engine computes on the host
     CPU (vLLM's CPU platform) and 0 elsewhere (a GPU's forward pass leaves the host's cores to
