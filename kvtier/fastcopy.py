@@ -10,6 +10,7 @@ Imports: numpy only.
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import numpy as np
@@ -61,8 +62,6 @@ def stays_cached(nbytes: int, cache_bytes: int | None) -> bool:
 def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
     """The size of the highest cache level that CPU 0 reports (Linux sysfs), None where it is
     not reported or not readable."""
-    import os
-
     best = (0, None)
     try:
         names = os.listdir(root)

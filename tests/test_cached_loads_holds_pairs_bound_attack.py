@@ -28,7 +28,7 @@ from kvtier.errors import ConfigError
 from kvtier.store import TieredStore
 from kvtier.store import writeback
 from kvtier.store.writeback import HOLD_MAX_S, StepGate
-from tests.store.test_step_gate import wait_until as _wait_until
+from tests.store.test_step_gate import long_step, wait_until as _wait_until
 
 
 # ---------------------------------------------------------------------------------- fastcopy
@@ -192,9 +192,7 @@ def _on_disk(s, k):
 
 def test_close_during_a_stretched_hold_ends_it_and_writes_the_copy(tmp_path):
     s = _store(tmp_path, wait=0.1)
-    s.engine_step(True)
-    time.sleep(0.8)  # one long step: the next holds stretch to 1.6 s
-    s.engine_step(False)
+    long_step(s, 0.8)  # one long step: the next holds stretch to 1.6 s
     assert s._step_gate.hold_s(0.1) > 1.5
     s.engine_step(True)  # a step that never ends
     assert s.put(_key(1), b"x" * 50_000)
@@ -209,9 +207,7 @@ def test_close_during_a_stretched_hold_ends_it_and_writes_the_copy(tmp_path):
 
 def test_a_half_full_queue_wakes_a_stretched_hold(tmp_path):
     with _store(tmp_path, wait=0.1, depth=4) as s:
-        s.engine_step(True)
-        time.sleep(0.8)
-        s.engine_step(False)
+        long_step(s, 0.8)
         s.engine_step(True)  # never ends; the hold is 1.6 s
         t0 = time.monotonic()
         for i in range(3):
@@ -226,9 +222,7 @@ def test_a_step_that_never_ends_holds_a_copy_no_longer_than_the_cap(tmp_path, mo
     that never ends, after one 1 s step (an uncapped hold of 2 s), is written well before 2 s."""
     monkeypatch.setattr(writeback, "HOLD_MAX_S", 0.3)
     with _store(tmp_path, wait=0.05) as s:
-        s.engine_step(True)
-        time.sleep(1.0)
-        s.engine_step(False)
+        long_step(s, 1.0)
         s.engine_step(True)
         t0 = time.monotonic()
         assert s.put(_key(7), b"y" * 20_000)

@@ -329,13 +329,14 @@ def targets(rows: list[dict], pairs: list[dict] = ()) -> list[dict]:
     judged on the median over rounds (``kvtier.bench.targets.evaluate_rounds``)."""
     from kvtier.bench import targets as table
 
-    models = sorted({r["model"] for r in [*rows, *pairs]})
-    kvtier = sorted({r["setting"] for r in [*rows, *pairs]} - {"vllm"})
+    every = [*rows, *pairs]
+    models = sorted({r["model"] for r in every})
+    kvtier = sorted({r["setting"] for r in every} - {"vllm"})
     each = [{"model": m, "setting": s} for m in models for s in kvtier]
     params = ({key: each for key in ("itl-disk-vs-ram", "tok-vs-vllm", "first-tok", "first-ttft", "pair-ttft",
                                      "pair-tok")}
               | {"async-vs-sync": [{"model": m} for m in models]})
-    rounds = sorted({r.get("round", 0) for r in [*rows, *pairs]})
+    rounds = sorted({r.get("round", 0) for r in every})
     if len(rounds) <= 1:
         return table.evaluate("serve", measurements(rows, pairs), params)
     return table.evaluate_rounds("serve", [measurements([r for r in rows if r.get("round", 0) == k],

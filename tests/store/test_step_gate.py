@@ -42,6 +42,20 @@ def wait_until(cond, timeout: float = 10.0) -> bool:
     return cond()
 
 
+def long_step(s: TieredStore, seconds: float) -> None:
+    """Record one engine step of ``seconds`` on ``s``'s step gate without sitting it out: the
+    gate's clock moves by ``seconds`` between the step's start and its end."""
+    gate = s._step_gate
+    real, now = gate._clock, [gate._clock()]
+    gate._clock = lambda: now[0]
+    try:
+        s.engine_step(True)
+        now[0] += seconds
+        s.engine_step(False)
+    finally:
+        gate._clock = real
+
+
 def test_a_copy_queued_during_a_step_is_written_when_the_step_ends(tmp_path):
     with store(tmp_path, wait=30.0) as s:
         s.engine_step(True)
@@ -75,9 +89,7 @@ def test_after_long_steps_a_copy_is_held_through_the_next_one_as_long(tmp_path):
     after one is held through the next step of the same length, not written during it once the
     configured wait has passed; the stretched hold still ends (a step that never ends)."""
     with store(tmp_path, wait=0.2) as s:
-        s.engine_step(True)
-        time.sleep(0.6)  # one long step, nothing queued
-        s.engine_step(False)
+        long_step(s, 0.6)  # one long step, nothing queued
         s.engine_step(True)  # the next, as long
         assert s.put(key(1), b"b" * 50_000)
         time.sleep(0.5)  # past the 0.2 s wait, within twice the last step (1.2 s)

@@ -163,7 +163,8 @@ class PageLayout:
         """Make ``load_pairs``' copies (of any layouts' pages): split over the copy threads when
         they are large and ``split``, else on this thread without letting go of the GIL (the
         engine's thread: had it released the GIL, it could wait for another thread to hand it
-        back after the copy), with streaming stores unless ``stream`` is false (``copy_pairs``)."""
+        back after the copy); an unsplit copy uses streaming stores unless ``stream`` is false
+        (``copy_pairs``), a split one always does."""
         if split:
             self._copy(pairs)
         else:

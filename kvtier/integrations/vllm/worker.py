@@ -356,7 +356,6 @@ class KVTierWorker:
         self._saves: BackgroundSaves | None = None  # async mode: store writes off the step
         self._failed_blocks: set[int] = set()
         self._cache_bytes = last_level_cache_bytes()  # the CPU's last-level cache (None: unknown)
-        self._stream_loads = True  # this step's inline loads stream past the cache (``start_load_kv``)
         self._reports_room = False  # see ``_room_reporting`` (set at ``register_kv_caches``)
         self._done_step = -1  # the last step (``KVTierMetadata.step``) whose saves were made
         self._stats = KVTierConnectorStats()
@@ -538,9 +537,9 @@ class KVTierWorker:
             # a step's loads that fit in the cache are copied with ordinary stores: the forward
             # pass then reads them from the cache, as it reads vLLM's own recently used pages
             size = sum(len(loads[0].keys) * self._entry_bytes(loads) for loads in inline)
-            self._stream_loads = not stays_cached(size, self._cache_bytes)
+            stream = not stays_cached(size, self._cache_bytes)
             for loads in inline:
-                self._load(loads)
+                self._load(loads, stream)
             self._stats.observe("load_seconds", time.perf_counter() - t0)
         if self._reports_room:  # their promotions must not evict what the inline loads copy
             self._start_backgrounds(joined)
@@ -634,11 +633,12 @@ class KVTierWorker:
         self._failed_reqs -= failed
         return failed
 
-    def _load(self, loads: list[LoadSpec]) -> None:
+    def _load(self, loads: list[LoadSpec], stream: bool = True) -> None:
         """Copy a request's planned chunks of one pack (``loads``: its groups' specs) into its blocks.
 
-        Chunks in the top tier are copied inline (a memcpy each); the others are read by the
-        load threads at the same time, overlapping a lower tier's I/O. If any chunk fails, every
+        Chunks in the top tier are copied inline (a memcpy each; with streaming stores unless
+        ``stream`` is false, see ``_copy_top``); the others are read by the load threads at the
+        same time, overlapping a lower tier's I/O. If any chunk fails, every
         block from the first failed chunk on is reported for recomputation: a chunk is worth
         nothing without the chunks before it.
         """
@@ -655,7 +655,7 @@ class KVTierWorker:
             pending = {i: self._load_pool.submit(self._load_chunk, loads, i) for i, near in enumerate(local) if not near}
         nearby = [i for i in range(len(keys)) if i not in pending]
         if not pending and all(self._layouts[m.group].engine == "host" for m in loads):
-            nearby = self._copy_top(loads, keys, nearby, tiers)  # the load promotes nothing itself
+            nearby = self._copy_top(loads, keys, nearby, tiers, stream)  # the load promotes nothing itself
         copier = self._copy_thread() if self._load_pool is not None else None
         for i, tier in self._copy_local(copier, lambda i: self._load_chunk(loads, i), nearby,
                                         self._entry_bytes(loads)).items():
@@ -686,14 +686,15 @@ class KVTierWorker:
         self._delete_foreign(foreign)
 
     def _copy_top(self, loads: list[LoadSpec], keys: list[bytes], chunks: list[int],
-                  tiers: list[str | None]) -> list[int]:
+                  tiers: list[str | None], stream: bool = True) -> list[int]:
         """``host`` engine: copy the top tier's entries of ``chunks`` (of one pack's load) into
         their pages in batches of up to ``TOP_BATCH_BYTES`` (each pinned under one hold of the
         store's lock; copied on this thread: a CPU engine's OpenMP threads hold the other cores,
         and a copy split over two threads took 3.6-3.8 ms in the engine where one took 3.3),
         recording each copied chunk's tier in ``tiers``. An entry of another size is refused and
-        deleted, as ``_read_entry`` does. Returns the chunks the top tier did not hold (left to
-        per-chunk reads)."""
+        deleted, as ``_read_entry`` does. ``stream``: streaming stores (False: ordinary ones, for
+        a step's loads that fit in the cache). Returns the chunks the top tier did not hold (left
+        to per-chunk reads)."""
         left, foreign = [], []
         top = self.store.tier_names[0]
         per_batch = max(1, TOP_BATCH_BYTES // self._entry_bytes(loads))
@@ -713,7 +714,7 @@ class KVTierWorker:
                         continue
                     tiers[i] = top
                 if pairs:
-                    self._layouts[loads[0].group].copy(pairs, split=False, stream=self._stream_loads)
+                    self._layouts[loads[0].group].copy(pairs, split=False, stream=stream)
         self._delete_foreign(foreign)
         return left
 
